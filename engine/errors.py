@@ -1,0 +1,44 @@
+"""The engine's exceptions: every failure a caller can act on has its own class.
+
+A caller (the server, a script) never sees a bare numpy or IndexError traceback
+for a bad file or a bad request: it sees one of these, with a message that names
+the file or the field and the problem.
+"""
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ModelFileError(EngineError):
+    """The GGUF file is missing, truncated, corrupt or inconsistent."""
+
+
+class UnsupportedModelError(EngineError):
+    """The file is valid GGUF but uses an architecture, tokenizer or tensor type we do not run."""
+
+
+class ContextLengthExceeded(EngineError):
+    """The prompt (plus the requested output) does not fit the context window."""
+
+    def __init__(self, n_prompt: int, n_requested: int, n_ctx: int):
+        self.n_prompt = n_prompt
+        self.n_requested = n_requested
+        self.n_ctx = n_ctx
+        super().__init__(
+            f"the input is {n_prompt} tokens and {n_requested} more were requested, "
+            f"but the context window is {n_ctx} tokens"
+        )
+
+
+class SchemaError(EngineError):
+    """A JSON Schema (structured output or tool parameters) that we cannot enforce.
+
+    `path` is a JSON-pointer-like path inside the schema, `keyword` the offending
+    keyword when there is one.
+    """
+
+    def __init__(self, message: str, path: str = "", keyword: str | None = None):
+        self.path = path
+        self.keyword = keyword
+        super().__init__(message)
