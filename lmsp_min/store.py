@@ -1,0 +1,510 @@
+"""The durable store: stored responses, tasks, task event logs, idempotency records.
+
+One SQLite database (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
+readers never wait for the writer. The trio loop never touches the database:
+every call runs in a worker thread. Writes go through ONE connection, used by
+one thread at a time (a capacity limiter of 1), so transactions never fight
+over the write lock; reads use a small pool of their own connections.
+
+Durability. The promise is: nothing a client was told is stored is ever lost.
+- Writes a client is told about (a stored response, a created or finished task,
+  an idempotency result) commit with `synchronous=FULL`: the WAL is fsynced
+  before the call returns, so they survive a kill -9 and a power cut.
+- Task events commit with `synchronous=NORMAL`: the commit is in the WAL file
+  (the OS page cache) when the call returns, which survives a kill -9 of the
+  service. Only a power cut can lose the tail of a running task's log, and that
+  task is then marked failed on restart anyway. The FULL commit that ends a task
+  fsyncs the same WAL file, so a finished task's log is as durable as its result.
+  This keeps following a task cheap (an fsync is milliseconds; see
+  benchmarks/tasks.py) without weakening any promise.
+
+`--no-store` runs the same code on a throw-away database in a temporary
+directory, removed at shutdown: tasks still work, nothing outlives the process.
+
+The schema is versioned with `PRAGMA user_version`: `MIGRATIONS[i]` takes a
+database from version i to i + 1, so a later release appends to the list.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+DB_NAME = "lmsp-min.sqlite3"
+
+MIGRATIONS: list[list[str]] = [
+    # version 1
+    [
+        # A stored response: `body` is the response object exactly as it was served
+        # (its output, usage, status, error and incomplete_details); `input` the
+        # effective input items (earlier turns of previous_response_id included).
+        """CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            principal TEXT NOT NULL,
+            created_at INTEGER NOT NULL,
+            model TEXT NOT NULL,
+            status TEXT NOT NULL,
+            input TEXT NOT NULL,
+            body TEXT NOT NULL
+        )""",
+        # A task: `request` is the validated request it runs; `response` the final
+        # response object once the task is final; `ended_at` starts the event
+        # retention clock; `events_expired` is set when its events were purged.
+        """CREATE TABLE tasks (
+            id TEXT PRIMARY KEY,
+            principal TEXT NOT NULL,
+            created_at INTEGER NOT NULL,
+            response_id TEXT NOT NULL,
+            status TEXT NOT NULL,
+            request TEXT NOT NULL,
+            response TEXT,
+            ended_at REAL,
+            events_expired INTEGER NOT NULL DEFAULT 0
+        )""",
+        "CREATE INDEX tasks_by_status ON tasks (status)",
+        "CREATE INDEX tasks_by_end ON tasks (ended_at) WHERE events_expired = 0",
+        # A task's event log: `data` is the event's JSON text exactly as served.
+        """CREATE TABLE task_events (
+            task_id TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            event TEXT NOT NULL,
+            data TEXT NOT NULL,
+            time REAL NOT NULL,
+            PRIMARY KEY (task_id, seq)
+        ) WITHOUT ROWID""",
+        # An Idempotency-Key: `fingerprint` identifies route + body; while `state` is
+        # 'running' repeats get 409; once 'done', `status`/`content_type`/`body` are
+        # the exact result to replay, or `task_id` the task to return again.
+        """CREATE TABLE idempotency (
+            principal TEXT NOT NULL,
+            key TEXT NOT NULL,
+            fingerprint TEXT NOT NULL,
+            state TEXT NOT NULL,
+            status INTEGER,
+            content_type TEXT,
+            body BLOB,
+            task_id TEXT,
+            created_at REAL NOT NULL,
+            PRIMARY KEY (principal, key)
+        ) WITHOUT ROWID""",
+    ],
+]
+
+FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+
+
+class StoreError(Exception):
+    """The database cannot be used (for example, written by a newer lmsp-min)."""
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    id: str
+    principal: str
+    input: list  # the effective input items
+    body: str  # the response object's JSON, exactly as served
+
+    @property
+    def output(self) -> list:
+        return json.loads(self.body)["output"]
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    id: str
+    principal: str
+    created_at: int
+    response_id: str
+    status: str
+    request: str  # JSON of the request body the task runs
+    response: str | None  # JSON of the final response object, once final
+    ended_at: float | None
+    events_expired: bool
+
+    def object(self) -> dict:
+        """The task object of D3."""
+        return {
+            "id": self.id,
+            "object": "task",
+            "status": self.status,
+            "created_at": self.created_at,
+            "response_id": self.response_id,
+            "response": json.loads(self.response) if self.response is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class LoggedEvent:
+    seq: int  # the SSE id, from 1
+    event: str
+    data: str  # the event's JSON text
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    fingerprint: str
+    state: str  # "running" | "done"
+    status: int | None
+    content_type: str | None
+    body: bytes | None
+    task_id: str | None
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    # isolation_level=None: no implicit transactions; we say BEGIN/COMMIT ourselves.
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA busy_timeout = 30000")
+    return conn
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > len(MIGRATIONS):
+        raise StoreError(
+            f"the database is at schema version {version}, newer than this lmsp-min "
+            f"understands ({len(MIGRATIONS)}); use a newer lmsp-min or another --data-dir"
+        )
+    for target in range(version + 1, len(MIGRATIONS) + 1):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in MIGRATIONS[target - 1]:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {target}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+
+class Store:
+    """The database, with an async method per operation the service needs.
+
+    Build it with `await Store.open(data_dir)` (or `Store.open_sync` outside trio);
+    `data_dir=None` is the throw-away database of `--no-store`.
+    """
+
+    def __init__(self, path: Path, temporary_dir: Path | None = None, readers: int = 2):
+        self.path = path
+        self._temporary_dir = temporary_dir
+        self._writer = _connect(str(path))
+        self._writer.execute("PRAGMA journal_mode = WAL")
+        self._writer.execute("PRAGMA synchronous = FULL")
+        self._synchronous = "FULL"
+        _migrate(self._writer)
+        self._write_limiter = trio.CapacityLimiter(1)
+        self._read_limiter = trio.CapacityLimiter(readers)
+        self._idle_readers: list[sqlite3.Connection] = []
+        self._all_readers: list[sqlite3.Connection] = []
+
+    @classmethod
+    def open_sync(cls, data_dir: Path | str | None) -> "Store":
+        if data_dir is None:
+            temporary_dir = Path(tempfile.mkdtemp(prefix="lmsp-min-nostore-"))
+            return cls(temporary_dir / DB_NAME, temporary_dir)
+        data_dir = Path(data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        return cls(data_dir / DB_NAME)
+
+    @classmethod
+    async def open(cls, data_dir: Path | str | None) -> "Store":
+        return await trio.to_thread.run_sync(cls.open_sync, data_dir)
+
+    @property
+    def persistent(self) -> bool:
+        """False for the throw-away database of `--no-store`."""
+        return self._temporary_dir is None
+
+    def close(self) -> None:
+        for conn in self._all_readers:
+            conn.close()
+        self._all_readers.clear()
+        self._idle_readers.clear()
+        self._writer.close()
+        if self._temporary_dir is not None:
+            shutil.rmtree(self._temporary_dir, ignore_errors=True)
+
+    # -- running statements in worker threads ---------------------------------------
+
+    async def _write(self, fn: Callable[..., Any], *args: Any, durable: bool = True) -> Any:
+        """Run `fn(conn, *args)` in one write transaction, in a worker thread.
+
+        `durable=True` commits with synchronous=FULL (fsync), else NORMAL.
+        """
+        return await trio.to_thread.run_sync(
+            self._write_in_thread, fn, args, durable, limiter=self._write_limiter
+        )
+
+    def _write_in_thread(self, fn: Callable[..., Any], args: tuple, durable: bool) -> Any:
+        conn = self._writer
+        synchronous = "FULL" if durable else "NORMAL"
+        if synchronous != self._synchronous:
+            conn.execute(f"PRAGMA synchronous = {synchronous}")
+            self._synchronous = synchronous
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn, *args)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return result
+
+    async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await trio.to_thread.run_sync(
+            self._read_in_thread, fn, args, limiter=self._read_limiter
+        )
+
+    def _read_in_thread(self, fn: Callable[..., Any], args: tuple) -> Any:
+        try:
+            conn = self._idle_readers.pop()
+        except IndexError:
+            conn = _connect(str(self.path))
+            self._all_readers.append(conn)
+        try:
+            return fn(conn, *args)
+        finally:
+            self._idle_readers.append(conn)
+
+    # -- stored responses -----------------------------------------------------------
+
+    async def put_response(
+        self, response_id: str, principal: str, input_items: list, body: str
+    ) -> None:
+        """Store a final response (`body` is its JSON as served), durably."""
+        response = json.loads(body)
+        await self._write(
+            _insert_response, response_id, principal, response["created_at"],
+            response["model"], response["status"], json.dumps(input_items), body,
+        )
+
+    async def get_response(self, response_id: str, principal: str) -> StoredResponse | None:
+        """The stored response, or None if unknown or owned by another principal."""
+        row = await self._read(
+            lambda conn: conn.execute(
+                "SELECT id, principal, input, body FROM responses WHERE id = ? AND principal = ?",
+                (response_id, principal),
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        return StoredResponse(row[0], row[1], json.loads(row[2]), row[3])
+
+    async def delete_response(self, response_id: str, principal: str) -> bool:
+        return await self._write(
+            lambda conn: conn.execute(
+                "DELETE FROM responses WHERE id = ? AND principal = ?", (response_id, principal)
+            ).rowcount == 1
+        )
+
+    # -- tasks ----------------------------------------------------------------------
+
+    async def create_task(
+        self, task_id: str, principal: str, created_at: int, response_id: str, request: str
+    ) -> None:
+        await self._write(
+            lambda conn: conn.execute(
+                "INSERT INTO tasks (id, principal, created_at, response_id, status, request)"
+                " VALUES (?, ?, ?, ?, 'queued', ?)",
+                (task_id, principal, created_at, response_id, request),
+            )
+        )
+
+    async def set_task_status(self, task_id: str, status: str) -> None:
+        """A non-final status change (queued -> in_progress)."""
+        await self._write(
+            lambda conn: conn.execute("UPDATE tasks SET status = ? WHERE id = ?", (status, task_id)),
+            durable=False,
+        )
+
+    async def append_events(self, task_id: str, events: list[LoggedEvent]) -> None:
+        """Append events to a task's log (one transaction, survives a kill -9)."""
+        await self._write(_insert_events, task_id, events, time.time(), durable=False)
+
+    async def finish_task(
+        self,
+        task_id: str,
+        status: str,
+        response: str,
+        final_events: list[LoggedEvent],
+        stored: tuple[str, list] | None = None,
+    ) -> None:
+        """End a task in one durable transaction: its last events, its final
+        status and response, and (`stored` = (principal, input items)) the stored
+        response when the task's request asked for `store: true`."""
+        assert status in FINAL_STATUSES, status
+
+        def finish(conn: sqlite3.Connection) -> None:
+            now = time.time()
+            _insert_events(conn, task_id, final_events, now)
+            conn.execute(
+                "UPDATE tasks SET status = ?, response = ?, ended_at = ? WHERE id = ?",
+                (status, response, now, task_id),
+            )
+            if stored is not None:
+                body = json.loads(response)
+                _insert_response(
+                    conn, body["id"], stored[0], body["created_at"], body["model"],
+                    body["status"], json.dumps(stored[1]), response,
+                )
+
+        await self._write(finish)
+
+    async def get_task(self, task_id: str, principal: str | None) -> TaskRow | None:
+        """The task, or None if unknown or (principal given) owned by another principal."""
+        return await self._read(_select_task, task_id, principal)
+
+    async def read_events(self, task_id: str, after: int, limit: int = 1000) -> list[LoggedEvent]:
+        """Up to `limit` logged events with seq > `after`, in order."""
+        rows = await self._read(
+            lambda conn: conn.execute(
+                "SELECT seq, event, data FROM task_events WHERE task_id = ? AND seq > ?"
+                " ORDER BY seq LIMIT ?",
+                (task_id, after, limit),
+            ).fetchall()
+        )
+        return [LoggedEvent(*row) for row in rows]
+
+    async def interrupted_tasks(self) -> list[tuple[TaskRow, list[LoggedEvent]]]:
+        """Tasks left queued or in progress by a process that died, with their logs."""
+
+        def select(conn: sqlite3.Connection) -> list[tuple[TaskRow, list[LoggedEvent]]]:
+            ids = conn.execute(
+                "SELECT id FROM tasks WHERE status IN ('queued', 'in_progress') ORDER BY created_at"
+            ).fetchall()
+            result = []
+            for (task_id,) in ids:
+                events = conn.execute(
+                    "SELECT seq, event, data FROM task_events WHERE task_id = ? ORDER BY seq",
+                    (task_id,),
+                ).fetchall()
+                result.append((_select_task(conn, task_id, None), [LoggedEvent(*e) for e in events]))
+            return result
+
+        return await self._read(select)
+
+    # -- expiry ---------------------------------------------------------------------
+
+    async def purge(self, now: float, event_retention: float, idempotency_ttl: float) -> int:
+        """Delete the events of tasks that ended more than `event_retention` seconds
+        ago and finished idempotency records older than `idempotency_ttl`.
+        Returns how many tasks had their events purged."""
+
+        def purge(conn: sqlite3.Connection) -> int:
+            expired = [
+                task_id for (task_id,) in conn.execute(
+                    "SELECT id FROM tasks WHERE events_expired = 0 AND ended_at IS NOT NULL"
+                    " AND ended_at <= ?",
+                    (now - event_retention,),
+                )
+            ]
+            for task_id in expired:
+                conn.execute("DELETE FROM task_events WHERE task_id = ?", (task_id,))
+                conn.execute("UPDATE tasks SET events_expired = 1 WHERE id = ?", (task_id,))
+            conn.execute(
+                "DELETE FROM idempotency WHERE state = 'done' AND created_at <= ?",
+                (now - idempotency_ttl,),
+            )
+            return len(expired)
+
+        return await self._write(purge)
+
+    # -- idempotency ----------------------------------------------------------------
+
+    async def claim_idempotency_key(
+        self, principal: str, key: str, fingerprint: str
+    ) -> IdempotencyRecord | None:
+        """Claim `key` for a new request: None if this request now owns it (it is
+        recorded as running), else the record of the request that owns it."""
+
+        def claim(conn: sqlite3.Connection) -> IdempotencyRecord | None:
+            row = conn.execute(
+                "SELECT fingerprint, state, status, content_type, body, task_id FROM idempotency"
+                " WHERE principal = ? AND key = ?",
+                (principal, key),
+            ).fetchone()
+            if row is not None:
+                return IdempotencyRecord(*row)
+            conn.execute(
+                "INSERT INTO idempotency (principal, key, fingerprint, state, created_at)"
+                " VALUES (?, ?, ?, 'running', ?)",
+                (principal, key, fingerprint, time.time()),
+            )
+            return None
+
+        # Not fsynced: a claim lost in a power cut only lets the retry run again.
+        return await self._write(claim, durable=False)
+
+    async def complete_idempotency_key(
+        self,
+        principal: str,
+        key: str,
+        *,
+        status: int,
+        content_type: str | None = None,
+        body: bytes | None = None,
+        task_id: str | None = None,
+    ) -> None:
+        """Record the result to replay for `key` (durably: the client sees it next)."""
+        await self._write(
+            lambda conn: conn.execute(
+                "UPDATE idempotency SET state = 'done', status = ?, content_type = ?, body = ?,"
+                " task_id = ? WHERE principal = ? AND key = ?",
+                (status, content_type, body, task_id, principal, key),
+            )
+        )
+
+    async def release_idempotency_key(self, principal: str, key: str) -> None:
+        """Forget a claim whose request produced nothing to replay (it failed, or its
+        client went away), so that a retry runs again."""
+        await self._write(
+            lambda conn: conn.execute(
+                "DELETE FROM idempotency WHERE principal = ? AND key = ? AND state = 'running'",
+                (principal, key),
+            ),
+            durable=False,
+        )
+
+    async def release_all_running_keys(self) -> int:
+        """At start-up: claims of requests that died with the previous process."""
+        return await self._write(
+            lambda conn: conn.execute("DELETE FROM idempotency WHERE state = 'running'").rowcount
+        )
+
+
+def _insert_response(
+    conn: sqlite3.Connection, response_id: str, principal: str, created_at: int,
+    model: str, status: str, input_json: str, body: str,
+) -> None:
+    conn.execute(
+        "INSERT INTO responses (id, principal, created_at, model, status, input, body)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (response_id, principal, created_at, model, status, input_json, body),
+    )
+
+
+def _insert_events(
+    conn: sqlite3.Connection, task_id: str, events: list[LoggedEvent], now: float
+) -> None:
+    conn.executemany(
+        "INSERT INTO task_events (task_id, seq, event, data, time) VALUES (?, ?, ?, ?, ?)",
+        [(task_id, e.seq, e.event, e.data, now) for e in events],
+    )
+
+
+def _select_task(conn: sqlite3.Connection, task_id: str, principal: str | None) -> TaskRow | None:
+    row = conn.execute(
+        "SELECT id, principal, created_at, response_id, status, request, response, ended_at,"
+        " events_expired FROM tasks WHERE id = ?",
+        (task_id,),
+    ).fetchone()
+    if row is None or (principal is not None and row[1] != principal):
+        return None
+    return TaskRow(*row[:8], bool(row[8]))

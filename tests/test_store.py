@@ -1,0 +1,157 @@
+"""The SQLite store on its own: schema, each operation, principals, durability modes, expiry."""
+
+import json
+import sqlite3
+import time
+
+import pytest
+import trio
+
+from lmsp_min.store import DB_NAME, MIGRATIONS, LoggedEvent, Store, StoreError
+
+
+def response_body(response_id: str, status: str = "completed", text: str = "hi") -> str:
+    return json.dumps({
+        "id": response_id, "object": "response", "created_at": 1794200000,
+        "status": status, "model": "tiny:llama",
+        "output": [{"id": "msg_1", "type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": text}]}],
+        "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4},
+        "error": None, "incomplete_details": None,
+    }, separators=(",", ":"))
+
+
+@pytest.fixture
+async def store(tmp_path):
+    s = await Store.open(tmp_path)
+    yield s
+    s.close()
+
+
+def test_schema_is_versioned_and_wal(tmp_path):
+    s = Store.open_sync(tmp_path)
+    s.close()
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    Store.open_sync(tmp_path).close()  # opening again migrates nothing and keeps data
+
+
+def test_newer_schema_is_refused(tmp_path):
+    Store.open_sync(tmp_path).close()
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer"):
+        Store.open_sync(tmp_path)
+
+
+def test_no_store_database_is_removed_at_close():
+    s = Store.open_sync(None)
+    assert not s.persistent and s.path.exists()
+    s.close()
+    assert not s.path.parent.exists()
+
+
+async def test_responses_round_trip_exactly_and_per_principal(store):
+    body = response_body("resp_1", text="héllo \u2603")
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]}]
+    await store.put_response("resp_1", "alice", items, body)
+    got = await store.get_response("resp_1", "alice")
+    assert got.body == body and got.input == items and got.output[0]["id"] == "msg_1"
+    assert await store.get_response("resp_1", "bob") is None
+    assert await store.get_response("resp_2", "alice") is None
+    assert not await store.delete_response("resp_1", "bob")
+    assert await store.delete_response("resp_1", "alice")
+    assert await store.get_response("resp_1", "alice") is None
+    assert not await store.delete_response("resp_1", "alice")
+
+
+async def test_data_survives_reopening(tmp_path):
+    s = await Store.open(tmp_path)
+    await s.put_response("resp_1", "alice", [], response_body("resp_1"))
+    s.close()
+    s = await Store.open(tmp_path)
+    assert (await s.get_response("resp_1", "alice")).body == response_body("resp_1")
+    s.close()
+
+
+async def test_task_lifecycle_and_event_log(store):
+    await store.create_task("task_1", "alice", 1794200000, "resp_1", '{"model":"m"}')
+    row = await store.get_task("task_1", "alice")
+    assert row.object() == {"id": "task_1", "object": "task", "status": "queued",
+                            "created_at": 1794200000, "response_id": "resp_1", "response": None}
+    assert await store.get_task("task_1", "bob") is None
+    assert (await store.get_task("task_1", None)).principal == "alice"
+    await store.set_task_status("task_1", "in_progress")
+    events = [LoggedEvent(i, "response.output_text.delta", json.dumps({"delta": str(i)}))
+              for i in range(1, 6)]
+    await store.append_events("task_1", events[:2])
+    await store.append_events("task_1", events[2:])
+    assert await store.read_events("task_1", 0) == events
+    assert await store.read_events("task_1", 3) == events[3:]
+    assert await store.read_events("task_1", 1, limit=2) == events[1:3]
+    assert [t.id for t, _ in await store.interrupted_tasks()] == ["task_1"]
+
+    final = LoggedEvent(6, "response.completed", '{"status":"completed"}')
+    body = response_body("resp_1")
+    await store.finish_task("task_1", "completed", body, [final], stored=("alice", []))
+    row = await store.get_task("task_1", "alice")
+    assert row.status == "completed" and row.object()["response"] == json.loads(body)
+    assert (await store.read_events("task_1", 5)) == [final]
+    assert (await store.get_response("resp_1", "alice")).body == body
+    assert await store.interrupted_tasks() == []
+
+
+async def test_purge_expires_events_of_ended_tasks_only(store):
+    for task_id in ("task_old", "task_running"):
+        await store.create_task(task_id, "alice", 0, "resp_" + task_id, "{}")
+        await store.append_events(task_id, [LoggedEvent(1, "response.created", "{}")])
+    await store.finish_task("task_old", "completed", response_body("resp_task_old"),
+                            [LoggedEvent(2, "response.completed", "{}")])
+    assert await store.purge(time.time(), 3600, 86400) == 0  # it ended just now
+    assert await store.purge(time.time() + 3601, 3600, 86400) == 1
+    assert (await store.get_task("task_old", None)).events_expired
+    assert await store.read_events("task_old", 0) == []
+    assert len(await store.read_events("task_running", 0)) == 1
+    assert not (await store.get_task("task_running", None)).events_expired
+
+
+async def test_idempotency_claim_complete_release(store):
+    assert await store.claim_idempotency_key("alice", "k", "fp1") is None
+    running = await store.claim_idempotency_key("alice", "k", "fp1")
+    assert running.state == "running" and running.fingerprint == "fp1"
+    assert await store.claim_idempotency_key("bob", "k", "fp1") is None  # keys are per principal
+    await store.complete_idempotency_key("alice", "k", status=200,
+                                         content_type="application/json", body=b'{"a":1}')
+    done = await store.claim_idempotency_key("alice", "k", "fp2")
+    assert (done.state, done.status, done.body, done.fingerprint) == ("done", 200, b'{"a":1}', "fp1")
+    await store.release_idempotency_key("alice", "k")  # a finished record is never released
+    assert (await store.claim_idempotency_key("alice", "k", "fp1")).state == "done"
+    await store.release_idempotency_key("bob", "k")
+    assert await store.claim_idempotency_key("bob", "k", "fp1") is None
+    assert await store.release_all_running_keys() == 1
+    await store.purge(time.time() + 86401, 3600, 86400)
+    assert await store.claim_idempotency_key("alice", "k", "fp1") is None
+
+
+async def test_concurrent_readers_and_writer(store):
+    await store.create_task("task_1", "alice", 0, "resp_1", "{}")
+
+    async def write():
+        for i in range(1, 201):
+            await store.append_events("task_1", [LoggedEvent(i, "e", "{}")])
+
+    async def read():
+        last = 0
+        while last < 200:
+            events = await store.read_events("task_1", last)
+            assert [e.seq for e in events] == list(range(last + 1, last + 1 + len(events)))
+            last += len(events)
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write)
+        for _ in range(3):
+            nursery.start_soon(read)
