@@ -1,0 +1,162 @@
+"""The llama.cpp side of the speed comparison, through llama-cpp-python (the `compare` extra).
+
+Every figure is measured on token ids the caller gives, so llama.cpp and our engine
+see exactly the same prompts (benchmarks/prompts.py):
+
+- prefill tok/s: one fresh context evaluates the 512-token prompt in one batch;
+- decode tok/s: after a short prompt, 128 tokens generated greedily one at a time
+  (the time of the steps after the first token, so prefill is not counted);
+- time to first token: fresh context, short prompt evaluated, first token picked.
+
+Each figure is the best of `repeats` runs: the machine is shared, and the best run
+is the one least disturbed by other processes. `measure_in_subprocess` runs the
+same in a child process, so llama.cpp's threads and memory do not mix with ours.
+
+    python -m benchmarks.llamacpp            # both real models, 2 threads, a table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from benchmarks import prompts
+
+
+def load(path: str, threads: int = 2, n_ctx: int = 2048):
+    """A llama.cpp context on the GGUF at `path`: CPU only, `threads` threads for decode and batches."""
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+
+
+def _next_token(llm) -> int:
+    """Greedy pick from the logits of the last evaluated token."""
+    import llama_cpp
+
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
+
+
+def prefill_seconds(llm, ids: list[int]) -> float:
+    """Seconds to evaluate `ids` in a fresh context (one batch of up to 512 tokens)."""
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(ids)
+    return time.perf_counter() - start
+
+
+def ttft_seconds(llm, ids: list[int]) -> float:
+    """Seconds from a fresh context to the first generated token of the prompt `ids`."""
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(ids)
+    _next_token(llm)
+    return time.perf_counter() - start
+
+
+def decode_seconds(llm, ids: list[int], n: int) -> tuple[float, list[int]]:
+    """Seconds of `n` greedy decode steps after the prompt `ids`, and the tokens generated."""
+    llm.reset()
+    llm.eval(ids)
+    out = [_next_token(llm)]
+    start = time.perf_counter()
+    for _ in range(n):
+        llm.eval([out[-1]])
+        out.append(_next_token(llm))
+    return time.perf_counter() - start, out[1:]
+
+
+def measure(
+    path: str,
+    prefill_ids: list[int],
+    short_ids: list[int],
+    n_decode: int = prompts.N_DECODE,
+    threads: int = 2,
+    repeats: int = 2,
+) -> dict:
+    """Prefill tok/s, decode tok/s, TTFT and load time of llama.cpp on one model, best of `repeats`."""
+    start = time.perf_counter()
+    llm = load(path, threads)
+    load_s = time.perf_counter() - start
+    llm.eval(short_ids[:8])  # warm up: first-touch of the weights, thread pool start
+    prefill = min(prefill_seconds(llm, prefill_ids) for _ in range(repeats))
+    ttft = min(ttft_seconds(llm, short_ids) for _ in range(repeats))
+    decode = min(decode_seconds(llm, short_ids, n_decode)[0] for _ in range(repeats))
+    return {
+        "engine": "llama.cpp",
+        "threads": threads,
+        "load_s": load_s,
+        "prefill_tokens": len(prefill_ids),
+        "prefill_tok_s": len(prefill_ids) / prefill,
+        "decode_tokens": n_decode,
+        "decode_tok_s": n_decode / decode,
+        "ttft_s": ttft,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def available() -> bool:
+    """True when llama-cpp-python is installed (`pip install ".[compare]"`)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def measure_in_subprocess(path: str, prefill_ids: list[int], short_ids: list[int], **kwargs) -> dict:
+    """`measure` in a child Python, so its threads, memory and peak RSS are its own."""
+    job = {"path": str(path), "prefill_ids": prefill_ids, "short_ids": short_ids, **kwargs}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.llamacpp", "--job"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", default=list(prompts.MODELS), help="model names (default: both)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--job", action="store_true", help="read one job as JSON on stdin, print JSON (internal)")
+    args = parser.parse_args(argv)
+    if args.job:
+        job = json.load(sys.stdin)
+        print(json.dumps(measure(job.pop("path"), job.pop("prefill_ids"), job.pop("short_ids"), **job)))
+        return
+    print(f"{'model':<28} {'prefill tok/s':>14} {'decode tok/s':>13} {'TTFT ms':>8} {'load s':>7}")
+    for name in args.models:
+        path = prompts.model_path(name)
+        llm = load(path, args.threads)
+        tokenize = lambda text: llm.tokenize(text.encode(), add_bos=True)  # noqa: E731
+        prefill_ids = prompts.prefill_ids(tokenize)
+        short_ids = tokenize(prompts.SHORT_QUESTION)
+        del llm
+        r = measure(path, prefill_ids, short_ids, threads=args.threads, repeats=args.repeats)
+        print(
+            f"{name:<28} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
+            f"{1000 * r['ttft_s']:>8.1f} {r['load_s']:>7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
