@@ -1,0 +1,108 @@
+"""A running task's LiveLog on its own: commit before publish, fan-out, resume, keep-alive."""
+
+import json
+
+import pytest
+import trio
+
+from lmsp_min import tasks
+from lmsp_min.store import Store
+from lmsp_min.tasks import LiveLog
+
+
+@pytest.fixture
+async def store(tmp_path):
+    s = await Store.open(tmp_path)
+    await s.create_task("task_1", "alice", 0, "resp_1", "{}")
+    yield s
+    s.close()
+
+
+async def run_task(log: LiveLog, n: int, pause: float = 0.0) -> None:
+    """A stand-in runner: n delta events, then the final one."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.write_loop)
+        for i in range(n):
+            log.append("response.output_text.delta", json.dumps({"delta": f"{i} "}))
+            await trio.sleep(pause)
+        await log.finish("completed", '{"id":"resp_1","status":"completed"}',
+                         "response.completed", '{"status":"completed"}')
+
+
+async def collect(log: LiveLog, after: int, store: Store) -> list:
+    seen = []
+    async for event in log.follow(after):
+        # an event is never seen before it is in the database
+        assert (await store.read_events("task_1", event.seq - 1, limit=1))[0] == event
+        seen.append(event)
+    return seen
+
+
+async def test_followers_see_committed_events_in_order(store):
+    log = LiveLog(store, "task_1")
+    results = {}
+
+    async def follower(name, after):
+        results[name] = await collect(log, after, store)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follower, "early", 0)
+        nursery.start_soon(run_task, log, 30, 0.001)
+        await trio.sleep(0.01)
+        nursery.start_soon(follower, "resumed", 7)
+    assert [e.seq for e in results["early"]] == list(range(1, 32))
+    assert [e.seq for e in results["resumed"]] == list(range(8, 32))
+    assert results["early"][-1].event == "response.completed"
+    assert (await store.get_task("task_1", None)).status == "completed"
+    # after the end, a new follower replays everything and closes at once
+    assert [e.seq for e in await collect(log, 0, store)] == list(range(1, 32))
+    assert await collect(log, 31, store) == []
+
+
+async def test_a_stalled_follower_does_not_hold_the_task(store):
+    log = LiveLog(store, "task_1")
+    stalled = log.follow(0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_task, log, 100)
+        assert (await stalled.__anext__()).seq == 1
+        # ...and the follower reads no further: the task still runs to its end
+    await stalled.aclose()
+    assert (await store.get_task("task_1", None)).status == "completed"
+    assert len(await store.read_events("task_1", 0)) == 101
+
+
+async def test_fast_generation_is_group_committed(store):
+    log = LiveLog(store, "task_1")
+    commits = 0
+    append = store.append_events
+
+    async def counting_append(task_id, events):
+        nonlocal commits
+        commits += 1
+        await append(task_id, events)
+
+    store.append_events = counting_append
+    await run_task(log, 500)  # no pause: events pile up while a commit runs
+    assert len(await store.read_events("task_1", 0)) == 501
+    assert commits < 500
+
+
+async def test_keepalive_while_idle_and_abandon_releases_followers(store, monkeypatch):
+    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.05)
+    log = LiveLog(store, "task_1")
+    seen = []
+
+    async def follow():
+        async for event in log.follow(0):
+            seen.append(event)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.write_loop)
+        nursery.start_soon(follow)
+        log.append("response.created", "{}")
+        await trio.sleep(0.18)
+        log.abandon()
+        nursery.cancel_scope.deadline = trio.current_time() + 5
+        await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert seen[0].seq == 1 and seen[1:] == [None] * (len(seen) - 1) and len(seen) >= 3
