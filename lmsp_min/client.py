@@ -1,0 +1,339 @@
+"""A small LMSP 1.0 client on the standard library only (http.client, json).
+
+    from lmsp_min.client import Client, output_text
+    client = Client("http://127.0.0.1:8080")
+    response = client.create_response("smollm2:135m-instruct-q4_1", "Say hello.")
+    print(output_text(response))
+    for event in client.stream_response("smollm2:135m-instruct-q4_1", "Say hello."):
+        if event.event == "response.output_text.delta":
+            print(event.data["delta"], end="", flush=True)
+
+Errors come back as `LMSPError(status, problem)`, where `problem` is the
+server's problem document (`problem["code"]` is what to match on).
+
+Task streams survive dropped connections: `follow_task` remembers the id of the
+last event it yielded and reconnects with `Last-Event-ID`, so the caller sees
+every event exactly once. When the server no longer keeps those events
+(410 event_history_expired), it fetches the finished task instead and yields one
+final event rebuilt from it (`id` None, `data["response"]` the full response).
+
+Each request opens its own connection: simple, and nothing to go stale between
+calls of a long-lived program.
+"""
+
+import http.client
+import json
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+FINAL_EVENTS = frozenset(
+    {"response.completed", "response.incomplete", "response.failed", "response.cancelled", "error"}
+)
+FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+
+
+class LMSPError(Exception):
+    """The server answered with a problem document (RFC 9457)."""
+
+    def __init__(self, status: int, problem: dict):
+        self.status = status
+        self.problem = problem
+        super().__init__(f"{status} {problem.get('code', '')}: {problem.get('detail') or problem.get('title', '')}")
+
+    @property
+    def code(self) -> str | None:
+        return self.problem.get("code")
+
+
+class StreamInterrupted(ConnectionError):
+    """A stream ended before its final event (the connection dropped)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One server-sent event: `id` is its sequence number, `data` its JSON object."""
+
+    id: int | None
+    event: str
+    data: Any
+
+
+def user_message(text: str) -> dict:
+    """An LMSP `message` input item from the user."""
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def function_call_output(call_id: str, output: Any) -> dict:
+    """The input item that returns a tool's result; non-strings are JSON-encoded."""
+    if not isinstance(output, str):
+        output = json.dumps(output)
+    return {"type": "function_call_output", "call_id": call_id, "output": output}
+
+
+def function_calls(response: dict) -> list[dict]:
+    """The `function_call` output items of a response, in order."""
+    return [item for item in response.get("output", []) if item.get("type") == "function_call"]
+
+
+def output_text(response: dict) -> str:
+    """The text of a response's message items, joined."""
+    return "".join(
+        part.get("text", "")
+        for item in response.get("output", [])
+        if item.get("type") == "message"
+        for part in item.get("content", [])
+        if part.get("type") == "output_text"
+    )
+
+
+def as_input(input: str | list[dict]) -> list[dict]:
+    """A string is shorthand for one user message."""
+    return [user_message(input)] if isinstance(input, str) else list(input)
+
+
+def parse_sse(lines: Iterator[bytes]) -> Iterator[Event]:
+    """Server-sent events from an iterator of raw lines (the WHATWG event stream rules).
+
+    Comment lines (`: keep-alive`) are skipped; an event without data is not
+    dispatched; `data` is parsed as JSON when it is JSON, else kept as text.
+    """
+    event_id: int | None = None
+    name, data = "", []
+    for raw in lines:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if data:
+                text = "\n".join(data)
+                try:
+                    value = json.loads(text)
+                except ValueError:
+                    value = text
+                yield Event(event_id, name or "message", value)
+            name, data = "", []
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if field == "event":
+            name = value
+        elif field == "data":
+            data.append(value)
+        elif field == "id" and value.isdigit():
+            event_id = int(value)
+
+
+class Client:
+    """Calls an LMSP service; `token` is sent as a bearer token when given."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8080", token: str | None = None, timeout: float = 600.0):
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme not in ("http", "https"):
+            raise ValueError(f"base_url must be http:// or https://, not {base_url!r}")
+        self.scheme, self.host, self.port = url.scheme, url.hostname, url.port
+        self.prefix = url.path.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    # -- models ---------------------------------------------------------------
+
+    def list_models(self) -> list[dict]:
+        return self._json("GET", "/lmsp/v1/models")["data"]
+
+    def get_model(self, model_id: str) -> dict:
+        return self._json("GET", f"/lmsp/v1/models/{urllib.parse.quote(model_id, safe=':')}")
+
+    # -- responses ------------------------------------------------------------
+
+    def create_response(self, model: str, input: str | list[dict], **fields) -> dict:
+        """A synchronous response; `fields` are the other request fields (`tools`, ...)."""
+        headers = self._idempotency(fields)
+        body = {"model": model, "input": as_input(input), **fields, "stream": False}
+        return self._json("POST", "/lmsp/v1/responses", body, headers)
+
+    def stream_response(self, model: str, input: str | list[dict], **fields) -> Iterator[Event]:
+        """The events of a streamed response; raises StreamInterrupted if the
+        connection drops before the final event (direct streams cannot resume)."""
+        headers = self._idempotency(fields)
+        body = {"model": model, "input": as_input(input), **fields, "stream": True}
+        conn, resp = self._open("POST", "/lmsp/v1/responses", body, headers)
+        try:
+            yield from self._events(resp)
+        finally:
+            conn.close()
+
+    def get_response(self, response_id: str) -> dict:
+        return self._json("GET", f"/lmsp/v1/responses/{response_id}")
+
+    def delete_response(self, response_id: str) -> None:
+        self._json("DELETE", f"/lmsp/v1/responses/{response_id}")
+
+    def run_tools(
+        self,
+        model: str,
+        input: str | list[dict],
+        functions: dict[str, Callable[..., Any]],
+        *,
+        max_rounds: int = 8,
+        **fields,
+    ) -> dict:
+        """Answer the model's function calls with `functions` until it stops calling.
+
+        Each round sends the full context again (6.5): the earlier input, the
+        `function_call` items exactly as received, and one `function_call_output`
+        per call, with what `functions[name](**arguments)` returned.
+        """
+        items = as_input(input)
+        for _ in range(max_rounds):
+            response = self.create_response(model, items, **fields)
+            calls = function_calls(response)
+            if not calls:
+                return response
+            for call in calls:
+                if call["name"] not in functions:
+                    raise KeyError(f"the model called {call['name']!r}, which is not in functions")
+                result = functions[call["name"]](**json.loads(call["arguments"]))
+                items += [call, function_call_output(call["call_id"], result)]
+        raise RuntimeError(f"the model was still calling tools after {max_rounds} rounds")
+
+    # -- tasks ----------------------------------------------------------------
+
+    def create_task(self, model: str, input: str | list[dict], **fields) -> dict:
+        headers = self._idempotency(fields)
+        body = {"model": model, "input": as_input(input), **fields}
+        return self._json("POST", "/lmsp/v1/tasks", body, headers)
+
+    def get_task(self, task_id: str) -> dict:
+        return self._json("GET", f"/lmsp/v1/tasks/{task_id}")
+
+    def cancel_task(self, task_id: str) -> dict:
+        return self._json("POST", f"/lmsp/v1/tasks/{task_id}/cancel")
+
+    def follow_task(self, task_id: str, after: int = 0, *, retries: int = 5) -> Iterator[Event]:
+        """Every event of a task after `after`, across dropped connections.
+
+        `retries` bounds consecutive reconnections that bring no new event (with a
+        growing pause between them); any new event resets the count.
+        """
+        last = after
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": str(last)} if last else {}
+            try:
+                conn, resp = self._open("GET", f"/lmsp/v1/tasks/{task_id}/events", None, headers)
+            except LMSPError as e:
+                if e.code != "event_history_expired":
+                    raise
+                yield self._final_event(task_id)
+                return
+            except OSError:
+                conn = None
+            if conn is not None:
+                try:
+                    for event in self._events(resp):
+                        if event.id is not None and event.id <= last:
+                            continue  # already yielded before the reconnection
+                        if event.id is not None:
+                            last = event.id
+                        failures = 0
+                        yield event
+                    return
+                except StreamInterrupted:
+                    pass
+                finally:
+                    conn.close()
+            failures += 1
+            if failures > retries:
+                raise StreamInterrupted(f"task {task_id}: gave up after {retries} reconnections without progress")
+            time.sleep(min(0.1 * 2 ** (failures - 1), 2.0))
+
+    def wait_task(self, task_id: str, poll: float = 0.5) -> dict:
+        """The task once it is final (polling, for callers that want no events)."""
+        while (task := self.get_task(task_id))["status"] not in FINAL_STATUSES:
+            time.sleep(poll)
+        return task
+
+    def _final_event(self, task_id: str) -> Event:
+        """The final event rebuilt from the finished task, when its events expired."""
+        task = self.wait_task(task_id)
+        response = task.get("response") or {}
+        data = {"response_id": task.get("response_id"), "status": task["status"], "response": response}
+        for key in ("usage", "error", "incomplete_details"):
+            if response.get(key) is not None:
+                data[key] = response[key]
+        return Event(None, f"response.{task['status']}", data)
+
+    # -- HTTP -----------------------------------------------------------------
+
+    @staticmethod
+    def _idempotency(fields: dict) -> dict:
+        """`idempotency_key=` is sent as the Idempotency-Key header, not in the body."""
+        key = fields.pop("idempotency_key", None)
+        return {"Idempotency-Key": key} if key else {}
+
+    def _connect(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=self.timeout)
+
+    def _send(self, method: str, path: str, body: Any, headers: dict):
+        conn = self._connect()
+        headers = {"LMSP-Version": "1.0", **headers}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        payload = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, self.prefix + path, payload, headers)
+            return conn, conn.getresponse()
+        except BaseException:
+            conn.close()
+            raise
+
+    def _json(self, method: str, path: str, body: Any = None, headers: dict | None = None) -> Any:
+        conn, resp = self._send(method, path, body, headers or {})
+        try:
+            data = resp.read()
+        finally:
+            conn.close()
+        if resp.status >= 400:
+            raise LMSPError(resp.status, _problem(resp.status, data))
+        return json.loads(data) if data else None
+
+    def _open(self, method: str, path: str, body: Any, headers: dict):
+        """A streaming request: the open connection and its response, or LMSPError."""
+        conn, resp = self._send(method, path, body, {"Accept": "text/event-stream", **headers})
+        if resp.status >= 400:
+            try:
+                data = resp.read()
+            finally:
+                conn.close()
+            raise LMSPError(resp.status, _problem(resp.status, data))
+        return conn, resp
+
+    @staticmethod
+    def _events(resp: http.client.HTTPResponse) -> Iterator[Event]:
+        """Parse events until the final one; a stream that ends earlier was cut."""
+        try:
+            for event in parse_sse(iter(resp.readline, b"")):
+                yield event
+                if event.event in FINAL_EVENTS:
+                    return
+        except (OSError, http.client.HTTPException) as e:
+            raise StreamInterrupted(f"connection lost: {e!r}") from None
+        raise StreamInterrupted("the stream ended before its final event")
+
+
+def _problem(status: int, data: bytes) -> dict:
+    try:
+        problem = json.loads(data)
+    except ValueError:
+        problem = None
+    if not isinstance(problem, dict):
+        problem = {"status": status, "title": data.decode("utf-8", "replace")[:200]}
+    return problem

@@ -1,0 +1,256 @@
+"""`lmsp_min.client` against a tiny fake LMSP server (http.server in a thread).
+
+The fake speaks just enough of the protocol to check what the client sends and
+how it reads: JSON bodies, problem documents, chunked event streams, and task
+streams that it cuts mid-event to exercise resumption.
+"""
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from lmsp_min.client import (
+    Client,
+    Event,
+    LMSPError,
+    StreamInterrupted,
+    function_call_output,
+    output_text,
+    parse_sse,
+)
+
+TEXT = ["Local ", "models ", "answer ", "héllo ", "wörld."]
+
+
+def stream_events(response_id: str) -> list[tuple[str, dict]]:
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+    done = {**item, "content": [{"type": "output_text", "text": "".join(TEXT)}]}
+    return [
+        ("response.created", {"response_id": response_id, "status": "in_progress"}),
+        ("response.output_item.added", {"response_id": response_id, "output_index": 0, "item": item}),
+        *[("response.output_text.delta", {"response_id": response_id, "item_id": "msg_1", "delta": d}) for d in TEXT],
+        ("response.output_item.done", {"response_id": response_id, "output_index": 0, "item": done}),
+        ("response.completed", {"response_id": response_id, "status": "completed", "usage": {"input_tokens": 3, "output_tokens": 5, "total_tokens": 8}}),
+    ]
+
+
+def sse(event_id: int, name: str, data: dict) -> bytes:
+    return f"id: {event_id}\nevent: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def message_response(text: str) -> dict:
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "status": "completed",
+        "output": [{"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}],
+        "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5},
+        "error": None,
+        "incomplete_details": None,
+    }
+
+
+class FakeServer:
+    def __init__(self):
+        self.requests: list[tuple[str, str, dict, object]] = []  # method, path, headers, body
+        self.cuts: list[int] = []  # for successive task-stream connections: bytes sent before cutting
+        self.history_expired = False
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                self._handle("GET")
+
+            def do_POST(self):
+                self._handle("POST")
+
+            def _handle(self, method):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                server.requests.append((method, self.path, dict(self.headers), body))
+                path = self.path
+                if path == "/lmsp/v1/models":
+                    return self._json(200, {"object": "list", "data": [{"id": "fake:1m", "object": "model"}]})
+                if path == "/lmsp/v1/responses":
+                    if body["model"] != "fake:1m":
+                        return self._json(404, {"type": "urn:lmsp:error:model_not_found", "title": "Model not found", "status": 404, "code": "model_not_found", "detail": "no such model"}, "application/problem+json")
+                    if body.get("stream"):
+                        return self._stream(b"".join(sse(i, n, d) for i, (n, d) in enumerate(stream_events("resp_1"), 1)), cut=None)
+                    if body.get("tools"):
+                        return self._json(200, self._tool_answer(body))
+                    return self._json(200, message_response("Hello."))
+                if path == "/lmsp/v1/tasks":
+                    return self._json(202, {"id": "task_1", "object": "task", "status": "queued", "response_id": "resp_1", "response": None})
+                if path == "/lmsp/v1/tasks/task_1":
+                    return self._json(200, {"id": "task_1", "object": "task", "status": "completed", "response_id": "resp_1", "response": message_response("".join(TEXT))})
+                if path == "/lmsp/v1/tasks/task_1/events":
+                    if server.history_expired:
+                        return self._json(410, {"status": 410, "code": "event_history_expired", "title": "Gone"}, "application/problem+json")
+                    after = int(self.headers.get("Last-Event-ID") or 0)
+                    events = [(i, n, d) for i, (n, d) in enumerate(stream_events("resp_1"), 1) if i > after]
+                    data = b": keep-alive\n\n" + b"".join(sse(i, n, d) for i, n, d in events)
+                    return self._stream(data, cut=server.cuts.pop(0) if server.cuts else None)
+                self._json(404, {"status": 404, "code": "not_found", "title": "Not found"}, "application/problem+json")
+
+            @staticmethod
+            def _tool_answer(body):
+                outputs = [i for i in body["input"] if i.get("type") == "function_call_output"]
+                if outputs:
+                    return message_response(f"It is {json.loads(outputs[0]['output'])['temperature_c']} degrees.")
+                call = {"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Hangzhou"}'}
+                return {**message_response(""), "output": [call]}
+
+            def _json(self, status, obj, content_type="application/json"):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _stream(self, data: bytes, cut: int | None):
+                """A chunked event stream, cut after `cut` bytes of events if given."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                if cut is not None:
+                    # a chunk header that promises more than is sent, then an abrupt close
+                    self.wfile.write(b"%x\r\n" % len(data) + data[:cut])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                for start in range(0, len(data), 50):
+                    piece = data[start : start + 50]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.write(b"0\r\n\r\n")
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake():
+    server = FakeServer()
+    yield server
+    server.close()
+
+
+def test_parse_sse_follows_the_event_stream_rules():
+    raw = [
+        b": keep-alive\n",
+        b"\n",
+        b"id: 1\r\n",
+        b"event: response.created\r\n",
+        b'data: {"a":\n',
+        b"data: 1}\n",
+        b"\n",
+        b"event: ping\n",  # no data: not dispatched
+        b"\n",
+        b"id: 2\n",
+        b"data:plain text\n",
+        b"\n",
+        b"id: 3\n",
+        b"event: cut\n",
+        b"data: {}\n",  # no blank line: the stream ended mid-event
+    ]
+    assert list(parse_sse(iter(raw))) == [
+        Event(1, "response.created", {"a": 1}),
+        Event(2, "message", "plain text"),
+    ]
+
+
+def test_create_response_sends_a_sync_request(fake):
+    client = Client(fake.url, token="secret")
+    response = client.create_response("fake:1m", "Say hello.", max_output_tokens=8, idempotency_key="k1")
+    assert output_text(response) == "Hello."
+    method, path, headers, body = fake.requests[-1]
+    assert (method, path) == ("POST", "/lmsp/v1/responses")
+    assert headers["Authorization"] == "Bearer secret"
+    assert headers["LMSP-Version"] == "1.0"
+    assert headers["Idempotency-Key"] == "k1"
+    assert body == {
+        "model": "fake:1m",
+        "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}],
+        "max_output_tokens": 8,
+        "stream": False,
+    }
+
+
+def test_stream_response_yields_events_in_order(fake):
+    events = list(Client(fake.url).stream_response("fake:1m", "Say hello."))
+    assert [e.id for e in events] == list(range(1, 10))
+    assert "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta") == "".join(TEXT)
+    assert events[-1].event == "response.completed"
+    assert fake.requests[-1][3]["stream"] is True
+    assert "Authorization" not in fake.requests[-1][2]
+
+
+def test_problem_documents_become_lmsp_errors(fake):
+    client = Client(fake.url)
+    with pytest.raises(LMSPError) as e:
+        client.create_response("nope", "hi")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    with pytest.raises(LMSPError) as e:
+        list(client.stream_response("nope", "hi"))
+    assert e.value.code == "model_not_found"
+
+
+def test_list_models(fake):
+    assert [m["id"] for m in Client(fake.url).list_models()] == ["fake:1m"]
+
+
+def test_follow_task_resumes_after_dropped_connections(fake):
+    client = Client(fake.url)
+    task = client.create_task("fake:1m", "Say hello.")
+    # cut the first connection in the middle of event 4, the second right after a keep-alive
+    fake.cuts = [len(b"".join(sse(i, n, d) for i, (n, d) in enumerate(stream_events("resp_1")[:3], 1))) + 40, 16]
+    events = list(client.follow_task(task["id"]))
+    assert [e.id for e in events] == list(range(1, 10))  # each exactly once
+    assert "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta") == "".join(TEXT)
+    resumes = [h.get("Last-Event-ID") for m, p, h, b in fake.requests if p.endswith("/events")]
+    assert resumes == [None, "3", "3"]
+
+
+def test_follow_task_fetches_the_task_when_history_expired(fake):
+    fake.history_expired = True
+    events = list(Client(fake.url).follow_task("task_1", after=4))
+    assert len(events) == 1 and events[0].id is None
+    assert events[0].event == "response.completed"
+    assert output_text(events[0].data["response"]) == "".join(TEXT)
+
+
+def test_follow_task_gives_up_without_progress(fake, monkeypatch):
+    monkeypatch.setattr("lmsp_min.client.time.sleep", lambda s: None)
+    fake.cuts = [0] * 10
+    with pytest.raises(StreamInterrupted, match="gave up after 2"):
+        list(Client(fake.url).follow_task("task_1", retries=2))
+
+
+def test_run_tools_round_trip(fake):
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather.", "parameters": {"type": "object"}}]
+    seen = []
+
+    def get_weather(city):
+        seen.append(city)
+        return {"temperature_c": 17}
+
+    response = Client(fake.url).run_tools("fake:1m", "Weather in Hangzhou?", {"get_weather": get_weather}, tools=tools)
+    assert seen == ["Hangzhou"]
+    assert output_text(response) == "It is 17 degrees."
+    second = fake.requests[-1][3]["input"]
+    assert [i["type"] for i in second] == ["message", "function_call", "function_call_output"]
+    assert second[2] == function_call_output("call_1", {"temperature_c": 17})
+    assert second[2]["output"] == '{"temperature_c": 17}'
