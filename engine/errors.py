@@ -42,3 +42,12 @@ class SchemaError(EngineError):
         self.path = path
         self.keyword = keyword
         super().__init__(message)
+
+
+class QueueFull(EngineError):
+    """The model's request queue is full: try again after `retry_after` seconds."""
+
+    def __init__(self, queued: int, retry_after: int = 1):
+        self.queued = queued
+        self.retry_after = retry_after
+        super().__init__(f"{queued} requests are already waiting for this model; retry in {retry_after} s")
