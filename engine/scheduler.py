@@ -1,0 +1,246 @@
+"""Continuous batching: one forward step serves every active sequence of a model.
+
+A decode step costs about the same for one sequence as for eight: its time goes
+into reading the quantized weights, and a matmul over eight rows reads them once.
+So the scheduler keeps a set of active requests and, step after step, feeds all
+of them through `model.step` together:
+
+- a decoding request contributes its one new token;
+- a request still in its prompt contributes a chunk of it: up to `prefill_chunk`
+  tokens when nobody is decoding, only `interleave_chunk` while others are, so a
+  long prompt does not freeze the streams already running;
+- new requests join between steps (up to `max_batch` active), others wait in a
+  bounded queue, and past `max_queue` waiting ones `submit` raises `QueueFull`;
+- a cancelled request leaves at the next step.
+
+A prompt starts from the longest prefix of it that an earlier sequence already
+ran (engine/prefix_cache.py); a finished or cancelled sequence goes back to that
+cache.
+
+Threads: the numpy work runs in one worker thread per model, never on the trio
+loop. The worker starts when a request arrives and ends when none is left. It
+hands each sampled token to the request's trio memory channel through the trio
+token of the loop that submitted it (`run_sync_soon`, so a slow reader never
+stalls the batch); the caller reads them with `async for`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from typing import Callable
+
+import numpy as np
+import trio
+
+from .errors import QueueFull
+from .kv_cache import Sequence
+from .prefix_cache import PrefixCache
+
+Pick = Callable[[np.ndarray], int]  # logits (V,) float32 -> the next token id; runs in the worker thread
+
+
+class Request:
+    """One generation inside the scheduler: its prompt, how to pick tokens, where they go."""
+
+    def __init__(self, prompt: list[int], pick: Pick, max_tokens: int, stop_ids: frozenset[int],
+                 send: trio.MemorySendChannel, trio_token: trio.lowlevel.TrioToken):
+        self.prompt = prompt
+        self.pick = pick
+        self.max_tokens = max_tokens
+        self.stop_ids = stop_ids
+        self.send = send
+        self.trio_token = trio_token
+        self.seq: Sequence | None = None
+        self.cached_tokens = 0             # prompt tokens reused from the prefix cache
+        self.generated = 0
+        self.finish_reason: str | None = None  # "stop" (a stop id) or "length" once finished here
+        self.cancelled = False
+
+
+class Generation:
+    """The caller's side of a request: an async iterator of token ids.
+
+    Use it in a `with` block (or call `cancel()`): leaving early takes the request
+    out of the batch at the next step.
+    """
+
+    def __init__(self, scheduler: Scheduler, request: Request, receive: trio.MemoryReceiveChannel):
+        self._scheduler = scheduler
+        self._request = request
+        self._receive = receive
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens that came from the prefix cache (known once the first token arrived)."""
+        return self._request.cached_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" when a stop id ended it, "length" at max_tokens or a full context, else None."""
+        return self._request.finish_reason
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> int:
+        try:
+            item = await self._receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self._scheduler._cancel(self._request)
+        self._receive.close()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.cancel()
+
+
+class Scheduler:
+    """Continuous batching over one model's `step` (see the module docstring)."""
+
+    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 32, prefill_chunk: int = 512,
+                 interleave_chunk: int = 64, prefix_cache_bytes: int = 256 << 20):
+        self.model = model
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.interleave_chunk = interleave_chunk
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._lock = threading.Lock()          # guards _waiting and _worker
+        self._waiting: deque[Request] = deque()
+        self._worker: threading.Thread | None = None
+
+    def submit(self, prompt: list[int], *, pick: Pick, max_tokens: int,
+               stop_ids: frozenset[int] = frozenset()) -> Generation:
+        """Queue a generation; call from a trio task. Raises QueueFull when the queue is full.
+
+        The generation ends after `max_tokens` tokens, after a token in `stop_ids`
+        (which is yielded), or when the context window is full.
+        """
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not prompt:
+            raise ValueError("the prompt has no token")
+        send, receive = trio.open_memory_channel(math.inf)
+        request = Request(list(prompt), pick, max_tokens, frozenset(stop_ids), send,
+                          trio.lowlevel.current_trio_token())
+        with self._lock:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(len(self._waiting))
+            self._waiting.append(request)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="lmsp-scheduler", daemon=True)
+                self._worker.start()
+        return Generation(self, request, receive)
+
+    def _cancel(self, request: Request) -> None:
+        with self._lock:
+            request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+
+    # --- the worker thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Step the active requests until none is left, admitting new ones between steps."""
+        active: list[Request] = []
+        try:
+            while True:
+                with self._lock:
+                    joining = []
+                    while self._waiting and len(active) + len(joining) < self.max_batch:
+                        joining.append(self._waiting.popleft())
+                    if not active and not joining:
+                        self._worker = None
+                        return
+                for request in joining:
+                    request.seq, request.cached_tokens = self.prefix_cache.start(
+                        request.prompt, self.model.new_sequence)
+                    active.append(request)
+                for request in [r for r in active if r.cancelled]:
+                    self._retire(request, active)
+                if active:
+                    self._step(active)
+        except BaseException as exc:  # a bug here must not leave readers waiting forever
+            with self._lock:
+                stranded = active + list(self._waiting)
+                self._waiting.clear()
+                self._worker = None
+            for request in stranded:
+                _deliver(request, exc)
+                _deliver(request, None)
+            raise
+
+    def _step(self, active: list[Request]) -> None:
+        """One forward step: every decoding request's token, plus prompt chunks within the budget."""
+        decoding = [r for r in active if r.seq.n_pending == 1]
+        prefilling = [r for r in active if r.seq.n_pending > 1]
+        budget = self.interleave_chunk if decoding else self.prefill_chunk
+        used = 0
+        for request in prefilling:       # oldest first; the first one always gets a chunk
+            take = min(request.seq.n_pending, budget)
+            if used and used + take > budget:
+                break
+            decoding.append(request)
+            used += take
+        batch = decoding
+        try:
+            logits = self.model.step([r.seq for r in batch], chunk=budget)  # per request (1, V)
+        except Exception as exc:
+            for request in batch:
+                active.remove(request)
+                _deliver(request, exc)
+                _deliver(request, None)
+            return
+        for request, row in zip(batch, logits):
+            if request.seq.n_pending or request.cancelled:
+                continue                 # mid-prompt: its logits are not wanted yet
+            try:
+                token = int(request.pick(row[0]))
+            except Exception as exc:
+                _deliver(request, exc)
+                self._retire(request, active)
+                continue
+            request.seq.append(token)
+            request.generated += 1
+            _deliver(request, token)
+            if token in request.stop_ids:
+                request.finish_reason = "stop"
+            elif request.generated >= request.max_tokens or len(request.seq.tokens) >= self.model.n_ctx:
+                request.finish_reason = "length"
+            if request.finish_reason:
+                self._retire(request, active)
+
+    def _retire(self, request: Request, active: list[Request]) -> None:
+        """Take a request out of the batch, end its stream, keep its cache for later prefixes."""
+        active.remove(request)
+        _deliver(request, None)
+        self.prefix_cache.store(request.seq)
+
+
+def _deliver(request: Request, item) -> None:
+    """Hand a token, an exception, or None (end of stream) to the request's trio loop."""
+    try:
+        request.trio_token.run_sync_soon(_send, request.send, item)
+    except trio.RunFinishedError:        # the loop that asked is gone: nobody will read
+        request.cancelled = True
+
+
+def _send(send: trio.MemorySendChannel, item) -> None:
+    """Runs on the trio loop: pass the item on; a reader that left is not an error."""
+    try:
+        if item is None:
+            send.close()
+        else:
+            send.send_nowait(item)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
