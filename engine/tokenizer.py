@@ -1,0 +1,553 @@
+"""Tokenizers built from a GGUF file's `tokenizer.*` metadata, as llama.cpp builds them.
+
+Two tokenizer models are supported, chosen by `tokenizer.ggml.model`:
+
+- ``gpt2``: byte-level BPE. The text is first cut into words by the pre-tokenizer
+  regexes that `tokenizer.ggml.pre` names (applied one after another, each one
+  splitting the pieces of the previous; the text between matches stays a piece of
+  its own), each word's UTF-8 bytes are mapped to printable characters (GPT-2's
+  byte<->unicode table), then adjacent symbols are merged by the rank of the pair
+  in `tokenizer.ggml.merges`, lowest rank first, leftmost on a tie.
+- ``llama``: SentencePiece-style. Spaces become U+2581, and adjacent symbols are
+  merged while the merged text is a token, highest `tokenizer.ggml.scores` first,
+  leftmost on a tie. A character that ends up in no token is written as its UTF-8
+  bytes with the `<0xXX>` byte tokens.
+
+Before either runs, the text is partitioned around special tokens (llama.cpp's
+`tokenizer_st_partition`): every token that is not a normal token, longest first,
+is searched for in the text and cut out as a token of its own. With
+``parse_special=False`` control and unknown tokens are skipped, but user-defined
+tokens (Gemma's `<html>`, runs of spaces or newlines, ...) are still cut out:
+Hugging Face's tokenizers do the same with their "added tokens".
+
+Decoding: `decode(ids)` is llama.cpp's `llama_detokenize(..., remove_special=false,
+unparse_special=false)`: control and unknown tokens render as nothing (so the text
+is what a user should see), user-defined tokens as their text, and the space
+clean-up some BPE pre-tokenizers ask for (``clean_spaces``) is applied.
+`decode(ids, special=True)` renders control tokens as their text, like
+llama-server's ``/detokenize`` does (it pastes `common_token_to_piece(..., special
+= true)` pieces together, without the space clean-up).
+`token_bytes(id)` is the raw bytes one token adds to generated text (b"" for
+control tokens); `IncrementalDecoder` turns a stream of ids into text that never
+ends in half a UTF-8 character.
+
+Not implemented (llama.cpp sets them from the model name, which the tokenizer
+metadata does not carry): the per-token lstrip/rstrip attributes of a few models
+(phi-3, jina). Other tokenizer models (bert, t5, rwkv, ...) raise
+UnsupportedModelError.
+"""
+
+from __future__ import annotations
+
+import abc
+import codecs
+import heapq
+
+import regex
+
+from engine.errors import ModelFileError, UnsupportedModelError
+
+
+class Attr:
+    """Token attribute bits, as llama.cpp's llama_token_attr (GGUF token_type maps onto them).
+
+    Plain ints, not an enum.IntFlag: they are combined for every token of a 262k vocabulary.
+    """
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+
+
+# GGUF `tokenizer.ggml.token_type` values -> attributes.
+_TOKEN_TYPE_ATTR = {
+    0: Attr.UNDEFINED,
+    1: Attr.NORMAL,
+    2: Attr.UNKNOWN,
+    3: Attr.CONTROL,
+    4: Attr.USER_DEFINED,
+    5: Attr.UNUSED,
+    6: Attr.BYTE,
+}
+
+# Texts llama.cpp recognizes as end-of-generation tokens (llama-vocab.cpp, "special_eog_ids").
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+# Fill-in-the-middle pad / repo / file-separator tokens: llama.cpp also ends generation on them.
+_FIM_EOG_TEXTS = frozenset({
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    "<|file_sep|>",
+})
+# Other fill-in-the-middle tokens; llama.cpp forces them (like the above) to be control tokens.
+_FIM_TEXTS = frozenset({
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+    "<|code_prefix|>", "<|prefix|>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+    "<|code_suffix|>", "<|suffix|>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+    "<|code_middle|>", "<|middle|>",
+})
+
+# Pre-tokenizer regexes, as llama.cpp's llm_tokenizer_bpe has them.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+class _Pre:
+    """How one `tokenizer.ggml.pre` value tokenizes and detokenizes."""
+
+    def __init__(self, regexes, *, clean_spaces=True, ignore_merges=False, add_bos=False):
+        self.regexes = tuple(regex.compile(r) for r in regexes)
+        self.clean_spaces = clean_spaces    # detokenize removes " ," " ." " 's" ... spaces
+        self.ignore_merges = ignore_merges  # a word that is a token is taken whole (llama 3)
+        self.add_bos = add_bos              # default of add_bos when the metadata is silent
+
+
+_PRE_TOKENIZERS: dict[str, _Pre] = {}
+
+
+def _register(names, pre):
+    for name in names.split():
+        _PRE_TOKENIZERS[name] = pre
+
+
+_register("default", _Pre(_DEFAULT))
+_register("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2",
+          _Pre([_LLAMA3], ignore_merges=True, add_bos=True))
+_register("dbrx smaug-bpe", _Pre([_LLAMA3]))
+_register("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de mellum modern-bert "
+          "mpt olmo jais exaone4", _Pre([_GPT2]))
+_register("trillion granite-docling", _Pre([_GPT2], clean_spaces=False))
+_register("starcoder refact codeshell exaone minerva-7b", _Pre([r"\p{N}", _GPT2]))
+_register("smollm command-r", _Pre([r"\p{N}", _GPT2], clean_spaces=False))
+_register("qwen2 deepseek-r1-qwen", _Pre([_QWEN2], clean_spaces=False))
+_register("stablelm2 megrez", _Pre([_QWEN2]))
+_register("gpt-4o llama4", _Pre([_GPT4O], clean_spaces=False))
+_register("falcon", _Pre([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]))
+_register("poro-chat", _Pre([r" ?[^(\s|.,!?…。，、।۔،)]+"], clean_spaces=False))
+_register("bloom gpt3-finnish", _Pre([r" ?[^(\s|.,!?…。，、।۔،)]+"]))
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's table: each byte -> a printable character (printable bytes map to themselves)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table = [""] * 256
+    n = 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+_BYTE_TO_CHAR = _bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in enumerate(_BYTE_TO_CHAR)}
+# bytes.translate can't map to multi-char strings, so byte-encode through latin-1 + str.translate.
+_LATIN1_TO_BYTE_CHAR = {b: c for b, c in enumerate(_BYTE_TO_CHAR)}
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _split(pieces: list[str], pattern: regex.Pattern) -> list[str]:
+    """Cut each piece at the pattern's matches; the text between matches stays a piece."""
+    out = []
+    for piece in pieces:
+        start = 0
+        for m in pattern.finditer(piece):
+            a, b = m.span()
+            if a == b:
+                continue
+            if a > start:
+                out.append(piece[start:a])
+            out.append(piece[a:b])
+            start = b
+        if start < len(piece):
+            out.append(piece[start:])
+    return out
+
+
+class Tokenizer(abc.ABC):
+    """Shared part: vocabulary, special tokens, decoding. Subclasses do the text -> ids step."""
+
+    def __init__(self, meta: dict, *, default_bos: int | None, default_eos: int | None,
+                 default_unk: int | None, add_bos: bool, add_space_prefix: bool, clean_spaces: bool):
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelFileError("the tokenizer metadata has no tokenizer.ggml.tokens")
+        n = len(tokens)
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        types = meta.get("tokenizer.ggml.token_type")
+        if types is not None and len(types) < n:
+            raise ModelFileError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        self.tokens: list[str] = tokens
+        self.n_vocab = n
+        self.attrs: list[int] = (
+            [_TOKEN_TYPE_ATTR.get(t, Attr.UNDEFINED) for t in types[:n]] if types is not None
+            else [Attr.NORMAL] * n
+        )
+        self.token_to_id: dict[str, int] = dict(zip(tokens, range(n)))
+        if len(self.token_to_id) != n:
+            seen: dict[str, int] = {}
+            for i, t in enumerate(tokens):
+                if seen.setdefault(t, i) != i:
+                    raise ModelFileError(f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}")
+
+        def special_id(key, default):
+            value = meta.get(f"tokenizer.ggml.{key}")
+            if value is not None and 0 <= int(value) < n:
+                return int(value)
+            return default if default is not None and 0 <= default < n else None
+
+        self.bos_id = special_id("bos_token_id", default_bos)
+        self.eos_id = special_id("eos_token_id", default_eos)
+        self.unk_id = special_id("unknown_token_id", default_unk)
+        self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
+        self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+        self.clean_spaces = clean_spaces
+        if self.add_bos and self.bos_id is None:
+            raise ModelFileError("tokenizer.ggml.add_bos_token is true, but there is no BOS token")
+        if self.add_eos and self.eos_id is None:
+            raise ModelFileError("tokenizer.ggml.add_eos_token is true, but there is no EOS token")
+
+        # End-of-generation tokens, found by id and by text as llama.cpp does; all become control.
+        eog = {special_id(k, None) for k in ("eos_token_id", "eot_token_id", "eom_token_id",
+                                             "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")}
+        eog |= {self.token_to_id.get(text) for text in _EOG_TEXTS | _FIM_EOG_TEXTS}
+        eog.discard(None)
+        eog_texts = {tokens[i] for i in eog}
+        if {"<|return|>", "<|call|>", "<|end|>"} <= eog_texts or {"<|calls|>", "<|flush|>", "<|end|>"} <= eog_texts:
+            end = self.token_to_id["<|end|>"]   # harmony, solar-open: <|end|> ends a message, not generation
+            eog.discard(end)
+            self.attrs[end] = Attr.USER_DEFINED
+        for i in eog | {self.token_to_id.get(text) for text in _FIM_TEXTS} - {None}:
+            self.attrs[i] |= Attr.CONTROL
+        for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # gpt-oss renders these
+            if text in self.token_to_id:
+                self.attrs[self.token_to_id[text]] = Attr.USER_DEFINED
+        self.eos_ids: frozenset[int] = frozenset(eog)
+
+        # Tokens cut out of the text before tokenizing, longest first (tokenizer_st_partition).
+        special = [i for i, a in enumerate(self.attrs)
+                   if a & (Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN)]
+        special.sort(key=lambda i: (-len(tokens[i]), i))
+        self._special_all = [(i, tokens[i]) for i in special]
+        self._special_user = [(i, tokens[i]) for i in special
+                              if not self.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN)]
+
+        # The bytes each token writes (special=True rendering); control ones are blanked on use.
+        self._pieces: list[bytes] = [self._piece(i) for i in range(n)]
+        self._silent = bytearray(1 if a & (Attr.CONTROL | Attr.UNKNOWN) else 0 for a in self.attrs)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_metadata(cls, meta: dict) -> "Tokenizer":
+        """Build the tokenizer a GGUF file describes (meta: GGUF key -> plain Python value)."""
+        model = meta.get("tokenizer.ggml.model")
+        if model == "gpt2":
+            return BpeTokenizer(meta)
+        if model == "llama":
+            return SpmTokenizer(meta)
+        if model is None:
+            raise ModelFileError("the file has no tokenizer (tokenizer.ggml.model is missing)")
+        raise UnsupportedModelError(f"tokenizer model {model!r} is not supported (only 'gpt2' and 'llama')")
+
+    def _piece(self, i: int) -> bytes:
+        """llama.cpp's token_to_piece(special=True) for one token."""
+        a, text = self.attrs[i], self.tokens[i]
+        if a & (Attr.UNKNOWN | Attr.CONTROL | Attr.USER_DEFINED):
+            return text.encode()
+        if a & Attr.NORMAL:
+            return self._normal_piece(text)
+        if a & Attr.BYTE:
+            return bytes([int(text[3:5], 16)])
+        return b""
+
+    @abc.abstractmethod
+    def _normal_piece(self, text: str) -> bytes:
+        """The bytes a normal token's text stands for (the two models escape them differently)."""
+
+    # -- encoding ---------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text -> token ids, as llama.cpp's llama_tokenize(text, add_special, parse_special)."""
+        try:
+            text.encode()
+        except UnicodeEncodeError:   # lone surrogates: keep the valid text, replace the rest
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        fragments = self._partition(text, parse_special) if text else []
+        ids: list[int] = []
+        if add_special and self.add_bos:
+            ids.append(self.bos_id)
+        self._encode_fragments(fragments, ids)
+        if add_special and self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    @abc.abstractmethod
+    def _encode_fragments(self, fragments: list[str | int], ids: list[int]) -> None:
+        """Append the ids of text fragments (token ids among them are appended as they are)."""
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Cut special tokens out of the text: a list of text fragments and token ids."""
+        fragments: list[str | int] = [text]
+        for tid, tok in (self._special_all if parse_special else self._special_user):
+            if tok not in text:
+                continue
+            out: list[str | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or tok not in frag:
+                    out.append(frag)
+                    continue
+                for k, part in enumerate(frag.split(tok)):
+                    if k:
+                        out.append(tid)
+                    if part:
+                        out.append(part)
+            fragments = out
+        return fragments
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def is_control(self, token_id: int) -> bool:
+        return bool(self.attrs[token_id] & Attr.CONTROL)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this token adds to generated text (b"" for control and unknown tokens)."""
+        return b"" if self._silent[token_id] else self._pieces[token_id]
+
+    def decode(self, ids, special: bool = False) -> str:
+        """Token ids -> text; see the module docstring for how special tokens render."""
+        pieces = self._pieces
+        silent = self._silent
+        out = []
+        strip_space = self.add_space_prefix
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.n_vocab:
+                raise ValueError(f"token id {i} is out of range (vocabulary of {self.n_vocab})")
+            piece = b"" if silent[i] and not special else pieces[i]
+            if strip_space and piece.startswith(b" "):
+                piece = piece[1:]
+            strip_space = False
+            out.append(piece)
+        data = b"".join(out)
+        if self.clean_spaces and not special:
+            data = _clean_spaces(data)
+        return data.decode("utf-8", "replace")
+
+
+def _clean_spaces(text: bytes) -> bytes:
+    """llama.cpp's detokenize clean-up: " ?" " !" " ." " ," lose the space, " ' " loses both,
+    " 's" " 'm" " 're" " 've" lose the space."""
+    text = regex.sub(rb" ([?!.,])", rb"\1", text)
+    text = regex.sub(rb" ' (?=.)", rb"'", text)
+    return regex.sub(rb" '(?=s|m|re|ve)", rb"'", text)
+
+
+class BpeTokenizer(Tokenizer):
+    """Byte-level BPE (`tokenizer.ggml.model` = "gpt2")."""
+
+    def __init__(self, meta: dict):
+        pre_name = meta.get("tokenizer.ggml.pre") or "default"
+        pre = _PRE_TOKENIZERS.get(pre_name)
+        if pre is None:
+            raise UnsupportedModelError(f"BPE pre-tokenizer {pre_name!r} is not supported")
+        self.pre_name = pre_name
+        self._pre = pre
+        merges = meta.get("tokenizer.ggml.merges")
+        if merges is None:
+            raise ModelFileError("a gpt2 tokenizer needs tokenizer.ggml.merges")
+        self._ranks: dict[tuple[str, str], int] = {}
+        for rank, merge in enumerate(merges):
+            cut = merge.find(" ", 1)   # the first space after the first character separates the pair
+            if cut > 0:
+                self._ranks.setdefault((merge[:cut], merge[cut + 1:]), rank)
+        super().__init__(meta, default_bos=11, default_eos=11, default_unk=None,
+                         add_bos=pre.add_bos, add_space_prefix=False, clean_spaces=pre.clean_spaces)
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def _normal_piece(self, text: str) -> bytes:
+        return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode() for c in text)
+
+    def pre_tokenize(self, text: str) -> list[str]:
+        """Cut text into the words BPE runs on: each regex splits the pieces of the one before."""
+        words = [text]
+        for pattern in self._pre.regexes:
+            words = _split(words, pattern)
+        return words
+
+    def _encode_fragments(self, fragments, ids):
+        cache = self._cache
+        for frag in fragments:
+            if isinstance(frag, int):
+                ids.append(frag)
+                continue
+            for word in self.pre_tokenize(frag):
+                got = cache.get(word)
+                if got is None:
+                    if len(cache) > 50_000:
+                        cache.clear()
+                    got = cache[word] = self._bpe(word)
+                ids.extend(got)
+
+    def _bpe(self, word: str) -> tuple[int, ...]:
+        """One pre-token word -> ids: merge the lowest-ranked adjacent pair until none is left."""
+        encoded = word.encode().decode("latin-1").translate(_LATIN1_TO_BYTE_CHAR)
+        vocab = self.token_to_id
+        if self._pre.ignore_merges and encoded in vocab:
+            return (vocab[encoded],)
+        syms = list(encoded)            # symbol texts; "" once merged into its left neighbour
+        nxt = list(range(1, len(syms))) + [-1]
+        prv = list(range(-1, len(syms) - 1))
+        ranks = self._ranks
+
+        def pair(left, right):
+            rank = ranks.get((syms[left], syms[right]))
+            return None if rank is None else (rank, left, right, syms[left] + syms[right])
+
+        heap = [p for p in map(pair, range(len(syms) - 1), range(1, len(syms))) if p]
+        heapq.heapify(heap)
+        while heap:
+            _, left, right, text = heapq.heappop(heap)
+            if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
+                continue   # outdated: one side was merged with something else since
+            syms[left] = text
+            syms[right] = ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prv[nxt[right]] = left
+            for p in (prv[left], left), (left, nxt[left]):
+                if p[0] >= 0 and p[1] >= 0 and (p := pair(*p)):
+                    heapq.heappush(heap, p)
+        out = []
+        for s in syms:
+            if not s:
+                continue
+            tid = vocab.get(s)
+            if tid is not None:
+                out.append(tid)
+            else:   # not a token (a vocabulary without all 256 byte characters): per character
+                out.extend(vocab[c] for c in s if c in vocab)
+        return tuple(out)
+
+
+class SpmTokenizer(Tokenizer):
+    """SentencePiece-style BPE by token score (`tokenizer.ggml.model` = "llama")."""
+
+    def __init__(self, meta: dict):
+        super().__init__(meta, default_bos=1, default_eos=2, default_unk=0,
+                         add_bos=True, add_space_prefix=True, clean_spaces=False)
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is not None and len(scores) < self.n_vocab:
+            raise ModelFileError(f"tokenizer.ggml.scores has {len(scores)} entries for {self.n_vocab} tokens")
+        self._scores = scores if scores is not None else [0.0] * self.n_vocab
+        self._byte_ids = [self.token_to_id.get(f"<0x{b:02X}>", self.token_to_id.get(chr(b)) if b < 128 else None)
+                          for b in range(256)]
+
+    def _normal_piece(self, text: str) -> bytes:
+        return text.replace(_SPACE, " ").encode()
+
+    def _encode_fragments(self, fragments, ids):
+        prev_special = True
+        for frag in fragments:
+            if isinstance(frag, int):
+                ids.append(frag)
+                prev_special = True
+                continue
+            if self.add_space_prefix and prev_special:
+                frag = " " + frag
+            self._spm(frag.replace(" ", _SPACE), ids)
+            prev_special = False
+
+    def _spm(self, text: str, ids: list[int]) -> None:
+        """Merge adjacent symbols into the highest-scoring token they form, leftmost on a tie."""
+        vocab = self.token_to_id
+        scores = self._scores
+        syms = list(text)   # one symbol per character; "" once merged into its left neighbour
+        n = len(syms)
+        nxt = list(range(1, n)) + [-1]
+        prv = list(range(-1, n - 1))
+        heap = []
+
+        def bigram(left, right):
+            if left >= 0 and right >= 0:
+                tid = vocab.get(syms[left] + syms[right])
+                if tid is not None:
+                    return (-scores[tid], left, right, len(syms[left]) + len(syms[right]))
+            return None
+
+        for i in range(n - 1):
+            b = bigram(i, i + 1)
+            if b:
+                heap.append(b)
+        heapq.heapify(heap)
+        while heap:
+            _, left, right, size = heapq.heappop(heap)
+            if not syms[left] or not syms[right] or len(syms[left]) + len(syms[right]) != size:
+                continue   # outdated: one side was merged with something else since
+            syms[left] += syms[right]
+            syms[right] = ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prv[nxt[right]] = left
+            for b in (bigram(prv[left], left), bigram(left, nxt[left])):
+                if b:
+                    heapq.heappush(heap, b)
+        for s in syms:
+            if not s:
+                continue
+            tid = vocab.get(s)
+            if tid is not None:
+                ids.append(tid)
+                continue
+            for byte in s.encode():   # byte fallback: <0xXX> tokens
+                tid = self._byte_ids[byte]
+                ids.append(tid if tid is not None else self.unk_id)
+
+
+class IncrementalDecoder:
+    """Feed token ids one at a time; get back only text made of complete UTF-8 characters.
+
+    Bytes of a character split across tokens (an emoji written as four <0xXX> byte
+    tokens, a CJK character cut by BPE) are held until the character is complete.
+    `flush()` returns what is still held at the end (invalid bytes as U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._decoder.decode(self._tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)

@@ -1,0 +1,156 @@
+"""The tokenizers against llama.cpp's own output for the two real models.
+
+The tokenizer metadata of both models is in tests/data (gzip JSON), so no model
+download is needed; the expected ids are llama-server's /tokenize output.
+"""
+
+import gzip
+import json
+
+import pytest
+
+from engine.errors import ModelFileError, UnsupportedModelError
+from engine.tokenizer import IncrementalDecoder, Tokenizer
+
+from conftest import DATA
+
+MODELS = ("smollm2", "gemma3")
+
+
+def _meta(name: str) -> dict:
+    with gzip.open(DATA / f"tokenizer-meta.{name}.json.gz") as f:
+        return json.load(f)
+
+
+def _rows(name: str) -> list[dict]:
+    with open(DATA / f"tokenizer.{name}.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> dict[str, Tokenizer]:
+    return {name: Tokenizer.from_metadata(_meta(name)) for name in MODELS}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_identical_to_llama_cpp(tokenizers, name):
+    tok = tokenizers[name]
+    mismatches = [
+        (row["text"], row["add_special"], tok.encode(row["text"], add_special=row["add_special"]), row["ids"])
+        for row in _rows(name)
+        if tok.encode(row["text"], add_special=row["add_special"]) != row["ids"]
+    ]
+    assert mismatches == []
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_round_trips(tokenizers, name):
+    tok = tokenizers[name]
+    for row in _rows(name):
+        assert tok.decode(tok.encode(row["text"], add_special=row["add_special"])) == row["text"]
+    text = "Ünïcödé\tand\r\n  spaces  <|im_start|> <start_of_turn> 🇫🇷 \U000f0000 𠀋"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_models_and_special_ids(tokenizers):
+    smol, gemma = tokenizers["smollm2"], tokenizers["gemma3"]
+    assert (smol.n_vocab, smol.bos_id) == (49152, 1)
+    assert (gemma.n_vocab, gemma.bos_id) == (262144, 2)
+    im_end = smol.token_to_id["<|im_end|>"]
+    assert {0, im_end} <= smol.eos_ids                    # <|endoftext|>, <|im_end|>
+    assert {1, gemma.token_to_id["<end_of_turn>"]} <= gemma.eos_ids   # <eos>, <end_of_turn>
+    assert smol.is_control(im_end) and not smol.is_control(smol.encode("Hi")[0])
+    assert gemma.encode("", add_special=True) == [2]
+    assert gemma.encode("", add_special=False) == []
+
+
+def test_special_tokens_parsed_only_on_request(tokenizers):
+    smol = tokenizers["smollm2"]
+    text = "<|im_start|>user\nHi<|im_end|>\n"
+    ids = smol.encode(text, parse_special=True)
+    assert ids[0] == 1 and smol.token_to_id["<|im_end|>"] in ids
+    plain = smol.encode(text, parse_special=False)
+    assert 1 not in plain and smol.decode(plain) == text
+    # Control tokens write nothing to the output text, unless asked to render them.
+    assert smol.decode(ids) == "user\nHi\n"
+    assert smol.decode(ids, special=True) == text
+    assert smol.token_bytes(1) == b""
+
+
+def test_user_defined_tokens_always_cut_out(tokenizers):
+    gemma = tokenizers["gemma3"]
+    html = gemma.token_to_id["<html>"]
+    assert gemma.encode("<html>", add_special=False) == [html]
+    assert gemma.encode("x<html>y", add_special=False, parse_special=False)[1] == html
+    assert gemma.token_bytes(html) == b"<html>"
+    # A control token is text unless parse_special is true.
+    sot = gemma.token_to_id["<start_of_turn>"]
+    assert sot not in gemma.encode("<start_of_turn>user", parse_special=False)
+    assert gemma.encode("<start_of_turn>user", parse_special=True)[:2] == [2, sot]
+
+
+def test_byte_fallback(tokenizers):
+    gemma = tokenizers["gemma3"]
+    ids = gemma.encode("\U000f0000", add_special=False)   # a private-use character: no token has it
+    assert ids == [gemma.token_to_id[f"<0x{b:02X}>"] for b in "\U000f0000".encode()]
+    assert [gemma.token_bytes(i) for i in ids] == [b"\xf3", b"\xb0", b"\x80", b"\x80"]
+    assert gemma.decode(ids) == "\U000f0000"
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("text", ["emoji 😀 and 👨‍👩‍👧 🇫🇷", "東京は日本の首都です。中文分词测试", "\U000f0000𠀋x"])
+def test_incremental_decoder_never_emits_half_a_character(tokenizers, name, text):
+    tok = tokenizers[name]
+    ids = tok.encode(text, add_special=True)
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.feed(i) for i in ids]
+    pieces.append(dec.flush())
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_incremental_decoder_holds_a_split_character(tokenizers, name):
+    tok = tokenizers[name]
+    ids = tok.encode("\U000f0000!", add_special=False)   # no token has U+F0000: its 4 bytes are split
+    dec = IncrementalDecoder(tok)
+    assert [dec.feed(i) for i in ids][-2:] == ["\U000f0000", "!"]
+    assert dec.feed(ids[0]) == "" and dec.flush() == "\ufffd"
+
+
+def test_incremental_decoder_flushes_an_incomplete_tail(tokenizers):
+    gemma = tokenizers["gemma3"]
+    dec = IncrementalDecoder(gemma)
+    assert dec.feed(gemma.token_to_id["<0xF0>"]) == ""
+    assert dec.flush() == "\ufffd"
+
+
+def test_bpe_word_cache_gives_the_same_ids(tokenizers):
+    smol = tokenizers["smollm2"]
+    text = "The quick brown fox jumps over the lazy dog. " * 50
+    assert smol.encode(text) == smol.encode(text)
+    assert smol.encode(text)[:10] == smol.encode(text[:44])
+
+
+def test_unsupported_tokenizers_raise():
+    meta = _meta("smollm2")
+    with pytest.raises(UnsupportedModelError, match="pre-tokenizer"):
+        Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "no-such-pre"})
+    with pytest.raises(UnsupportedModelError, match="tokenizer model"):
+        Tokenizer.from_metadata({**meta, "tokenizer.ggml.model": "t5"})
+    with pytest.raises(ModelFileError):
+        Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2"})
+
+
+def test_other_pre_tokenizers_split_as_llama_cpp():
+    # The llama 3 regex keeps up to three digits together; smollm cuts every digit.
+    meta = _meta("smollm2")
+    llama3 = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "llama-bpe"})
+    smol = Tokenizer.from_metadata(meta)
+    text = "1234567 $hello  world's\n\n"
+    assert llama3.pre_tokenize(text) == ["123", "456", "7", " $", "hello", " ", " world", "'s", "\n\n"]
+    assert smol.pre_tokenize(text) == [*"1234567", " $", "hello", " ", " world", "'s", "\n\n"]
+    # Without an add_bos_token key, llama 3 adds BOS (llama.cpp's default for that pre-tokenizer).
+    silent = {k: v for k, v in meta.items() if k != "tokenizer.ggml.add_bos_token"}
+    assert Tokenizer.from_metadata({**silent, "tokenizer.ggml.pre": "llama3"}).encode("x")[0] == 1
+    assert Tokenizer.from_metadata(silent).encode("x")[0] != 1
