@@ -1,0 +1,251 @@
+"""Forward passes: tokens in, logits out, one function per transformer block.
+
+A forward step takes the pending tokens of one or more sequences as one batch:
+every matmul runs on all their tokens at once (that is where BLAS earns its
+keep), and attention runs per sequence over that sequence's own KV cache,
+causal within the new chunk. Shapes in comments: n = tokens in the batch,
+d = n_embd, T = tokens of one sequence in this step, L = its cached length
+after the step, hd = head dimension, V = vocabulary.
+
+The architectures differ in small, named ways (see `Hyperparameters`):
+- llama (SmolLM2, Llama 3, Mistral, TinyLlama): RMSNorm, RoPE "NORM" style
+  (llama.cpp's converter permutes the Q/K rows so rotated pairs are adjacent),
+  SwiGLU feed-forward.
+- qwen2: llama plus Q/K/V biases, RoPE "NEOX" style (pairs i, i + hd/2).
+- qwen3: llama with an RMSNorm of each Q and K head, NEOX RoPE.
+- gemma3: embeddings scaled by sqrt(d); four norms per block (the GGUF stores
+  gemma's 1 + w, so they are plain RMSNorms); QK-norm; GELU-tanh gated
+  feed-forward; five sliding-window layers with RoPE base 10k then one global
+  layer; attention scale 1/sqrt(key_length); output tied to the embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .kv_cache import Sequence
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    architecture: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int            # of queries and keys
+    head_dim_v: int          # of values
+    n_ff: int
+    norm_eps: float
+    context_length: int      # trained window
+    rope_dim: int            # leading dimensions of each head that RoPE rotates
+    rope_base: float
+    rope_base_local: float   # sliding-window layers (gemma3)
+    rope_neox: bool          # pairs (i, i + rope_dim/2) instead of (2i, 2i+1)
+    sliding_window: int      # 0: none
+    local_layers: tuple[bool, ...]  # per layer: uses the sliding window
+    attention_scale: float
+    embedding_scale: float
+
+
+@dataclass
+class Block:
+    """The weights of one transformer block. Matrices are engine.quants Weights (quantized)."""
+
+    attn_norm: np.ndarray            # (d,)
+    qkv: Any                         # Weight (n_head*hd + 2*n_head_kv*hd, d): Q, K, V merged
+    qkv_bias: np.ndarray | None      # (n_head*hd + 2*n_head_kv*hd,) qwen2
+    q_norm: np.ndarray | None        # (hd,) qwen3, gemma3
+    k_norm: np.ndarray | None        # (hd,)
+    attn_output: Any                 # Weight (d, n_head*hd_v)
+    post_attention_norm: np.ndarray | None  # (d,) gemma3
+    ffn_norm: np.ndarray             # (d,)
+    gate_up: Any                     # Weight (2*n_ff, d): gate then up, merged
+    ffn_down: Any                    # Weight (d, n_ff)
+    post_ffw_norm: np.ndarray | None  # (d,) gemma3
+
+
+@dataclass
+class Weights:
+    token_embd: Any                  # Weight (V, d)
+    blocks: list[Block]
+    output_norm: np.ndarray          # (d,)
+    output: Any                      # Weight (V, d), token_embd itself when tied
+
+
+@dataclass
+class Batch:
+    """The tokens one forward step feeds: sequences[i] contributes rows spans[i] of the batch."""
+
+    sequences: list[Sequence]
+    starts: list[int]                # first new position of each sequence (its cached length)
+    spans: list[slice]               # rows of each sequence in the batch
+    tokens: np.ndarray               # (n,) token ids
+    positions: np.ndarray            # (n,) position of each token in its sequence
+
+
+def make_batch(sequences: list[Sequence], max_tokens_each: int) -> Batch:
+    """Take up to max_tokens_each pending tokens of every sequence."""
+    starts, spans, tokens, positions, row = [], [], [], [], 0
+    for seq in sequences:
+        start = seq.cache.length
+        new = seq.tokens[start: start + max_tokens_each]
+        if not new:
+            raise ValueError("a sequence in the batch has no pending token")
+        starts.append(start)
+        spans.append(slice(row, row + len(new)))
+        tokens.extend(new)
+        positions.extend(range(start, start + len(new)))
+        row += len(new)
+    return Batch(sequences, starts, spans, np.asarray(tokens, np.int64), np.asarray(positions, np.int64))
+
+
+def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = False) -> list[np.ndarray]:
+    """Run the batch through the model and advance every sequence's cache.
+
+    Returns, per sequence, the logits (T, V) of all its new tokens when
+    `all_logits`, else (1, V) of its last new token only (what sampling needs).
+    """
+    for seq, span, start in zip(batch.sequences, batch.spans, batch.starts):
+        seq.cache.reserve(start + span.stop - span.start)
+    block = BLOCKS[hp.architecture]
+    x = w.token_embd.rows(batch.tokens)                        # (n, d)
+    if hp.embedding_scale != 1.0:
+        x = x * np.float32(hp.embedding_scale)                 # (n, d)
+    for layer, blk in enumerate(w.blocks):
+        x = block(x, blk, hp, batch, layer)                    # (n, d)
+    if not all_logits:
+        x = x[[span.stop - 1 for span in batch.spans]]         # (n_seq, d)
+    x = rms_norm(x, w.output_norm, hp.norm_eps)                # (n or n_seq, d)
+    logits = w.output.matmul(x)                                # (n or n_seq, V)
+    for seq, span in zip(batch.sequences, batch.spans):
+        seq.cache.length += span.stop - span.start
+    if all_logits:
+        return [logits[span] for span in batch.spans]
+    return [logits[i: i + 1] for i in range(len(batch.spans))]
+
+
+def llama_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int) -> np.ndarray:
+    """Pre-norm attention and SwiGLU feed-forward, each added to the residual (llama, qwen2, qwen3)."""
+    h = rms_norm(x, blk.attn_norm, hp.norm_eps)                # (n, d)
+    x = x + attention(h, blk, hp, batch, layer)                # (n, d)
+    h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (n, d)
+    gate, up = split_gate_up(blk.gate_up.matmul(h))           # (n, n_ff) each
+    return x + blk.ffn_down.matmul(silu(gate) * up)            # (n, d)
+
+
+def gemma3_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int) -> np.ndarray:
+    """Sandwich norms: each sub-layer's input and output are normalized before the residual add."""
+    h = rms_norm(x, blk.attn_norm, hp.norm_eps)                # (n, d)
+    h = attention(h, blk, hp, batch, layer)                    # (n, d)
+    x = x + rms_norm(h, blk.post_attention_norm, hp.norm_eps)  # (n, d)
+    h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (n, d)
+    gate, up = split_gate_up(blk.gate_up.matmul(h))           # (n, n_ff) each
+    h = blk.ffn_down.matmul(gelu_tanh(gate) * up)              # (n, d)
+    return x + rms_norm(h, blk.post_ffw_norm, hp.norm_eps)     # (n, d)
+
+
+BLOCKS = {"llama": llama_block, "qwen2": llama_block, "qwen3": llama_block, "gemma3": gemma3_block}
+
+
+def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int) -> np.ndarray:
+    """Multi-head (grouped-query) self-attention of the batch; stores the new K/V in each cache."""
+    n = h.shape[0]
+    n_q, n_k = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+    qkv = blk.qkv.matmul(h)                                    # (n, n_q + n_k + n_kv*hd_v)
+    if blk.qkv_bias is not None:
+        qkv += blk.qkv_bias
+    q = qkv[:, :n_q].reshape(n, hp.n_head, hp.head_dim)        # (n, n_head, hd)
+    k = qkv[:, n_q: n_q + n_k].reshape(n, hp.n_head_kv, hp.head_dim)      # (n, n_head_kv, hd)
+    v = qkv[:, n_q + n_k:].reshape(n, hp.n_head_kv, hp.head_dim_v)        # (n, n_head_kv, hd_v)
+    if blk.q_norm is not None:
+        q = rms_norm(q, blk.q_norm, hp.norm_eps)               # (n, n_head, hd)
+        k = rms_norm(k, blk.k_norm, hp.norm_eps)               # (n, n_head_kv, hd)
+    local = hp.local_layers[layer]
+    base = hp.rope_base_local if local else hp.rope_base
+    cos, sin = rope_angles(batch.positions, hp.rope_dim, base)  # (n, rope_dim/2) each
+    q = rope(q, cos, sin, hp.rope_neox)                        # (n, n_head, hd)
+    k = rope(k, cos, sin, hp.rope_neox)                        # (n, n_head_kv, hd)
+    window = hp.sliding_window if local else 0
+
+    out = np.empty((n, hp.n_head * hp.head_dim_v), np.float32)  # (n, n_head*hd_v)
+    for seq, span, start in zip(batch.sequences, batch.spans, batch.starts):
+        seq.cache.store(layer, start, k[span], v[span])
+        keys, values = seq.cache.view(layer, span.stop - span.start + start)  # (n_head_kv, L, hd)
+        out[span] = attend(q[span], keys, values, batch.positions[span], window, hp.attention_scale)
+    return blk.attn_output.matmul(out)                         # (n, d)
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
+           window: int, scale: float) -> np.ndarray:
+    """Softmax attention of one sequence's new queries over its cached keys/values.
+
+    Query head h reads key/value head h // (n_head / n_head_kv), as in llama.cpp.
+    A query at position p sees keys at positions j <= p, and with a sliding
+    window only those with p - j < window.
+    """
+    T, n_head, hd = q.shape                                    # q: (T, n_head, hd)
+    n_kv, L, hd_v = values.shape                               # keys: (n_kv, L, hd), values: (n_kv, L, hd_v)
+    group = n_head // n_kv
+    q = q.transpose(1, 0, 2).reshape(n_kv, group * T, hd)      # (n_kv, group*T, hd)
+    scores = (q @ keys.transpose(0, 2, 1)) * np.float32(scale)  # (n_kv, group*T, L)
+    key_pos = np.arange(L)                                     # (L,)
+    hidden = key_pos[None, :] > positions[:, None]             # (T, L)
+    if window:
+        hidden |= positions[:, None] - key_pos[None, :] >= window
+    scores = scores.reshape(n_kv, group, T, L)                 # (n_kv, group, T, L)
+    scores[:, :, hidden] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)                 # (n_kv, group, T, L)
+    out = probs.reshape(n_kv, group * T, L) @ values           # (n_kv, group*T, hd_v)
+    return out.reshape(n_head, T, hd_v).transpose(1, 0, 2).reshape(T, n_head * hd_v)  # (T, n_head*hd_v)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / rms(x) * weight over the last axis. x: (..., k), weight: (k,)."""
+    ms = np.mean(np.square(x), axis=-1, keepdims=True)         # (..., 1)
+    return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight  # (..., k)
+
+
+def rope_angles(positions: np.ndarray, rope_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (n, rope_dim/2) of position * base^(-2i/rope_dim), computed in float64."""
+    inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # (rope_dim/2,)
+    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]          # (n, rope_dim/2)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotate pairs of each head's first rope_dim dimensions. x: (n, heads, hd), cos/sin: (n, rope_dim/2)."""
+    half = cos.shape[1]
+    cos, sin = cos[:, None, :], sin[:, None, :]                # (n, 1, rope_dim/2)
+    out = x.copy()
+    if neox:  # pairs (i, i + rope_dim/2)
+        a, b = x[..., :half], x[..., half: 2 * half]           # (n, heads, rope_dim/2)
+        out[..., :half] = a * cos - b * sin
+        out[..., half: 2 * half] = a * sin + b * cos
+    else:     # adjacent pairs (2i, 2i + 1)
+        a, b = x[..., 0: 2 * half: 2], x[..., 1: 2 * half: 2]  # (n, heads, rope_dim/2)
+        out[..., 0: 2 * half: 2] = a * cos - b * sin
+        out[..., 1: 2 * half: 2] = a * sin + b * cos
+    return out
+
+
+def split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 2*n_ff) -> gate (n, n_ff), up (n, n_ff)."""
+    n_ff = gate_up.shape[1] // 2
+    return gate_up[:, :n_ff], gate_up[:, n_ff:]
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), with the sigmoid written through tanh so it never overflows."""
+    return x * (0.5 + 0.5 * np.tanh(0.5 * x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (what gemma and ggml_gelu use)."""
+    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))

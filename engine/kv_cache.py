@@ -1,0 +1,99 @@
+"""The key/value cache of a sequence, and the sequence itself.
+
+Each sequence owns its cache: for every layer, the keys and values of every
+position seen so far, so a decode step only computes the new token's keys and
+values and attends over the stored ones. Storage is float32 (the precision the
+attention math runs in; float16 would halve the memory but round every stored
+key). It is preallocated and grows geometrically up to the context window, so
+a short chat does not pay for a 32k-token window and a long one copies rarely.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KVCache:
+    """Keys (n_layer × (n_head_kv, capacity, head_dim_k)) and values, positions [0, length) valid."""
+
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
+                 max_length: int, capacity: int = 256):
+        self.n_layer = n_layer
+        self.n_head_kv = n_head_kv
+        self.head_dim_k = head_dim_k
+        self.head_dim_v = head_dim_v
+        self.max_length = max_length
+        self.length = 0
+        capacity = min(capacity, max_length)
+        self.keys = [np.zeros((n_head_kv, capacity, head_dim_k), np.float32) for _ in range(n_layer)]
+        self.values = [np.zeros((n_head_kv, capacity, head_dim_v), np.float32) for _ in range(n_layer)]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def reserve(self, n: int) -> None:
+        """Make room for positions [0, n), doubling the storage when it must grow."""
+        if n > self.max_length:
+            raise ValueError(f"{n} positions do not fit a cache of {self.max_length}")
+        if n <= self.capacity:
+            return
+        capacity = min(self.max_length, max(n, 2 * self.capacity))
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = np.zeros((old.shape[0], capacity, old.shape[2]), np.float32)
+                new[:, : self.length] = old[:, : self.length]
+                store[i] = new
+
+    def store(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write the keys k (T, n_head_kv, head_dim_k) and values v of positions start..start+T."""
+        stop = start + k.shape[0]
+        self.keys[layer][:, start:stop] = k.transpose(1, 0, 2)
+        self.values[layer][:, start:stop] = v.transpose(1, 0, 2)
+
+    def view(self, layer: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys (n_head_kv, stop, head_dim_k) and values (n_head_kv, stop, head_dim_v) of [0, stop)."""
+        return self.keys[layer][:, :stop], self.values[layer][:, :stop]
+
+    def truncate(self, n: int) -> None:
+        """Forget every position from n on (the storage stays allocated)."""
+        self.length = min(self.length, n)
+
+    def copy_prefix(self, n: int) -> KVCache:
+        """A new cache holding a copy of positions [0, n): a prefix shared by another sequence."""
+        n = min(n, self.length)
+        copy = KVCache(self.n_layer, self.n_head_kv, self.head_dim_k, self.head_dim_v,
+                       self.max_length, capacity=max(n, 1))
+        for src, dst in ((self.keys, copy.keys), (self.values, copy.values)):
+            for layer in range(self.n_layer):
+                dst[layer][:, :n] = src[layer][:, :n]
+        copy.length = n
+        return copy
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+
+class Sequence:
+    """A token sequence being run through the model: its tokens and the cache of those already run.
+
+    `tokens[:cache.length]` are in the cache; `tokens[cache.length:]` are pending and
+    will be fed to the next forward step(s).
+    """
+
+    def __init__(self, tokens: list[int], cache: KVCache):
+        self.tokens = list(tokens)
+        self.cache = cache
+
+    @property
+    def n_pending(self) -> int:
+        return len(self.tokens) - self.cache.length
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def fork(self, n: int) -> Sequence:
+        """A new sequence sharing (a copy of) the first n cached tokens of this one."""
+        n = min(n, self.cache.length)
+        return Sequence(self.tokens[:n], self.cache.copy_prefix(n))

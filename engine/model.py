@@ -1,0 +1,284 @@
+"""A loaded model: hyperparameters, quantized weights, tokenizer, chat template.
+
+`load_model(path)` memory-maps the GGUF file, reads the hyperparameters of its
+architecture from the metadata and wraps each weight matrix in a quantized
+`Weight` (engine/quants.py) without a float32 copy. The `Model` it returns is
+what the rest of the program talks to: tokenize, detokenize, logits, chat
+template, and (engine/generate.py, engine/chat.py) generation.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import LlamaFileType
+
+from . import architectures
+from .architectures import Block, Hyperparameters, Weights
+from .chat_template import ChatTemplate
+from .errors import ModelFileError, UnsupportedModelError
+from .gguf_file import GGUFFile
+from .kv_cache import KVCache, Sequence
+from .quants import concat_weights, load_weight
+from .tokenizer import Tokenizer
+
+PREFILL_CHUNK = 512  # tokens of one sequence per forward step while prefilling
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    name: str
+    architecture: str
+    quantization: str          # the file type, e.g. "Q4_1", "Q4_K_M"
+    context_length: int        # the window we run: trained length, capped by n_ctx
+    n_params: int
+    size_bytes: int
+    n_vocab: int
+    n_layer: int
+    n_embd: int
+    basename: str | None
+    size_label: str | None
+    finetune: str | None
+    has_chat_template: bool
+    capabilities: tuple[str, ...]  # among "tools", "structured_output", "reasoning"
+
+
+def load_model(path: str | Path, n_ctx: int | None = None) -> Model:
+    """Open a GGUF model. `n_ctx` caps the context window (default: the trained length)."""
+    file = GGUFFile(path)
+    hp = read_hyperparameters(file)
+    weights = load_weights(file, hp)
+    tokenizer = Tokenizer.from_metadata(file.metadata)
+    return Model(file, hp, weights, tokenizer, n_ctx)
+
+
+class Model:
+    def __init__(self, file: GGUFFile, hp: Hyperparameters, weights: Weights,
+                 tokenizer: Tokenizer, n_ctx: int | None = None):
+        self.file = file
+        self.hp = hp
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.n_ctx = min(n_ctx or hp.context_length, hp.context_length)
+        self.template_source: str | None = file.get("tokenizer.chat_template")
+        self.chat_template = ChatTemplate(
+            self.template_source,
+            bos_token=self._token_text(tokenizer.bos_id),
+            eos_token=self._token_text(min(tokenizer.eos_ids) if tokenizer.eos_ids else None),
+        )
+        self.add_bos = bool(file.get("tokenizer.ggml.add_bos_token", tokenizer.bos_id is not None))
+        self.steps = 0                       # forward steps run so far (tests watch it)
+        self._forward_lock = threading.Lock()  # one forward at a time over the shared weights
+        self.info = self._make_info()
+
+    # --- the public API ---------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def logits(self, ids) -> np.ndarray:
+        """Logits (len(ids), n_vocab) float32 of every position, in a fresh context."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            return np.zeros((0, self.hp.n_vocab), np.float32)
+        if len(ids) > self.n_ctx:
+            raise ValueError(f"{len(ids)} tokens do not fit the context window of {self.n_ctx}")
+        seq = self.new_sequence(ids)
+        chunks = []
+        while seq.n_pending:
+            chunks.append(self.step([seq], all_logits=True)[0])
+        return np.concatenate(chunks).astype(np.float32, copy=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    # --- what generation builds on -------------------------------------------------------
+
+    def new_sequence(self, tokens: list[int], capacity: int = 256) -> Sequence:
+        """A sequence with an empty cache; its tokens are pending until stepped."""
+        hp = self.hp
+        cache = KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.n_ctx,
+                        capacity=max(capacity, min(len(tokens), self.n_ctx)))
+        return Sequence(tokens, cache)
+
+    def step(self, sequences: list[Sequence], all_logits: bool = False,
+             chunk: int = PREFILL_CHUNK) -> list[np.ndarray]:
+        """One forward step over up to `chunk` pending tokens of each sequence (blocking).
+
+        Returns per sequence the logits of its last fed token (1, V), or of all
+        fed tokens (T, V) with `all_logits`.
+        """
+        batch = architectures.make_batch(sequences, chunk)
+        with self._forward_lock:
+            out = architectures.forward(self.hp, self.weights, batch, all_logits)
+            self.steps += 1
+        return out
+
+    def generate(self, prompt_ids, *, max_tokens, sampling=None, stop=(), constraint=None):
+        from .generate import generate
+        return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                        stop=stop, constraint=constraint)
+
+    def prepare_chat(self, request):
+        from .chat import prepare_chat
+        return prepare_chat(self, request)
+
+    def generate_chat(self, prepared):
+        from .chat import generate_chat
+        return generate_chat(self, prepared)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int | None) -> str:
+        if token_id is None or not 0 <= token_id < self.tokenizer.n_vocab:
+            return ""
+        return self.tokenizer.decode([token_id], special=True)
+
+    def _make_info(self) -> ModelInfo:
+        file, hp = self.file, self.hp
+        file_type = file.get("general.file_type")
+        try:
+            quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            quantization = "unknown"
+        capabilities = ("reasoning",) if self.template_source and "<think>" in self.template_source else ()
+        return ModelInfo(
+            path=str(file.path),
+            name=file.get("general.name") or file.path.stem,
+            architecture=hp.architecture,
+            quantization=quantization,
+            context_length=self.n_ctx,
+            n_params=sum(math.prod(t.shape) for t in file.tensors.values()),
+            size_bytes=file.path.stat().st_size,
+            n_vocab=hp.n_vocab,
+            n_layer=hp.n_layer,
+            n_embd=hp.n_embd,
+            basename=file.get("general.basename"),
+            size_label=file.get("general.size_label"),
+            finetune=file.get("general.finetune"),
+            has_chat_template=bool(self.template_source),
+            capabilities=capabilities,
+        )
+
+    def __repr__(self) -> str:
+        return f"Model({self.info.name!r}, {self.info.architecture}, {self.info.quantization})"
+
+
+def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
+    """The architecture's hyperparameters from the GGUF metadata (llama.cpp's keys and defaults)."""
+    arch = file.architecture
+    if arch not in architectures.BLOCKS:
+        raise UnsupportedModelError(
+            f"{file.path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(architectures.BLOCKS))})")
+
+    def key(name: str, default: Any = ...) -> Any:
+        value = file.get(f"{arch}.{name}", default)
+        if value is ...:
+            raise ModelFileError(f"{file.path}: metadata key '{arch}.{name}' is missing")
+        return value
+
+    n_embd = int(key("embedding_length"))
+    n_layer = int(key("block_count"))
+    n_head = int(key("attention.head_count"))
+    n_head_kv = int(key("attention.head_count_kv", n_head))
+    head_dim = int(key("attention.key_length", n_embd // n_head))
+    head_dim_v = int(key("attention.value_length", head_dim))
+    embd = file.tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelFileError(f"{file.path}: tensor 'token_embd.weight' is missing")
+    gemma = arch == "gemma3"
+    window = int(key("attention.sliding_window", 0)) if gemma else 0
+    return Hyperparameters(
+        architecture=arch,
+        n_vocab=embd.shape[0],
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        n_ff=int(key("feed_forward_length")),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=int(key("context_length")),
+        rope_dim=int(key("rope.dimension_count", head_dim)),
+        rope_base=float(key("rope.freq_base", 10000.0)),
+        # llama.cpp hard-codes gemma3's local base; newer files may carry it
+        rope_base_local=float(key("rope.freq_base_swa", 10000.0)) if gemma else 0.0,
+        rope_neox=arch != "llama",
+        sliding_window=window,
+        # gemma3: five sliding-window layers, then one global (llama.cpp's swa pattern 6)
+        local_layers=tuple(bool(window) and i % 6 < 5 for i in range(n_layer)),
+        attention_scale=1.0 / math.sqrt(head_dim),
+        embedding_scale=math.sqrt(n_embd) if gemma else 1.0,
+    )
+
+
+def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights:
+    """Wrap every tensor the architecture needs; merge Q/K/V and gate/up into one matrix each."""
+
+    def tensor(name: str, required: bool = True):
+        t = file.tensors.get(name)
+        if t is None and required:
+            raise ModelFileError(f"{file.path}: tensor {name!r} is missing")
+        return t
+
+    def matrix(name: str, shape: tuple[int, int]):
+        t = tensor(name)
+        if tuple(t.shape) != shape:
+            raise ModelFileError(f"{file.path}: tensor {name!r} has shape {t.shape}, expected {shape}")
+        return load_weight(t)
+
+    def vector(name: str, size: int, required: bool = True) -> np.ndarray | None:
+        t = tensor(name, required)
+        if t is None:
+            return None
+        if tuple(t.shape) != (size,):
+            raise ModelFileError(f"{file.path}: tensor {name!r} has shape {t.shape}, expected ({size},)")
+        return np.asarray(load_weight(t).dequantize(), np.float32).reshape(size)
+
+    d, hd, hd_v = hp.n_embd, hp.head_dim, hp.head_dim_v
+    n_q, n_k, n_v = hp.n_head * hd, hp.n_head_kv * hd, hp.n_head_kv * hd_v
+    blocks = []
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        q = matrix(b + "attn_q.weight", (n_q, d))
+        k = matrix(b + "attn_k.weight", (n_k, d))
+        v = matrix(b + "attn_v.weight", (n_v, d))
+        biases = [vector(b + f"attn_{x}.bias", n, required=False) for x, n in (("q", n_q), ("k", n_k), ("v", n_v))]
+        if any(x is not None for x in biases) and not all(x is not None for x in biases):
+            raise ModelFileError(f"{file.path}: block {i} has some but not all of the Q/K/V biases")
+        has_qk_norm = hp.architecture in ("qwen3", "gemma3")
+        gemma = hp.architecture == "gemma3"
+        blocks.append(Block(
+            attn_norm=vector(b + "attn_norm.weight", d),
+            qkv=concat_weights([q, k, v]),
+            qkv_bias=np.concatenate(biases) if biases[0] is not None else None,
+            q_norm=vector(b + "attn_q_norm.weight", hd) if has_qk_norm else None,
+            k_norm=vector(b + "attn_k_norm.weight", hd) if has_qk_norm else None,
+            attn_output=matrix(b + "attn_output.weight", (d, hp.n_head * hd_v)),
+            post_attention_norm=vector(b + "post_attention_norm.weight", d) if gemma else None,
+            ffn_norm=vector(b + "ffn_norm.weight", d),
+            gate_up=concat_weights([matrix(b + "ffn_gate.weight", (hp.n_ff, d)),
+                                    matrix(b + "ffn_up.weight", (hp.n_ff, d))]),
+            ffn_down=matrix(b + "ffn_down.weight", (d, hp.n_ff)),
+            post_ffw_norm=vector(b + "post_ffw_norm.weight", d) if gemma else None,
+        ))
+    token_embd = matrix("token_embd.weight", (hp.n_vocab, d))
+    output = file.tensors.get("output.weight")
+    return Weights(
+        token_embd=token_embd,
+        blocks=blocks,
+        output_norm=vector("output_norm.weight", d),
+        output=matrix("output.weight", (hp.n_vocab, d)) if output is not None else token_embd,
+    )
