@@ -51,3 +51,8 @@ class QueueFull(EngineError):
         self.queued = queued
         self.retry_after = retry_after
         super().__init__(f"{queued} requests are already waiting for this model; retry in {retry_after} s")
+
+
+class ChatTemplateError(EngineError):
+    """The model's chat template does not compile, or cannot render these messages
+    (the template called raise_exception, e.g. "roles must alternate user/assistant")."""
