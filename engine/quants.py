@@ -1,0 +1,514 @@
+"""Weight matrices kept quantized in memory, and the matmul kernels that use them.
+
+Every quantized ggml format stores a row as blocks: a few scale bytes followed by
+packed small integers ("codes"). The blocks differ (bits per code, 32 or 256 values
+per block, 6-bit sub-block scales, ...), but once unpacked they all say the same
+thing: `w = code * scale + min`, with one scale (and, for some formats, one min) per
+group of `g` consecutive values of a row. So at load time each format is unpacked
+ONCE into one uniform representation:
+
+    codes  int8     (out, in)        the integer codes
+    scales float32  (out, in // g)   one per group: ggml's d (K-quants: d * sub-block scale)
+    mins   float32  (out, in // g)   formats with an offset only (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
+
+and a single pair of kernels serves every format. Resident bytes per weight:
+
+    g = 32, no min  (Q8_0, Q4_0, Q5_0):        1 + 4/32         = 1.125
+    g = 32, min     (Q4_1, Q5_1, Q4_K, Q5_K):  1 + 8/32         = 1.25
+    g = 16, no min  (Q3_K, Q6_K):              1 + 4/16         = 1.25
+    g = 16, min     (Q2_K):                    1 + 8/16         = 1.5
+    F32: 4 (the memory-mapped file), F16 / BF16: 2 (kept half-size, converted per tile)
+
+against 0.56 to 1.06 bytes per weight in the file: at most 2.0x for 4-bit files, and
+no float32 copy of a quantized matrix is ever kept.
+
+The kernels, for `y = x @ W.T` with x float32 (n, in):
+- small n (decode): W's codes are converted to float32 one cache-sized tile of rows
+  at a time, then BLAS computes the per-group partial dot products
+  P[r, k] = codes[r, group k] . x[group k], and y[r] = sum_k scales[r, k] * P[r, k]
+  (+ sum_k mins[r, k] * sum(x[group k])): no pass multiplies the weights by scales.
+- large n (prefill): each tile is dequantized (codes * scales) into a float32 buffer
+  and multiplied with BLAS, so the dequantization cost is shared by all n rows of x;
+  the min term is mins @ the per-group sums of x.
+Rows are split across threads (numpy's ufuncs and BLAS release the GIL); every thread
+has its own scratch buffers, so several threads may call matmul at once.
+
+The unpackers read the block layouts as numpy views, the way gguf-py's quants.py
+does; `gguf.quants.dequantize` is the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from engine.errors import UnsupportedModelError
+from engine.gguf_file import Tensor
+
+# Scratch tiles hold about this many float32 values (512 KiB): small enough to stay
+# in a core's L2 cache while BLAS reads them back.
+TILE_VALUES = 1 << 17
+# Below this many rows of x the decode kernel is used, above it the dequantize-and-GEMM one.
+DECODE_MAX_ROWS = 4
+# Matrices with fewer values than this are not worth splitting across threads.
+PARALLEL_MIN_VALUES = 1 << 16
+
+
+# ---------------------------------------------------------------------------------------
+# Threads and per-thread scratch buffers
+
+def default_num_threads() -> int:
+    """One thread per core."""
+    return os.cpu_count() or 1
+
+
+_n_threads = default_num_threads()
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_scratch = threading.local()
+
+
+def set_num_threads(n: int) -> None:
+    """Use `n` threads (the caller's plus n - 1 pool workers) per matmul."""
+    global _n_threads, _pool
+    with _pool_lock:
+        _n_threads = max(1, int(n))
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+            _pool = None
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_n_threads - 1, thread_name_prefix="lmsp-matmul")
+        return _pool
+
+
+def _buffer(name: str, size: int, dtype=np.float32) -> np.ndarray:
+    """A flat scratch array of at least `size` items, private to the calling thread."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(name)
+    if buf is None or buf.size < size or buf.dtype != dtype:
+        buf = buffers[name] = np.empty(max(size, TILE_VALUES), dtype)
+    return buf[:size]
+
+
+def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -> None:
+    """Run fn(r0, r1) over contiguous row ranges covering [0, n_rows), one per thread."""
+    k = min(_n_threads, n_rows, max(1, n_values // PARALLEL_MIN_VALUES))
+    if k == 1:
+        fn(0, n_rows)
+        return
+    bounds = [n_rows * i // k for i in range(k + 1)]
+    pool = _get_pool()
+    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, k)]
+    try:
+        fn(bounds[0], bounds[1])
+    finally:
+        for f in futures:
+            f.result()
+
+
+# ---------------------------------------------------------------------------------------
+# Weights
+
+
+class Weight(ABC):
+    """A (out, in) weight matrix: `y = x @ W.T` without a float32 copy of W."""
+
+    shape: tuple[int, int]
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this weight keeps in memory."""
+
+    @abstractmethod
+    def _dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> None:
+        """Write W[r0:r1] as float32 into out (r1 - r0, in)."""
+
+    def _matmul_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+        """y[:, r0:r1] = x @ W[r0:r1].T, a tile of rows at a time (x: (n, in), y: (n, out))."""
+        n_in = self.shape[1]
+        tile_rows = max(1, TILE_VALUES // n_in)
+        buf = _buffer("tile", min(tile_rows, r1 - r0) * n_in)
+        for t0 in range(r0, r1, tile_rows):
+            t1 = min(t0 + tile_rows, r1)
+            w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in) float32
+            self._dequantize_rows(t0, t1, w)
+            np.matmul(x, w.T, out=y[:, t0:t1])
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """x float32 (n, in) -> x @ W.T float32 (n, out)."""
+        n_out, n_in = self.shape
+        if x.ndim != 2 or x.shape[1] != n_in:
+            raise ValueError(f"matmul of a {self.shape} weight with x of shape {x.shape}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.empty((x.shape[0], n_out), np.float32)
+        _parallel_rows(lambda r0, r1: self._matmul_rows(x, y, r0, r1), n_out, n_out * n_in)
+        return y
+
+    def rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """W[ids] as float32 (len(ids), in): an embedding lookup."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise IndexError(f"row ids out of range for a weight of {self.shape[0]} rows")
+        out = np.empty((ids.size, self.shape[1]), np.float32)
+        for i, r in enumerate(ids.tolist()):
+            self._dequantize_rows(r, r + 1, out[i : i + 1])
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """The whole matrix as float32 (out, in) (tests and small tensors)."""
+        out = np.empty(self.shape, np.float32)
+        self._dequantize_rows(0, self.shape[0], out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, nbytes={self.nbytes})"
+
+
+class DenseWeight(Weight):
+    """F32, F16 or BF16 data (out, in), kept as in the file and converted per tile.
+
+    BF16 is held as its uint16 bit patterns: a bfloat16 is the top half of a float32.
+    """
+
+    def __init__(self, data: np.ndarray, kind: T):
+        self.data = data  # (out, in) float32 | float16 | uint16 (BF16 bits)
+        self.kind = kind
+        self.shape = (int(data.shape[0]), int(data.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def _dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> None:
+        if self.kind == T.BF16:
+            bits = out.view(np.uint32)
+            np.copyto(bits, self.data[r0:r1])
+            np.left_shift(bits, 16, out=bits)
+        else:
+            np.copyto(out, self.data[r0:r1])
+
+    def _matmul_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+        if self.kind == T.F32:
+            np.matmul(x, self.data[r0:r1].T, out=y[:, r0:r1])
+        else:
+            super()._matmul_rows(x, y, r0, r1)
+
+
+class QuantWeight(Weight):
+    """A quantized matrix unpacked to int8 codes plus per-group float32 scales (and mins)."""
+
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None):
+        self.codes = codes  # (out, in) int8
+        self.scales = scales  # (out, in // g) float32
+        self.mins = mins  # (out, in // g) float32, or None
+        self.shape = (int(codes.shape[0]), int(codes.shape[1]))
+        self.group = self.shape[1] // scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
+
+    def _dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> None:
+        rows, g = r1 - r0, self.group
+        w = out.reshape(rows, -1, g)  # (rows, groups, g)
+        np.copyto(out, self.codes[r0:r1])
+        np.multiply(w, self.scales[r0:r1, :, None], out=w)
+        if self.mins is not None:
+            np.add(w, self.mins[r0:r1, :, None], out=w)
+
+    def _group_sums(self, x: np.ndarray) -> np.ndarray:
+        """Per-group sums of x (n, in) -> (n, groups): what the mins multiply."""
+        return x.reshape(x.shape[0], -1, self.group).sum(axis=2)
+
+    def _matmul_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+        n, n_in = x.shape
+        if n > DECODE_MAX_ROWS:
+            self._prefill_rows(x, y, r0, r1)
+        else:
+            self._decode_rows(x, y, r0, r1)
+        if self.mins is not None:
+            # y[:, r] += sum_k mins[r, k] * sum(x[:, group k])
+            y[:, r0:r1] += self._group_sums(x) @ self.mins[r0:r1].T
+
+    def _prefill_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+        n_in, g = self.shape[1], self.group
+        tile_rows = max(1, TILE_VALUES // n_in)
+        buf = _buffer("tile", min(tile_rows, r1 - r0) * n_in)
+        for t0 in range(r0, r1, tile_rows):
+            t1 = min(t0 + tile_rows, r1)
+            w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in)
+            np.copyto(w, self.codes[t0:t1])
+            w3 = w.reshape(t1 - t0, -1, g)  # (rows, groups, g)
+            np.multiply(w3, self.scales[t0:t1, :, None], out=w3)
+            np.matmul(x, w.T, out=y[:, t0:t1])
+
+    def _decode_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+        n, n_in = x.shape
+        g = self.group
+        n_groups = n_in // g
+        xg = x.reshape(n, n_groups, g).transpose(1, 2, 0)  # (groups, g, n)
+        tile_rows = max(1, TILE_VALUES // n_in)
+        rows = min(tile_rows, r1 - r0)
+        buf = _buffer("tile", rows * n_in)
+        pbuf = _buffer("partial", n_groups * rows * n)
+        for t0 in range(r0, r1, tile_rows):
+            t1 = min(t0 + tile_rows, r1)
+            rows = t1 - t0
+            w = buf[: rows * n_in].reshape(rows, n_in)  # (rows, in) codes as float32
+            np.copyto(w, self.codes[t0:t1])
+            p = pbuf[: n_groups * rows * n].reshape(n_groups, rows, n)
+            # p[k, r, :] = codes[r, group k] . x[:, group k]
+            np.matmul(w.reshape(rows, n_groups, g).transpose(1, 0, 2), xg, out=p)
+            if n == 1:
+                np.vecdot(p[:, :, 0].T, self.scales[t0:t1], out=y[0, t0:t1])
+            else:
+                y[:, t0:t1] = np.einsum("krn,rk->nr", p, self.scales[t0:t1])
+
+
+# ---------------------------------------------------------------------------------------
+# Unpacking the ggml block formats
+#
+# Each unpacker takes the raw bytes of some rows, uint8 (rows, bytes_per_row), and
+# returns (codes int8 (rows, in), scales float32 (rows, in // g), mins float32 or None).
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes (..., 2) holding an IEEE half -> float32 (...)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes (..., m) -> their low nibbles then their high nibbles, (..., 2, m) uint8."""
+    return np.stack([qs & 0x0F, qs >> 4], axis=-2)
+
+
+def _bits(b: np.ndarray) -> np.ndarray:
+    """Bytes (..., m) -> their bits, least significant first, (..., 8 * m) uint8 0/1."""
+    return np.unpackbits(b, axis=-1, bitorder="little")
+
+
+def _blocks(raw: np.ndarray, qtype: T) -> np.ndarray:
+    """uint8 (rows, bytes_per_row) -> (rows, blocks_per_row, bytes_per_block)."""
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    return raw.reshape(raw.shape[0], -1, type_size)
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """(rows, ...) -> (rows, -1)."""
+    return a.reshape(a.shape[0], -1)
+
+
+def _unpack_q8_0(raw):
+    # block: d f16 | 32 x int8
+    b = _blocks(raw, T.Q8_0)
+    return _flat(b[..., 2:].view(np.int8)), _f16(b[..., 0:2]), None
+
+
+def _unpack_q4_0(raw):
+    # block: d f16 | 16 bytes: values 0..15 in the low nibbles, 16..31 in the high; w = d * (q - 8)
+    b = _blocks(raw, T.Q4_0)
+    q = _nibbles(b[..., 2:]).astype(np.int8) - 8
+    return _flat(q), _f16(b[..., 0:2]), None
+
+
+def _unpack_q4_1(raw):
+    # block: d f16 | m f16 | 16 bytes of nibbles; w = d * q + m
+    b = _blocks(raw, T.Q4_1)
+    q = _nibbles(b[..., 4:]).astype(np.int8)
+    return _flat(q), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+
+
+def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """32 five-bit values: bit j of qh (4 bytes) is the high bit of value j -> (..., 32) int8."""
+    low = _nibbles(qs).reshape(*qs.shape[:-1], 32)
+    return (low | (_bits(qh) << 4)).astype(np.int8)
+
+
+def _unpack_q5_0(raw):
+    # block: d f16 | qh 4 bytes | 16 bytes of nibbles; w = d * (q - 16)
+    b = _blocks(raw, T.Q5_0)
+    return _flat(_q5(b[..., 2:6], b[..., 6:]) - 16), _f16(b[..., 0:2]), None
+
+
+def _unpack_q5_1(raw):
+    # block: d f16 | m f16 | qh 4 bytes | 16 bytes of nibbles; w = d * q + m
+    b = _blocks(raw, T.Q5_1)
+    return _flat(_q5(b[..., 4:8], b[..., 8:])), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+
+
+def _unpack_q2_k(raw):
+    # super-block of 256: 16 scale bytes (low nibble: scale, high: min of a 16-value
+    # sub-block) | 64 bytes of 2-bit values | d f16 | dmin f16; w = d*sc * q - dmin*m.
+    # Each 128-value half is 32 bytes read 4 times at shifts 0, 2, 4, 6.
+    b = _blocks(raw, T.Q2_K)
+    sc, qs = b[..., 0:16], b[..., 16:80]
+    d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    q = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3  # (rows, blocks, half, shift, 32)
+    scales = d[..., None] * (sc & 0x0F).astype(np.float32)
+    mins = -(dmin[..., None] * (sc >> 4).astype(np.float32))
+    return _flat(q.astype(np.int8)), _flat(scales), _flat(mins)
+
+
+def _unpack_q3_k(raw):
+    # super-block of 256: hmask 32 bytes (bit k of byte l: high bit of value 32k + l) |
+    # 64 bytes of 2-bit values (as Q2_K) | 12 bytes of sixteen 6-bit scales | d f16.
+    # w = d * (scale - 32) * (q - 4 * (1 - high bit)).
+    b = _blocks(raw, T.Q3_K)
+    hmask, qs, packed, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    low = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3  # (rows, blocks, half, shift, 32)
+    high = _bits(hmask[..., :, None]).reshape(*hmask.shape[:-1], 32, 8)  # [l, k]: bit k of hmask[l]
+    high = high.swapaxes(-1, -2).reshape(low.shape)  # value 32k + l
+    q = low.astype(np.int8) - ((1 - high) << 2).astype(np.int8)
+    # scales: low 4 bits from packed[0:8] (low nibbles for 0-7, high for 8-15),
+    # top 2 bits from packed[8:12] (2 bits per scale, in groups of 4)
+    lo = _nibbles(packed[..., 0:8]).reshape(*packed.shape[:-1], 16)
+    hi = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    sc = (lo | (hi.reshape(lo.shape) << 4)).astype(np.int8) - 32
+    return _flat(q), _flat(d[..., None] * sc.astype(np.float32)), None
+
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of eight 6-bit scales and eight 6-bit mins of Q4_K / Q5_K -> (..., 8) each.
+
+    Bytes 0-3: scales 0-3 (low 6 bits) + top bits of scales 4-7; bytes 4-7: mins 0-3 +
+    top bits of mins 4-7; bytes 8-11: low nibble = scales 4-7, high nibble = mins 4-7.
+    """
+    s, m, sm = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([s & 0x3F, (sm & 0x0F) | ((s >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (sm >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _unpack_q4_k(raw):
+    # super-block of 256: d f16 | dmin f16 | 12 bytes of scales/mins | 128 bytes of nibbles:
+    # each 32 bytes hold sub-block 2i (low nibbles) and 2i + 1 (high). w = d*sc * q - dmin*m.
+    b = _blocks(raw, T.Q4_K)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, m = _k_scales_mins(b[..., 4:16])
+    qs = b[..., 16:144]
+    q = _nibbles(qs.reshape(*qs.shape[:-1], 4, 32))  # (rows, blocks, 4, 2, 32)
+    return _flat(q.astype(np.int8)), _flat(d[..., None] * sc), _flat(-(dmin[..., None] * m))
+
+
+def _unpack_q5_k(raw):
+    # as Q4_K plus qh 32 bytes before the nibbles: bit k of qh[l] is the high bit of value 32k + l
+    b = _blocks(raw, T.Q5_K)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, m = _k_scales_mins(b[..., 4:16])
+    qh, qs = b[..., 16:48], b[..., 48:176]
+    low = _nibbles(qs.reshape(*qs.shape[:-1], 4, 32)).reshape(*qs.shape[:-1], 8, 32)
+    high = _bits(qh[..., :, None]).reshape(*qh.shape[:-1], 32, 8).swapaxes(-1, -2)  # (.., 8, 32)
+    q = (low | (high << 4)).astype(np.int8)
+    return _flat(q), _flat(d[..., None] * sc), _flat(-(dmin[..., None] * m))
+
+
+def _unpack_q6_k(raw):
+    # super-block of 256: ql 128 bytes (low 4 bits) | qh 64 bytes (high 2 bits) |
+    # 16 int8 scales of 16-value sub-blocks | d f16; w = d * scale * (q - 32).
+    # Each 128-value half: value 32s + l takes ql[l + 32 (s % 2)] nibble s // 2 and
+    # bits 2s, 2s+1 of qh[l].
+    b = _blocks(raw, T.Q6_K)
+    ql, qh = b[..., 0:128], b[..., 128:192]
+    sc, d = b[..., 192:208].view(np.int8), _f16(b[..., 208:210])
+    low = _nibbles(ql.reshape(*ql.shape[:-1], 2, 64))  # (rows, blocks, half, nibble, 64)
+    low = low.reshape(*ql.shape[:-1], 2, 4, 32)
+    high = (qh.reshape(*qh.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    q = (low | (high << 4)).astype(np.int8) - 32
+    return _flat(q), _flat(d[..., None] * sc.astype(np.float32)), None
+
+
+_UNPACKERS = {
+    T.Q8_0: _unpack_q8_0,
+    T.Q4_0: _unpack_q4_0,
+    T.Q4_1: _unpack_q4_1,
+    T.Q5_0: _unpack_q5_0,
+    T.Q5_1: _unpack_q5_1,
+    T.Q2_K: _unpack_q2_k,
+    T.Q3_K: _unpack_q3_k,
+    T.Q4_K: _unpack_q4_k,
+    T.Q5_K: _unpack_q5_k,
+    T.Q6_K: _unpack_q6_k,
+}
+
+# values per scale in our unpacked form
+_GROUP = {T.Q2_K: 16, T.Q3_K: 16, T.Q6_K: 16}
+_HAS_MIN = {T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K}
+
+# rows unpacked at once, bounding the temporaries of a large tensor
+_UNPACK_ROWS = 1024
+
+
+def load_weight(tensor: Tensor) -> Weight:
+    """A 2-D tensor of a GGUF file as a Weight (out, in) we can multiply with."""
+    if len(tensor.shape) != 2:
+        raise ValueError(f"tensor {tensor.name!r} of shape {tensor.shape} is not a matrix")
+    n_out, n_in = tensor.shape
+    if tensor.type in (T.F32, T.F16):
+        return DenseWeight(tensor.data.reshape(n_out, n_in), tensor.type)
+    if tensor.type == T.BF16:
+        return DenseWeight(tensor.data.view(np.uint16).reshape(n_out, n_in), T.BF16)
+    unpack = _UNPACKERS.get(tensor.type)
+    if unpack is None:
+        raise UnsupportedModelError(
+            f"tensor {tensor.name!r}: type {tensor.type.name} is not supported"
+        )
+    g = _GROUP.get(tensor.type, 32)
+    raw = tensor.data.reshape(n_out, -1)
+    codes = np.empty((n_out, n_in), np.int8)
+    scales = np.empty((n_out, n_in // g), np.float32)
+    mins = np.empty((n_out, n_in // g), np.float32) if tensor.type in _HAS_MIN else None
+    for r0 in range(0, n_out, _UNPACK_ROWS):
+        r1 = min(r0 + _UNPACK_ROWS, n_out)
+        c, s, m = unpack(raw[r0:r1])
+        codes[r0:r1], scales[r0:r1] = c, s
+        if mins is not None:
+            mins[r0:r1] = m
+    return QuantWeight(codes, scales, mins)
+
+
+def concat_weights(weights: Sequence[Weight]) -> Weight:
+    """Stack weights with the same `in` along `out` (merged QKV, gate/up projections)."""
+    if not weights:
+        raise ValueError("concat_weights needs at least one weight")
+    n_in = weights[0].shape[1]
+    if any(w.shape[1] != n_in for w in weights):
+        raise ValueError(f"cannot concatenate weights of shapes {[w.shape for w in weights]}")
+    if all(isinstance(w, QuantWeight) for w in weights):
+        g = min(w.group for w in weights)
+        with_mins = any(w.mins is not None for w in weights)
+
+        def per_group(a: np.ndarray, w: QuantWeight) -> np.ndarray:
+            return np.repeat(a, w.group // g, axis=1)  # (out, in // g)
+
+        codes = np.concatenate([w.codes for w in weights])
+        scales = np.concatenate([per_group(w.scales, w) for w in weights])
+        mins = None
+        if with_mins:
+            mins = np.concatenate([
+                per_group(w.mins, w) if w.mins is not None else np.zeros((w.shape[0], n_in // g), np.float32)
+                for w in weights
+            ])
+        return QuantWeight(codes, scales, mins)
+    kinds = {w.kind for w in weights if isinstance(w, DenseWeight)}
+    if all(isinstance(w, DenseWeight) for w in weights) and len(kinds) == 1:
+        return DenseWeight(np.concatenate([w.data for w in weights]), kinds.pop())
+    raise UnsupportedModelError(
+        "cannot concatenate weights of different kinds: "
+        + ", ".join(repr(w) for w in weights)
+    )

@@ -1,0 +1,144 @@
+"""Opening GGUF files: metadata, tensor views, and a clear error for every bad file."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
+from gguf import quants as ref_quants
+
+from engine.errors import ModelFileError, UnsupportedModelError
+from engine.gguf_file import GGUFFile
+
+
+def write_gguf(path, tensors, arch="llama"):
+    """A small GGUF file: a few metadata keys and the given {name: (array, raw_type)}."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_context_length(64)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "<s>"])
+    writer.add_float32("test.eps", 0.5)
+    for name, (array, raw_type) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+WEIGHT = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+
+
+@pytest.fixture
+def small_gguf(tmp_path):
+    rng = np.random.default_rng(1)
+    weight = WEIGHT
+    return write_gguf(tmp_path / "small.gguf", {
+        "norm.weight": (rng.standard_normal(64).astype(np.float32), None),
+        "proj.weight": (weight, None),
+        "proj_q.weight": (ref_quants.quantize(weight, T.Q8_0), T.Q8_0),
+        "proj_h.weight": (weight.astype(np.float16), None),
+    })
+
+
+def test_metadata_and_tensors(small_gguf):
+    f = GGUFFile(small_gguf)
+    assert f.path == small_gguf
+    assert f.architecture == "llama"
+    assert f.get("general.name") == "tiny"
+    assert f.get("llama.context_length") == 64
+    assert f.get("tokenizer.ggml.tokens") == ["a", "b", "<s>"]
+    assert f.get("test.eps") == 0.5
+    assert f.get("missing.key", 7) == 7
+    assert not any(key.startswith("GGUF.") for key in f.metadata)
+
+    norm, proj, proj_q, proj_h = (f.tensors[n] for n in
+                                  ("norm.weight", "proj.weight", "proj_q.weight", "proj_h.weight"))
+    assert (norm.type, norm.shape) == (T.F32, (64,))
+    assert (proj.type, proj.shape, proj.data.dtype) == (T.F32, (8, 64), np.float32)
+    assert (proj_h.type, proj_h.shape, proj_h.data.dtype) == (T.F16, (8, 64), np.float16)
+    assert (proj_q.type, proj_q.shape, proj_q.data.shape) == (T.Q8_0, (8, 64), (8, 68))
+    np.testing.assert_array_equal(proj.data, WEIGHT)
+    np.testing.assert_array_equal(proj_h.data, WEIGHT.astype(np.float16))
+    np.testing.assert_array_equal(ref_quants.dequantize(proj_q.data, T.Q8_0),
+                                  ref_quants.dequantize(ref_quants.quantize(WEIGHT, T.Q8_0), T.Q8_0))
+    # views onto the memory map, not copies
+    assert not proj.data.flags.owndata and not proj.data.flags.writeable
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelFileError, match="no-such.gguf"):
+        GGUFFile(tmp_path / "no-such.gguf")
+
+
+def test_directory_is_not_a_model(tmp_path):
+    with pytest.raises(ModelFileError):
+        GGUFFile(tmp_path)
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ModelFileError, match="empty.gguf"):
+        GGUFFile(path)
+
+
+def test_random_bytes(tmp_path):
+    path = tmp_path / "random.gguf"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        GGUFFile(path)
+
+
+@pytest.mark.parametrize("keep", [0.999, 0.9, 0.5, 0.1, 0.02])
+def test_truncated_file(small_gguf, tmp_path, keep):
+    data = small_gguf.read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelFileError, match="truncated.gguf"):
+        GGUFFile(path)
+
+
+def test_every_truncation_point_of_the_header(small_gguf, tmp_path):
+    """Cut anywhere in the header: always a ModelFileError, never another exception."""
+    data = small_gguf.read_bytes()
+    path = tmp_path / "cut.gguf"
+    for size in range(0, 600, 7):
+        path.write_bytes(data[:size])
+        with pytest.raises(ModelFileError):
+            GGUFFile(path)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    raw = np.zeros((4, 66), np.uint8)  # 4 rows of one IQ2_XXS block (256 values) each
+    path = write_gguf(tmp_path / "iq2.gguf", {"w.weight": (raw, T.IQ2_XXS)})
+    with pytest.raises(UnsupportedModelError, match="IQ2_XXS"):
+        GGUFFile(path)
+
+
+def test_unknown_tensor_type(small_gguf, tmp_path):
+    """A type number ggml does not define (a corrupt or too-new file)."""
+    data = bytearray(small_gguf.read_bytes())
+    name = b"norm.weight"
+    # tensor info: name length u64 | name | n_dims u32 | dims u64 x n_dims | type u32 | offset u64
+    type_at = data.index(name) + len(name) + 4 + 8 * 1
+    assert int.from_bytes(data[type_at : type_at + 4], "little") == T.F32
+    data[type_at : type_at + 4] = (200).to_bytes(4, "little")
+    path = tmp_path / "unknown.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(UnsupportedModelError, match="unknown tensor type"):
+        GGUFFile(path)
+
+
+def test_missing_architecture(tmp_path):
+    writer = GGUFWriter(str(tmp_path / "noarch.gguf"), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # GGUFWriter always writes general.architecture: remove it by renaming the key
+    path = tmp_path / "noarch.gguf"
+    data = path.read_bytes().replace(b"general.architecture", b"general.architectur_")
+    path.write_bytes(data)
+    with pytest.raises(ModelFileError, match="general.architecture"):
+        GGUFFile(path).architecture

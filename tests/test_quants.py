@@ -1,0 +1,194 @@
+"""Every weight format and kernel against gguf-py's reference dequantization."""
+
+import threading
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import quants as ref_quants
+
+from engine import quants
+from engine.gguf_file import SUPPORTED_TYPES, GGUFFile, Tensor
+from engine.quants import concat_weights, load_weight
+
+QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL_TYPES = [T.F32, T.F16, T.BF16, *QUANT_TYPES]
+# byte offsets of the float16 fields (d, m, dmin) inside one block of each format
+F16_FIELDS = {
+    T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
+    T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+}
+N_OUT, N_IN = 48, 512
+
+
+def random_raw(qtype: T, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid data of a format: random bytes for every code and sub-block scale,
+    small finite float16 values for the block scales. uint8 (n_out, bytes_per_row),
+    or float32 / float16 (n_out, n_in) for F32 / F16."""
+    if qtype == T.F32:
+        return rng.standard_normal((n_out, n_in)).astype(np.float32)
+    if qtype == T.F16:
+        return rng.standard_normal((n_out, n_in)).astype(np.float16)
+    if qtype == T.BF16:
+        return ref_quants.quantize(rng.standard_normal((n_out, n_in)).astype(np.float32), T.BF16)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n_out, n_in // block_size, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        d = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        raw[..., offset : offset + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n_out, -1)
+
+
+def weight_and_reference(qtype, n_out=N_OUT, n_in=N_IN, seed=0):
+    raw = random_raw(qtype, n_out, n_in, np.random.default_rng(seed))
+    reference = ref_quants.dequantize(raw, qtype).reshape(n_out, n_in)
+    return load_weight(Tensor("w", qtype, (n_out, n_in), raw)), reference
+
+
+def assert_matmul_close(y, expected):
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(y, expected, rtol=0, atol=1e-5 * scale)
+
+
+def test_every_supported_type_has_a_loader():
+    assert set(ALL_TYPES) == SUPPORTED_TYPES
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(qtype):
+    weight, reference = weight_and_reference(qtype)
+    assert weight.shape == (N_OUT, N_IN)
+    np.testing.assert_array_equal(weight.dequantize(), reference)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.BF16], ids=lambda t: t.name)
+def test_dequantize_matches_gguf_on_quantized_data(qtype):
+    """Data as gguf-py's quantizer writes it (realistic scales, every code used)."""
+    data = np.random.default_rng(1).standard_normal((N_OUT, N_IN)).astype(np.float32)
+    raw = ref_quants.quantize(data, qtype)
+    weight = load_weight(Tensor("w", qtype, (N_OUT, N_IN), raw))
+    np.testing.assert_array_equal(weight.dequantize(), ref_quants.dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 40])
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_matmul_matches_reference(qtype, n):
+    weight, reference = weight_and_reference(qtype)
+    x = np.random.default_rng(2).standard_normal((n, N_IN)).astype(np.float32)
+    y = weight.matmul(x)
+    assert y.shape == (n, N_OUT) and y.dtype == np.float32
+    assert_matmul_close(y, x @ reference.T)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_rows_matches_reference(qtype):
+    weight, reference = weight_and_reference(qtype)
+    ids = [5, 0, 47, 5]
+    np.testing.assert_array_equal(weight.rows(ids), reference[ids])
+    assert weight.rows([]).shape == (0, N_IN)
+    with pytest.raises(IndexError):
+        weight.rows([N_OUT])
+
+
+def test_resident_bytes():
+    """Bytes per weight as documented in engine/quants.py."""
+    expected = {T.F32: 4, T.F16: 2, T.BF16: 2, T.Q8_0: 1.125, T.Q4_0: 1.125, T.Q5_0: 1.125,
+                T.Q4_1: 1.25, T.Q5_1: 1.25, T.Q4_K: 1.25, T.Q5_K: 1.25, T.Q3_K: 1.25,
+                T.Q6_K: 1.25, T.Q2_K: 1.5}
+    for qtype, per_weight in expected.items():
+        weight, _ = weight_and_reference(qtype)
+        assert weight.nbytes == per_weight * N_OUT * N_IN, qtype.name
+
+
+def test_large_matrix_uses_tiles_and_threads():
+    """Bigger than a scratch tile and than the threading threshold, odd sizes."""
+    weight, reference = weight_and_reference(T.Q4_K, n_out=1001, n_in=768)
+    for n in (1, 3, 65):
+        x = np.random.default_rng(n).standard_normal((n, 768)).astype(np.float32)
+        assert_matmul_close(weight.matmul(x), x @ reference.T)
+
+
+def test_concurrent_matmuls_from_several_threads():
+    weights = [weight_and_reference(qtype, n_out=600, n_in=512, seed=i)
+               for i, qtype in enumerate([T.Q4_1, T.Q6_K, T.F16, T.Q8_0])]
+    x = np.random.default_rng(3).standard_normal((1, 512)).astype(np.float32)
+    errors = []
+
+    def run(weight, reference):
+        for _ in range(20):
+            try:
+                assert_matmul_close(weight.matmul(x), x @ reference.T)
+            except AssertionError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=run, args=wr) for wr in weights]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+@pytest.mark.parametrize("types", [
+    [T.Q5_0, T.Q5_0, T.Q8_0],   # gemma3's q, k, v
+    [T.Q4_K, T.Q4_K, T.Q6_K],   # a Q4_K_M q, k, v: group sizes 32 and 16, with and without mins
+    [T.Q4_1, T.Q4_1],
+    [T.F16, T.F16],
+], ids=lambda ts: "+".join(t.name for t in ts))
+def test_concat_weights(types):
+    parts = [weight_and_reference(t, n_out=16 * (i + 1), seed=i) for i, t in enumerate(types)]
+    merged = concat_weights([w for w, _ in parts])
+    reference = np.concatenate([r for _, r in parts])
+    assert merged.shape == reference.shape
+    np.testing.assert_allclose(merged.dequantize(), reference, rtol=1e-6, atol=0)
+    x = np.random.default_rng(4).standard_normal((3, N_IN)).astype(np.float32)
+    assert_matmul_close(merged.matmul(x), x @ reference.T)
+
+
+def test_concat_weights_needs_the_same_input_size():
+    a, _ = weight_and_reference(T.Q8_0)
+    b, _ = weight_and_reference(T.Q8_0, n_in=256)
+    with pytest.raises(ValueError):
+        concat_weights([a, b])
+
+
+def test_matmul_checks_the_input_shape():
+    weight, _ = weight_and_reference(T.Q8_0)
+    with pytest.raises(ValueError):
+        weight.matmul(np.zeros((1, N_IN + 1), np.float32))
+
+
+def test_single_thread_gives_the_same_result():
+    weight, reference = weight_and_reference(T.Q5_K, n_out=512, n_in=1024)
+    x = np.random.default_rng(5).standard_normal((2, 1024)).astype(np.float32)
+    y = weight.matmul(x)
+    quants.set_num_threads(1)
+    try:
+        np.testing.assert_array_equal(weight.matmul(x), y)
+    finally:
+        quants.set_num_threads(quants.default_num_threads())
+
+
+def _check_real_model(path):
+    gguf_file = GGUFFile(path)
+    rng = np.random.default_rng(0)
+    for tensor in gguf_file.tensors.values():
+        if len(tensor.shape) != 2:
+            continue
+        weight = load_weight(tensor)
+        ids = rng.integers(0, tensor.shape[0], 4)
+        reference = ref_quants.dequantize(tensor.data[ids], tensor.type).reshape(4, -1)
+        np.testing.assert_array_equal(weight.rows(ids), reference, err_msg=tensor.name)
+        x = rng.standard_normal((1, tensor.shape[1])).astype(np.float32)
+        np.testing.assert_allclose(weight.matmul(x)[0, ids], x[0] @ reference.T,
+                                   rtol=0, atol=1e-4 * np.abs(x[0] @ reference.T).max())
+
+
+@pytest.mark.slow
+def test_every_tensor_of_smollm2(smollm2_path):
+    _check_real_model(smollm2_path)
+
+
+@pytest.mark.slow
+def test_every_tensor_of_gemma3(gemma3_path):
+    _check_real_model(gemma3_path)
