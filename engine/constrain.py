@@ -1,0 +1,1177 @@
+"""Constrained decoding: a JSON Schema subset compiled to a byte matcher, and token masks.
+
+A small model left alone writes broken JSON; here it cannot. At every step only the tokens
+whose bytes keep the output a valid prefix of an allowed document get a chance, and the
+end-of-sequence token only once the document is complete. Three layers:
+
+1. Grammar nodes. A schema compiles to a graph of small nodes (literal, string, number,
+   array, object, any value, plus sequence / repeat / free text for tool calls). A node reads
+   one byte at a time from an immutable local state and answers with actions: keep reading,
+   or start a child value (the byte goes to the child, or the child starts with the next
+   byte). Completed children are popped from the stack and their parent resumes.
+
+2. The matcher. A configuration is a stack (tuple) of frames `(node, local)`; a matcher state
+   is a frozenset of configurations, so alternatives (`anyOf`, type lists, a number that could
+   end or go on) are followed side by side like an NFA. States are immutable and hashable:
+   transitions and masks are cached by state.
+
+3. Token masks. `TokenIndex` keeps the vocabulary sorted by bytes; a sorted list *is* a trie
+   (the tokens sharing a prefix are contiguous), so a mask is a walk that only descends into
+   byte prefixes the matcher accepts. Inside a JSON string nearly every token is allowed,
+   so there a vectorised precomputed mask of "plain" tokens (no quote, backslash or control
+   byte, whole UTF-8 characters) is used, and only the few other tokens are checked one by one.
+   The sampled token is checked first with `allows()`, so most steps need no mask at all.
+
+The JSON written is compact and bounded: no whitespace except at most one space after `:`
+and `,`, object properties in schema order (optional ones may be skipped, required ones must
+appear), numbers without exponent with at most 15 integer and 6 fraction digits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import weakref
+from fractions import Fraction
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .errors import EngineError, SchemaError
+
+__all__ = [
+    "TokenIndex",
+    "Grammar",
+    "GrammarConstraint",
+    "compile_schema",
+    "json_constraint",
+    "validate",
+    "Literal",
+    "Seq",
+    "Repeat",
+    "FreeText",
+    "AnyOf",
+    "Object",
+]
+
+# Actions a node returns from step(local, byte):
+SET = 0    # (SET, local): the byte is consumed, the frame moves to `local`
+PUSH = 1   # (PUSH, local, child): the frame resumes at `local` after `child`; the byte goes to child
+ENTER = 2  # (ENTER, local, child): the byte is consumed, then `child` starts with the next byte
+
+MAX_INT_DIGITS = 15    # integer part of an unbounded number
+MAX_FRAC_DIGITS = 6    # fraction digits of a "number"
+MAX_ANY_DEPTH = 6      # nesting depth of schema-less ("any") values
+
+SPACE, QUOTE, BACKSLASH, COMMA, COLON = 0x20, 0x22, 0x5C, 0x2C, 0x3A
+
+
+# ---------------------------------------------------------------------------------------------
+# Grammar nodes
+# ---------------------------------------------------------------------------------------------
+
+class Node:
+    """A grammar node. `start` is its initial local state; locals are small tuples/bytes/ints."""
+
+    start: object = 0
+    nullable = False  # matches the empty string
+
+    def expand(self) -> list[tuple[Node, object]]:
+        """The frames that begin a value of this node (several for alternatives)."""
+        return [(self, self.start)]
+
+    def step(self, local, b: int) -> Sequence[tuple]:
+        raise NotImplementedError
+
+    def accepting(self, local) -> bool:
+        """The bytes read so far form a complete value (it may still go on)."""
+        return False
+
+    def final(self, local) -> bool:
+        """Complete and nothing can follow: the frame is popped at once."""
+        return False
+
+    def fast(self, local, index: TokenIndex):
+        """Optional shortcut for masks: (bool (n_vocab,) surely allowed, ids to check) or None."""
+        return None
+
+
+class Literal(Node):
+    """One of a fixed set of byte strings: const, enum, true/false/null, tags of tool calls."""
+
+    start = b""
+
+    def __init__(self, options: Iterable[bytes]):
+        self.options = frozenset(options)
+        if not self.options:
+            raise SchemaError("an empty set of allowed values admits no document")
+        self.prefixes = {o[:i] for o in self.options for i in range(len(o) + 1)}
+        self.extendable = {o[:i] for o in self.options for i in range(len(o))}
+        self.nullable = b"" in self.options
+
+    def step(self, local, b):
+        nxt = local + bytes((b,))
+        return ((SET, nxt),) if nxt in self.prefixes else ()
+
+    def accepting(self, local):
+        return local in self.options
+
+    def final(self, local):
+        return local in self.options and local not in self.extendable
+
+
+def _utf8_lead(b: int):
+    """(continuation bytes needed, allowed range of the next byte) for a UTF-8 lead byte."""
+    if 0xC2 <= b <= 0xDF:
+        return 1, 0x80, 0xBF
+    if b == 0xE0:
+        return 2, 0xA0, 0xBF
+    if b == 0xED:  # no UTF-16 surrogates
+        return 2, 0x80, 0x9F
+    if 0xE1 <= b <= 0xEF:
+        return 2, 0x80, 0xBF
+    if b == 0xF0:
+        return 3, 0x90, 0xBF
+    if 0xF1 <= b <= 0xF3:
+        return 3, 0x80, 0xBF
+    if b == 0xF4:
+        return 3, 0x80, 0x8F
+    return None
+
+
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+class String(Node):
+    """A JSON string of valid UTF-8 with min/max length in characters.
+
+    Locals: (0,) before the quote; (1, n) in content, n characters so far; (2, n) after a
+    backslash; (3, n, k, d) in a \\uXXXX escape with k hex digits read (d: first one was 'd',
+    so no surrogate); (4, n, need, lo, hi) inside a multi-byte character; (5,) closed.
+    Without maxLength, n is capped at minLength so that states repeat and masks are reused.
+    """
+
+    start = (0,)
+
+    def __init__(self, min_len: int = 0, max_len: int | None = None):
+        self.min_len, self.max_len = min_len, max_len
+
+    def _count(self, n):
+        n += 1
+        return n if self.max_len is not None else min(n, self.min_len)
+
+    def _room(self, n):
+        return self.max_len is None or n < self.max_len
+
+    def step(self, local, b):
+        phase = local[0]
+        if phase == 1:
+            n = local[1]
+            if b == QUOTE:
+                return ((SET, (5,)),) if n >= self.min_len else ()
+            if not self._room(n) or b < 0x20:
+                return ()
+            if b == BACKSLASH:
+                return ((SET, (2, self._count(n))),)
+            if b < 0x80:
+                return ((SET, (1, self._count(n))),)
+            lead = _utf8_lead(b)
+            return ((SET, (4, self._count(n)) + lead),) if lead else ()
+        if phase == 0:
+            return ((SET, (1, 0)),) if b == QUOTE else ()
+        if phase == 4:
+            _, n, need, lo, hi = local
+            if not lo <= b <= hi:
+                return ()
+            return ((SET, (1, n) if need == 1 else (4, n, need - 1, 0x80, 0xBF)),)
+        if phase == 2:
+            if b in _ESCAPES:
+                return ((SET, (1, local[1])),)
+            return ((SET, (3, local[1], 0, False)),) if b == ord("u") else ()
+        if phase == 3:
+            _, n, k, d = local
+            if b not in _HEX or (k == 1 and d and b not in b"01234567"):
+                return ()
+            return ((SET, (1, n) if k == 3 else (3, n, k + 1, k == 0 and b in b"dD")),)
+        return ()
+
+    def accepting(self, local):
+        return local[0] == 5
+
+    def final(self, local):
+        return local[0] == 5
+
+    def fast(self, local, index):
+        if local[0] != 1:
+            return None
+        if self.max_len is None:
+            return index.plain, index.string_specials
+        # plain tokens that still fit, every other token checked byte by byte
+        return index.plain & (index.nchars <= self.max_len - local[1]), index.string_specials
+
+
+class Number(Node):
+    """A JSON integer or number (no exponent) within inclusive bounds, of bounded length.
+
+    Locals: (negative, integer digits, fraction digits or None before a '.'). A byte is only
+    accepted when some completion of the new prefix still lies within [lo, hi], so the model
+    can never write itself into a dead end.
+    """
+
+    start = (False, "", None)
+
+    def __init__(self, integer: bool, lo: Fraction | None = None, hi: Fraction | None = None):
+        self.integer, self.lo, self.hi = integer, lo, hi
+        self.frac_digits = 0 if integer else MAX_FRAC_DIGITS
+        self.unit = Fraction(1, 10 ** self.frac_digits)
+        self.int_digits = MAX_INT_DIGITS
+        if lo is not None and hi is not None:
+            self.int_digits = max(1, len(str(math.floor(max(abs(lo), abs(hi))))))
+        self._final: dict = {}
+
+    def _feasible(self, neg: bool, ip: str, fp: str | None) -> bool:
+        """Does some completion of this prefix lie within [lo, hi]?"""
+        if self.lo is None and self.hi is None:
+            return True
+        unit, top = self.unit, self.int_digits
+        if ip == "":
+            ranges = [(Fraction(0), Fraction(10 ** top) - unit)]
+        elif fp is None:
+            if ip == "0":
+                ranges = [(Fraction(0), 1 - unit)]
+            else:  # the integer part may still grow by e digits
+                v = int(ip)
+                ranges = [(Fraction(v * 10 ** e), Fraction((v + 1) * 10 ** e) - unit)
+                          for e in range(top - len(ip) + 1)]
+        else:
+            base = int(ip) + Fraction(int(fp or "0"), 10 ** len(fp))
+            width = 0 if len(fp) == self.frac_digits else Fraction(1, 10 ** len(fp)) - unit
+            ranges = [(base, base + width)]
+        for a, b in ranges:  # magnitudes, inclusive, multiples of unit
+            if neg:
+                a, b = -b, -a
+                if self.integer:  # "-0" is not written
+                    b = min(b, Fraction(-1))
+            if self.lo is not None:
+                a = max(a, self.lo)
+            if self.hi is not None:
+                b = min(b, self.hi)
+            if math.ceil(a / unit) * unit <= b:
+                return True
+        return False
+
+    def step(self, local, b):
+        neg, ip, fp = local
+        if 0x30 <= b <= 0x39:
+            d = chr(b)
+            if fp is None:
+                if ip == "0" or len(ip) >= self.int_digits or (neg and self.integer and ip == "" and d == "0"):
+                    return ()
+                new = (neg, ip + d, None)
+            else:
+                if len(fp) >= self.frac_digits:
+                    return ()
+                new = (neg, ip, fp + d)
+        elif b == 0x2D and local == self.start:  # '-'
+            new = (True, "", None)
+        elif b == 0x2E and ip and fp is None and not self.integer:  # '.'
+            new = (neg, ip, "")
+        else:
+            return ()
+        return ((SET, new),) if self._feasible(*new) else ()
+
+    def accepting(self, local):
+        neg, ip, fp = local
+        if ip == "" or fp == "":
+            return False
+        value = int(ip) + (Fraction(int(fp), 10 ** len(fp)) if fp else 0)
+        value = -value if neg else value
+        return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+
+    def final(self, local):
+        done = self._final.get(local)
+        if done is None:
+            done = self.accepting(local) and not any(self.step(local, b) for b in b"0123456789.")
+            self._final[local] = done
+        return done
+
+
+class Array(Node):
+    """`[item, item, ...]` with minItems/maxItems. Locals: (0,) (1,) first item or ']',
+    (2, n) after n items, (3, n, spaced) after a comma, (5,) closed."""
+
+    start = (0,)
+
+    def __init__(self, items: Node, min_items: int = 0, max_items: int | None = None):
+        self.items, self.min_items, self.max_items = items, min_items, max_items
+
+    def step(self, local, b):
+        phase = local[0]
+        if phase == 0:
+            return ((SET, (1,)),) if b == 0x5B else ()
+        if phase == 1:
+            if b == 0x5D:
+                return ((SET, (5,)),) if self.min_items == 0 else ()
+            return ((PUSH, (2, 1), self.items),) if self.max_items != 0 else ()
+        if phase == 2:
+            n = local[1]
+            if b == COMMA and (self.max_items is None or n < self.max_items):
+                return ((SET, (3, n, False)),)
+            if b == 0x5D and n >= self.min_items:
+                return ((SET, (5,)),)
+            return ()
+        if phase == 3:
+            _, n, spaced = local
+            if b == SPACE:
+                return () if spaced else ((SET, (3, n, True)),)
+            return ((PUSH, (2, n + 1), self.items),)
+        return ()
+
+    def accepting(self, local):
+        return local[0] == 5
+
+    final = accepting
+
+
+class Object(Node):
+    """An object with declared properties, written in schema order; optional ones may be skipped.
+
+    Locals: (0,) before '{'; (1, i, prefix, spaced, first) reading a key, the next candidate
+    property being i; (2, j) after key j; (3, j, spaced) before value j; (4, j) after value j;
+    (5,) closed.
+    """
+
+    start = (0,)
+
+    def __init__(self, names: Sequence[str], values: Sequence[Node], required: Iterable[str] = ()):
+        required = set(required)
+        n = len(names)
+        self.keys = [json.dumps(name, ensure_ascii=False).encode() for name in names]
+        self.values = list(values)
+        self.n = n
+        # candidates[i]: properties that may come next when i is the first not yet passed
+        # (up to and including the first required one); can_close[i]: none required from i on
+        self.candidates, self.can_close = [], []
+        for i in range(n + 1):
+            req = [j for j in range(i, n) if names[j] in required]
+            last = req[0] if req else n - 1
+            self.candidates.append([(self.keys[j], j) for j in range(i, last + 1)])
+            self.can_close.append(not req)
+
+    def step(self, local, b):
+        phase = local[0]
+        if phase == 1:
+            _, i, prefix, spaced, first = local
+            if not prefix:
+                if b == 0x7D:
+                    return ((SET, (5,)),) if first and self.can_close[i] else ()
+                if b == SPACE:
+                    return () if first or spaced else ((SET, (1, i, b"", True, first)),)
+            nxt = prefix + bytes((b,))
+            for key, j in self.candidates[i]:
+                if key == nxt:  # keys end with a quote: none is a prefix of another
+                    return ((SET, (2, j)),)
+                if key.startswith(nxt):
+                    return ((SET, (1, i, nxt, spaced, first)),)
+            return ()
+        if phase == 3:
+            _, j, spaced = local
+            if b == SPACE:
+                return () if spaced else ((SET, (3, j, True)),)
+            return ((PUSH, (4, j), self.values[j]),)
+        if phase == 4:
+            j = local[1]
+            if b == COMMA and j + 1 < self.n:
+                return ((SET, (1, j + 1, b"", False, False)),)
+            if b == 0x7D and self.can_close[j + 1]:
+                return ((SET, (5,)),)
+            return ()
+        if phase == 2:
+            return ((SET, (3, local[1], False)),) if b == COLON else ()
+        if phase == 0:
+            return ((SET, (1, 0, b"", False, True)),) if b == 0x7B else ()
+        return ()
+
+    def accepting(self, local):
+        return local[0] == 5
+
+    final = accepting
+
+
+class FreeObject(Node):
+    """An object without declared properties: any string keys, values of one schema.
+
+    Locals: (0,) (1, first, spaced) before a key, (2,) after a key, (3, spaced) before a value,
+    (4,) after a value, (5,) closed."""
+
+    start = (0,)
+    key = String()
+
+    def __init__(self, values: Node):
+        self.values = values
+
+    def step(self, local, b):
+        phase = local[0]
+        if phase == 0:
+            return ((SET, (1, True, False)),) if b == 0x7B else ()
+        if phase == 1:
+            _, first, spaced = local
+            if b == 0x7D:
+                return ((SET, (5,)),) if first else ()
+            if b == SPACE:
+                return () if first or spaced else ((SET, (1, first, True)),)
+            return ((PUSH, (2,), self.key),) if b == QUOTE else ()
+        if phase == 2:
+            return ((SET, (3, False)),) if b == COLON else ()
+        if phase == 3:
+            if b == SPACE:
+                return () if local[1] else ((SET, (3, True)),)
+            return ((PUSH, (4,), self.values),)
+        if phase == 4:
+            if b == COMMA:
+                return ((SET, (1, False, False)),)
+            return ((SET, (5,)),) if b == 0x7D else ()
+        return ()
+
+    def accepting(self, local):
+        return local[0] == 5
+
+    final = accepting
+
+
+class AnyOf(Node):
+    """Alternatives, followed side by side by the matcher."""
+
+    def __init__(self, options: Sequence[Node]):
+        self.options = list(options)
+        self._frames = None
+        self._expanding = False
+
+    @property
+    def nullable(self):
+        return any(o.nullable for o in self.options)
+
+    def expand(self):
+        if self._frames is None:
+            if self._expanding:
+                raise SchemaError("a $ref or anyOf refers to itself without consuming input")
+            self._expanding = True
+            try:
+                self._frames = [f for o in self.options for f in o.expand()]
+            finally:
+                self._expanding = False
+        return self._frames
+
+
+class Ref(AnyOf):
+    """A local $ref: resolved lazily, so that schemas may be recursive."""
+
+    def __init__(self, resolve):
+        super().__init__([])
+        self._resolve = resolve
+
+    def expand(self):
+        if not self.options:
+            self.options = [self._resolve()]
+        return super().expand()
+
+
+class AnyValue(AnyOf):
+    """Any JSON value (the schema `{}` or `true`), nested at most MAX_ANY_DEPTH deep."""
+
+    def __init__(self, depth: int = 0):
+        options = [String(), Number(integer=False), Literal([b"true", b"false", b"null"])]
+        if depth < MAX_ANY_DEPTH:
+            inner = _LazyAny(depth + 1)
+            options += [Array(inner), FreeObject(inner)]
+        super().__init__(options)
+
+
+class _LazyAny(AnyOf):
+    def __init__(self, depth):
+        super().__init__([])
+        self.depth = depth
+
+    def expand(self):
+        if not self.options:
+            self.options = [AnyValue(self.depth)]
+        return super().expand()
+
+
+class Seq(Node):
+    """Children one after the other. Local: index of the next child."""
+
+    start = 0
+
+    def __init__(self, children: Sequence[Node]):
+        self.children = list(children)
+        self.nullable = all(c.nullable for c in self.children)
+
+    def step(self, local, b):
+        return ((PUSH, local + 1, self.children[local]),) if local < len(self.children) else ()
+
+    def accepting(self, local):
+        return all(c.nullable for c in self.children[local:])
+
+    def final(self, local):
+        return local == len(self.children)
+
+
+class Repeat(Node):
+    """`child` between lo and hi times (child must not match the empty string)."""
+
+    start = 0
+
+    def __init__(self, child: Node, lo: int = 0, hi: int | None = None):
+        assert not child.nullable, "a repeated node must consume input"
+        self.child, self.lo, self.hi = child, lo, hi
+        self.nullable = lo == 0
+
+    def step(self, local, b):
+        return ((PUSH, local + 1, self.child),) if self.hi is None or local < self.hi else ()
+
+    def accepting(self, local):
+        return local >= self.lo
+
+    def final(self, local):
+        return local == self.hi
+
+
+class FreeText(Node):
+    """Any bytes until `opener` appears, then `then` (or, with then=None, the opener is banned).
+
+    Local: how many bytes of the opener the text currently ends with (a KMP automaton), or -1
+    once the opener was written and `then` runs. Used for tool_choice "auto" and "none".
+    """
+
+    start = 0
+
+    def __init__(self, opener: bytes, then: Node | None):
+        self.opener, self.then = opener, then
+        self.nullable = True
+        m = len(opener)
+        fail = [0] * (m + 1)  # KMP failure function
+        k = 0
+        for i in range(1, m):
+            while k and opener[i] != opener[k]:
+                k = fail[k]
+            if opener[i] == opener[k]:
+                k += 1
+            fail[i + 1] = k
+        self._next = []  # _next[k][b]: matched length after byte b
+        for k in range(m):
+            row = []
+            for b in range(256):
+                j = k
+                while j and opener[j] != b:
+                    j = fail[j]
+                row.append(j + 1 if opener[j] == b else 0)
+            self._next.append(row)
+
+    def step(self, local, b):
+        if local < 0:
+            return ()
+        k = self._next[local][b]
+        if k < len(self.opener):
+            return ((SET, k),)
+        return ((ENTER, -1, self.then),) if self.then is not None else ()
+
+    def accepting(self, local):
+        return True
+
+    def final(self, local):
+        return local < 0
+
+    def fast(self, local, index):
+        if local < 0:
+            return None
+        return index.without_byte(self.opener[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# The matcher: states are frozensets of stacks of frames
+# ---------------------------------------------------------------------------------------------
+
+def _settle(stack: tuple) -> tuple:
+    """Pop the frames that are complete and can take nothing more."""
+    while stack and stack[-1][0].final(stack[-1][1]):
+        stack = stack[:-1]
+    return stack
+
+
+def _feed(stack: tuple, b: int, out: list) -> None:
+    node, local = stack[-1]
+    below = stack[:-1]
+    for action in node.step(local, b):
+        if action[0] == SET:
+            out.append(_settle(below + ((node, action[1]),)))
+        else:
+            base = below + ((node, action[1]),)
+            for frame in action[2].expand():
+                if action[0] == PUSH:
+                    _feed(base + (frame,), b, out)
+                else:
+                    out.append(_settle(base + (frame,)))
+    if below and node.accepting(local):  # the value may end here: the byte goes to the parent
+        _feed(below, b, out)
+
+
+def _complete(stack: tuple) -> bool:
+    return all(node.accepting(local) for node, local in stack)
+
+
+class Grammar:
+    """A compiled grammar over one vocabulary, with its caches (shared by all its generations)."""
+
+    MAX_MASKS = 64          # cached masks (each n_vocab bytes)
+    MAX_TRANSITIONS = 200_000
+
+    def __init__(self, root: Node, index: TokenIndex):
+        self.index = index
+        self.initial = frozenset(_settle((f,)) for f in root.expand())
+        self._steps: dict = {}
+        self._masks: dict = {}
+
+    def step(self, state: frozenset, b: int) -> frozenset | None:
+        key = (state, b)
+        nxt = self._steps.get(key, 0)
+        if nxt == 0:
+            out = []
+            for stack in state:
+                if stack:
+                    _feed(stack, b, out)
+            nxt = frozenset(out) or None
+            if len(self._steps) >= self.MAX_TRANSITIONS:
+                self._steps.clear()
+            self._steps[key] = nxt
+        return nxt
+
+    def walk(self, state: frozenset | None, data: bytes) -> frozenset | None:
+        for b in data:
+            if state is None:
+                return None
+            state = self.step(state, b)
+        return state
+
+    def complete(self, state: frozenset) -> bool:
+        return any(_complete(stack) for stack in state)
+
+    def done(self, state: frozenset) -> bool:
+        """Nothing more can be written: every alternative is closed."""
+        return all(not stack for stack in state)
+
+    def mask(self, state: frozenset) -> np.ndarray:
+        """bool (n_vocab,): the tokens allowed in `state` (read-only, cached)."""
+        mask = self._masks.get(state)
+        if mask is None:
+            mask = self._compute_mask(state)
+            mask.flags.writeable = False
+            if len(self._masks) >= self.MAX_MASKS:
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[state] = mask
+        return mask
+
+    def _compute_mask(self, state: frozenset) -> np.ndarray:
+        index = self.index
+        fast = None
+        if len(state) == 1:
+            (stack,) = state
+            if stack:
+                node, local = stack[-1]
+                if len(stack) == 1 or not node.accepting(local):
+                    fast = node.fast(local, index)
+        if fast is not None:
+            sure, check = fast  # bool (n_vocab,), int ids
+            mask = sure.copy()
+            token_bytes = index.token_bytes
+            for t in check.tolist():
+                if self.walk(state, token_bytes[t]) is not None:
+                    mask[t] = True
+        else:
+            mask = np.zeros(index.n_vocab, dtype=np.bool_)
+            mask[index.sorted_ids[self._trie_walk(state)]] = True
+        if self.complete(state):
+            mask[index.eos_list] = True
+        return mask
+
+    def _trie_walk(self, state: frozenset) -> list[int]:
+        """Positions in index.sorted_bytes of the tokens whose bytes the matcher accepts."""
+        tb = self.index.sorted_bytes
+        hits = []
+        todo = []
+        for b, lo, hi in self.index.root:
+            s = self.step(state, b)
+            if s is not None:
+                todo.append((lo, hi, 1, s))
+        while todo:
+            lo, hi, depth, s = todo.pop()
+            while lo < hi and len(tb[lo]) == depth:  # tokens that end here
+                hits.append(lo)
+                lo += 1
+            if hi - lo == 1:  # a single token left below: finish it directly
+                if self.walk(s, tb[lo][depth:]) is not None:
+                    hits.append(lo)
+                continue
+            while lo < hi:
+                token = tb[lo]
+                b = token[depth]
+                end = hi if b == 255 else bisect.bisect_left(tb, token[:depth] + bytes((b + 1,)), lo, hi)
+                s2 = self.step(s, b)
+                if s2 is not None:
+                    todo.append((lo, end, depth + 1, s2))
+                lo = end
+        return hits
+
+
+class GrammarConstraint:
+    """One generation's position in a grammar: the Constraint protocol of engine/generate.py."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar = grammar
+        self.state = grammar.initial
+        self.ended = False  # an end-of-sequence token was accepted
+        self.text = bytearray()  # the bytes accepted so far
+
+    def allows(self, token_id: int) -> bool:
+        if self.ended:
+            return False
+        index = self.grammar.index
+        if token_id in index.eos_ids:
+            return self.grammar.complete(self.state)
+        data = index.token_bytes[token_id]
+        return bool(data) and self.grammar.walk(self.state, data) is not None
+
+    def mask(self) -> np.ndarray:
+        """bool (n_vocab,), True = allowed; end-of-sequence only when the value is complete."""
+        if self.ended:
+            return np.zeros(self.grammar.index.n_vocab, dtype=np.bool_)
+        return self.grammar.mask(self.state)
+
+    def advance(self, token_id: int) -> None:
+        if not self.allows(token_id):
+            raise EngineError(f"token {token_id} is not allowed by the constraint here")
+        index = self.grammar.index
+        if token_id in index.eos_ids:
+            self.ended = True
+            return
+        data = index.token_bytes[token_id]
+        self.state = self.grammar.walk(self.state, data)
+        self.text += data
+
+    def complete(self) -> bool:
+        return self.ended or self.grammar.complete(self.state)
+
+    def is_done(self) -> bool:
+        return self.ended or self.grammar.done(self.state)
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary, indexed for masks
+# ---------------------------------------------------------------------------------------------
+
+def _plain_chars(data: bytes) -> int:
+    """Characters of `data` if it may appear as-is inside a JSON string, else -1."""
+    if any(b < 0x20 or b == QUOTE or b == BACKSLASH for b in data):
+        return -1
+    try:
+        return len(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return -1
+
+
+class TokenIndex:
+    """The token bytes of a vocabulary, sorted (an implicit trie) and classified for masks.
+
+    Tokens with no bytes (control tokens) are never allowed; `eos_ids` are allowed exactly
+    when the grammar is complete.
+    """
+
+    def __init__(self, token_bytes: Sequence[bytes], eos_ids: Iterable[int]):
+        self.token_bytes = list(token_bytes)
+        self.n_vocab = len(self.token_bytes)
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.eos_list = sorted(self.eos_ids)
+        ids = sorted((i for i, data in enumerate(self.token_bytes) if data and i not in self.eos_ids),
+                     key=self.token_bytes.__getitem__)
+        self.sorted_ids = np.array(ids, dtype=np.int64)          # (n_real,)
+        self.sorted_bytes = [self.token_bytes[i] for i in ids]   # ascending
+        self.normal = np.zeros(self.n_vocab, dtype=np.bool_)     # (n_vocab,) tokens with bytes
+        self.normal[self.sorted_ids] = True
+        # the trie's first level: (first byte, lo, hi) ranges of sorted positions
+        self.root = []
+        lo, tb = 0, self.sorted_bytes
+        while lo < len(tb):
+            b = tb[lo][0]
+            hi = bisect.bisect_left(tb, bytes((b + 1,)), lo) if b < 255 else len(tb)
+            self.root.append((b, lo, hi))
+            lo = hi
+        # inside a JSON string: plain tokens and their length in characters
+        self.nchars = np.full(self.n_vocab, -1, dtype=np.int32)  # (n_vocab,)
+        for i in ids:
+            self.nchars[i] = _plain_chars(self.token_bytes[i])
+        self.plain = self.nchars >= 0                            # (n_vocab,)
+        self.string_specials = np.flatnonzero(self.normal & ~self.plain)
+        self._without: dict = {}
+        self.grammars: dict = {}  # schema key -> Grammar, bounded
+
+    def without_byte(self, byte: int):
+        """(tokens without `byte`, ids of tokens containing it): for free-text masks."""
+        if byte not in self._without:
+            has = np.zeros(self.n_vocab, dtype=np.bool_)
+            has[[i for i in self.sorted_ids.tolist() if byte in self.token_bytes[i]]] = True
+            self._without[byte] = (self.normal & ~has, np.flatnonzero(has))
+        return self._without[byte]
+
+    def grammar(self, key, build) -> Grammar:
+        """The cached Grammar for `key`, built by `build()` on first use."""
+        g = self.grammars.get(key)
+        if g is None:
+            g = Grammar(build(), self)
+            if len(self.grammars) >= 32:
+                self.grammars.pop(next(iter(self.grammars)))
+            self.grammars[key] = g
+        return g
+
+    _of_tokenizer: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, tokenizer) -> TokenIndex:
+        """The index of a Tokenizer (built once, about a second for 262k tokens)."""
+        index = cls._of_tokenizer.get(tokenizer)
+        if index is None:
+            index = cls([tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)], tokenizer.eos_ids)
+            cls._of_tokenizer[tokenizer] = index
+        return index
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON Schema -> nodes
+# ---------------------------------------------------------------------------------------------
+
+ANNOTATIONS = frozenset({"description", "title", "$schema", "$id", "$comment", "examples",
+                         "default", "deprecated", "readOnly", "writeOnly"})
+KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum",
+                      "const", "anyOf", "minItems", "maxItems", "minLength", "maxLength",
+                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$ref",
+                      "$defs", "definitions"})
+TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+def _dump(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(schema, key, path) -> int | None:
+    v = schema.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise SchemaError(f"'{key}' at {path or '/'} must be a non-negative integer", f"{path}/{key}", key)
+    return v
+
+
+class _Compiler:
+    def __init__(self, root):
+        self.root = root
+        self.refs: dict[str, Node] = {}
+        self.lazy: list[AnyOf] = []
+
+    def resolve(self, ref: str, path: str) -> Node:
+        if ref in self.refs:
+            return self.refs[ref]
+        if ref != "#" and not ref.startswith("#/"):
+            raise SchemaError(f"only local $ref ('#/$defs/...') is supported, not {ref!r}", path, "$ref")
+        target, where = self.root, ""
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            where += "/" + part
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
+                raise SchemaError(f"$ref {ref!r} points to nothing", path, "$ref")
+        node = Ref(lambda: self.compile(target, where))
+        self.refs[ref] = node
+        self.lazy.append(node)
+        return node
+
+    def compile(self, schema, path: str = "") -> Node:
+        if schema is True or schema == {}:
+            return AnyValue()
+        if schema is False:
+            raise SchemaError(f"the schema at {path or '/'} is false: no value is valid", path)
+        if not isinstance(schema, dict):
+            raise SchemaError(f"the schema at {path or '/'} must be an object or a boolean", path)
+        for key in schema:
+            if key not in KEYWORDS and key not in ANNOTATIONS:
+                raise SchemaError(f"unsupported JSON Schema keyword '{key}' at {path or '/'}",
+                                  f"{path}/{key}", key)
+        for key in ("$defs", "definitions"):
+            if key in schema and not isinstance(schema[key], dict):
+                raise SchemaError(f"'{key}' at {path or '/'} must be an object", f"{path}/{key}", key)
+        constraints = {k: v for k, v in schema.items()
+                       if k not in ANNOTATIONS and k not in ("$defs", "definitions")}
+        if not constraints:
+            return AnyValue()
+        if "$ref" in constraints:
+            if len(constraints) > 1:
+                other = sorted(set(constraints) - {"$ref"})[0]
+                raise SchemaError(f"'{other}' beside '$ref' at {path or '/'} is not supported",
+                                  f"{path}/{other}", other)
+            if not isinstance(schema["$ref"], str):
+                raise SchemaError("'$ref' must be a string", f"{path}/$ref", "$ref")
+            return self.resolve(schema["$ref"], f"{path}/$ref")
+        if "anyOf" in constraints:
+            if len(constraints) > 1:
+                other = sorted(set(constraints) - {"anyOf"})[0]
+                raise SchemaError(f"'{other}' beside 'anyOf' at {path or '/'} is not supported",
+                                  f"{path}/{other}", other)
+            options = schema["anyOf"]
+            if not isinstance(options, list) or not options:
+                raise SchemaError("'anyOf' must be a non-empty array", f"{path}/anyOf", "anyOf")
+            node = AnyOf([self.compile(s, f"{path}/anyOf/{i}") for i, s in enumerate(options)])
+            self.lazy.append(node)
+            return node
+        if "enum" in constraints or "const" in constraints:
+            return self.literal(schema, path)
+        types = schema.get("type")
+        if types is None:
+            types = self.implied_type(constraints)
+        if isinstance(types, list):
+            if not types or len(set(types)) != len(types):
+                raise SchemaError("'type' must be a non-empty list of distinct types", f"{path}/type", "type")
+            node = AnyOf([self.compile({**schema, "type": t}, path) for t in types])
+            self.lazy.append(node)
+            return node
+        if types not in TYPES:
+            raise SchemaError(f"unknown type {types!r} at {path or '/'}", f"{path}/type", "type")
+        return getattr(self, "t_" + types)(schema, path)
+
+    @staticmethod
+    def implied_type(constraints):
+        """A schema without 'type': generate the kind its keywords describe (a valid subset)."""
+        for t, keys in (("object", ("properties", "required", "additionalProperties")),
+                        ("array", ("items", "minItems", "maxItems")),
+                        ("string", ("minLength", "maxLength"))):
+            if any(k in constraints for k in keys):
+                return t
+        return "number"  # only numeric bounds are left
+
+    def literal(self, schema, path):
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError("'enum' must be a non-empty array", f"{path}/enum", "enum")
+        else:
+            values = [schema["const"]]
+        rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
+        self.compile(rest, path)  # reject unsupported keywords beside the enum too
+        kept = [v for v in values if validate(v, rest, self.root) is None]
+        if not kept:
+            raise SchemaError(f"no value of 'enum'/'const' at {path or '/'} satisfies the schema", path, "enum")
+        return Literal(_dump(v) for v in kept)
+
+    def t_string(self, schema, path):
+        lo, hi = _count(schema, "minLength", path) or 0, _count(schema, "maxLength", path)
+        if hi is not None and lo > hi:
+            raise SchemaError(f"minLength > maxLength at {path or '/'}", f"{path}/minLength", "minLength")
+        return String(lo, hi)
+
+    def t_integer(self, schema, path):
+        return self.number(schema, path, integer=True)
+
+    def t_number(self, schema, path):
+        return self.number(schema, path, integer=False)
+
+    def number(self, schema, path, integer):
+        unit = Fraction(1) if integer else Fraction(1, 10 ** MAX_FRAC_DIGITS)
+        lo = hi = None
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if key not in schema:
+                continue
+            v = schema[key]
+            if not _is_number(v):
+                raise SchemaError(f"'{key}' at {path or '/'} must be a number", f"{path}/{key}", key)
+            v = Fraction(repr(v)) if isinstance(v, float) else Fraction(v)
+            if key == "minimum":
+                b = math.ceil(v / unit) * unit
+                lo = b if lo is None else max(lo, b)
+            elif key == "exclusiveMinimum":
+                b = (math.floor(v / unit) + 1) * unit
+                lo = b if lo is None else max(lo, b)
+            elif key == "maximum":
+                b = math.floor(v / unit) * unit
+                hi = b if hi is None else min(hi, b)
+            else:
+                b = (math.ceil(v / unit) - 1) * unit
+                hi = b if hi is None else min(hi, b)
+        if lo is not None and hi is not None and lo > hi:
+            raise SchemaError(f"no {'integer' if integer else 'number'} lies between the bounds at {path or '/'}",
+                              path, "minimum")
+        limit = Fraction(10 ** MAX_INT_DIGITS) - unit
+        if (lo is not None and lo > limit) or (hi is not None and hi < -limit):
+            raise SchemaError(f"numeric bounds at {path or '/'} are beyond {MAX_INT_DIGITS} digits", path, "minimum")
+        return Number(integer, lo, hi)
+
+    def t_boolean(self, schema, path):
+        return Literal([b"true", b"false"])
+
+    def t_null(self, schema, path):
+        return Literal([b"null"])
+
+    def t_array(self, schema, path):
+        lo, hi = _count(schema, "minItems", path) or 0, _count(schema, "maxItems", path)
+        if hi is not None and lo > hi:
+            raise SchemaError(f"minItems > maxItems at {path or '/'}", f"{path}/minItems", "minItems")
+        items = self.compile(schema["items"], f"{path}/items") if "items" in schema else AnyValue()
+        return Array(items, lo, hi)
+
+    def t_object(self, schema, path):
+        props = schema.get("properties", {})
+        if not isinstance(props, dict):
+            raise SchemaError("'properties' must be an object", f"{path}/properties", "properties")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError("'required' must be an array of strings", f"{path}/required", "required")
+        for name in required:
+            if name not in props:
+                raise SchemaError(f"required property {name!r} at {path or '/'} is not declared in 'properties'",
+                                  f"{path}/required", "required")
+        extra = schema.get("additionalProperties", True)
+        if not isinstance(extra, (bool, dict)):
+            raise SchemaError("'additionalProperties' must be a boolean or a schema",
+                              f"{path}/additionalProperties", "additionalProperties")
+        if props or extra is False:
+            # declared properties only (also valid when extra ones would be allowed)
+            values = [self.compile(s, f"{path}/properties/{name}") for name, s in props.items()]
+            return Object(list(props), values, required)
+        values = self.compile(extra, f"{path}/additionalProperties") if isinstance(extra, dict) else AnyValue()
+        return FreeObject(values)
+
+
+def compile_schema(schema) -> Node:
+    """JSON Schema (the supported subset) -> grammar node; SchemaError names what is not supported."""
+    compiler = _Compiler(schema)
+    node = compiler.compile(schema)
+    done = 0
+    while done < len(compiler.lazy):  # resolve every $ref/anyOf now, so errors surface before generation
+        compiler.lazy[done].expand()
+        done += 1
+    return node
+
+
+def schema_key(schema) -> str:
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def json_constraint(schema, index: TokenIndex) -> GrammarConstraint:
+    """A constraint that lets the model write exactly one JSON document valid for `schema`."""
+    key = ("json", schema_key(schema))
+    return GrammarConstraint(index.grammar(key, lambda: compile_schema(schema)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of a parsed document against the supported subset
+# ---------------------------------------------------------------------------------------------
+
+def _type_ok(value, t) -> bool:
+    if t == "object":
+        return isinstance(value, dict)
+    if t == "array":
+        return isinstance(value, list)
+    if t == "string":
+        return isinstance(value, str)
+    if t == "boolean":
+        return isinstance(value, bool)
+    if t == "null":
+        return value is None
+    if t == "number":
+        return _is_number(value)
+    if t == "integer":
+        return _is_number(value) and float(value).is_integer()
+    return False
+
+
+def _equal(a, b) -> bool:
+    """JSON equality: 1 == 1.0, but true != 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) in (int, float) and type(b) in (int, float) and a == b or (
+        type(a) is type(b) and a == b)
+
+
+def validate(value, schema, root=None, path: str = "") -> str | None:
+    """None if `value` (parsed JSON) is valid for `schema`, else a message naming where it is not.
+
+    Covers the keywords compile_schema accepts, with JSON Schema's meaning (not only the
+    compact subset the matcher writes), so it can check any client-supplied document too.
+    """
+    root = schema if root is None else root
+    if schema is True:
+        return None
+    if schema is False:
+        return f"{path or '/'}: no value is allowed"
+    at = path or "/"
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"][2:].split("/") if schema["$ref"] != "#" else []:
+            target = target[part.replace("~1", "/").replace("~0", "~")]
+        err = validate(value, target, root, path)
+        if err:
+            return err
+    if "anyOf" in schema and all(validate(value, s, root, path) for s in schema["anyOf"]):
+        return f"{at}: matches none of anyOf"
+    if "const" in schema and not _equal(value, schema["const"]):
+        return f"{at}: is not the const value"
+    if "enum" in schema and not any(_equal(value, v) for v in schema["enum"]):
+        return f"{at}: is not one of the enum values"
+    types = schema.get("type")
+    if types is not None:
+        types = types if isinstance(types, list) else [types]
+        if not any(_type_ok(value, t) for t in types):
+            return f"{at}: is not of type {'/'.join(types)}"
+    if isinstance(value, str):
+        n = len(value)
+        if n < schema.get("minLength", 0) or n > schema.get("maxLength", n):
+            return f"{at}: length {n} is out of bounds"
+    if _is_number(value):
+        if "minimum" in schema and value < schema["minimum"]:
+            return f"{at}: below minimum"
+        if "maximum" in schema and value > schema["maximum"]:
+            return f"{at}: above maximum"
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            return f"{at}: not above exclusiveMinimum"
+        if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
+            return f"{at}: not below exclusiveMaximum"
+    if isinstance(value, list):
+        n = len(value)
+        if n < schema.get("minItems", 0) or n > schema.get("maxItems", n):
+            return f"{at}: {n} items is out of bounds"
+        if "items" in schema:
+            for i, item in enumerate(value):
+                err = validate(item, schema["items"], root, f"{path}/{i}")
+                if err:
+                    return err
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for name in schema.get("required", []):
+            if name not in value:
+                return f"{at}: missing required property {name!r}"
+        extra = schema.get("additionalProperties", True)
+        for name, v in value.items():
+            sub = props.get(name, extra)
+            if sub is False:
+                return f"{at}: property {name!r} is not allowed"
+            err = validate(v, sub, root, f"{path}/{name}")
+            if err:
+                return err
+    return None

@@ -1,0 +1,218 @@
+"""Constrained decoding: the matcher accepts exactly the documents it should, masks agree
+with allows(), and random "models" over the real vocabularies only write valid JSON."""
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.constrain import TokenIndex, compile_schema, json_constraint, validate
+from engine.errors import SchemaError
+from engine.tiny import load_tokenizer_meta
+from engine.tokenizer import Tokenizer
+from tests.conftest import DATA
+
+# A vocabulary of the 256 single bytes plus an end token: a document is then exactly the
+# byte sequence the matcher accepts.
+BYTES = TokenIndex([bytes([b]) for b in range(256)] + [b""], eos_ids=[256])
+
+
+def accepts(schema, text: str) -> bool:
+    """Is `text` a complete document for `schema` (every byte accepted, EOS allowed)?"""
+    c = json_constraint(schema, BYTES)
+    for b in text.encode():
+        if not c.allows(b):
+            return False
+        c.advance(b)
+    return c.allows(256)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    tok = Tokenizer.from_metadata(load_tokenizer_meta(DATA / "tokenizer-meta.smollm2.json.gz"))
+    return TokenIndex.of(tok)
+
+
+def random_run(constraint, n_vocab, seed, max_tokens=400):
+    """Decode with random logits as a model would with the sampler: draw, check allows(),
+    else draw again from the mask. Returns (bytes written, complete?)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(max_tokens):
+        if constraint.is_done():
+            break
+        logits = rng.standard_normal(n_vocab) * 3                  # (V,)
+        token = int(np.argmax(logits))
+        if not constraint.allows(token):
+            mask = constraint.mask()                               # (V,) bool
+            assert mask.any()
+            token = int(np.argmax(np.where(mask, logits, -np.inf)))
+        constraint.advance(token)
+    return bytes(constraint.text), constraint.complete()
+
+
+# Bounded schemas (strings have maxLength, arrays maxItems): a random model has no reason
+# to ever close an unbounded string, the constraint only guarantees it can.
+SCHEMAS = [
+    {"type": "object",
+     "properties": {"name": {"type": "string", "maxLength": 12},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                    "email": {"type": "string", "minLength": 3, "maxLength": 20},
+                    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+                    "score": {"type": "number", "minimum": -1, "maximum": 1},
+                    "active": {"type": "boolean"}},
+     "required": ["name", "age", "active"], "additionalProperties": False},
+    {"$defs": {"node": {"type": "object",
+                        "properties": {"value": {"type": "integer", "exclusiveMinimum": -5, "maximum": 500},
+                                       "children": {"type": "array", "items": {"$ref": "#/$defs/node"},
+                                                    "maxItems": 2}},
+                        "required": ["value"]}},
+     "$ref": "#/$defs/node"},
+    {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "integer", "minimum": 10, "maximum": 20},
+               {"type": "null"}, {"const": {"kind": "fixed", "n": [1, 2]}}]},
+    {"type": "array", "items": {"type": ["integer", "boolean", "null"]}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "title": "Point", "description": "a point",
+     "properties": {"x": {"type": "number"}, "y": {"type": "number"},
+                    "label": {"type": ["string", "null"], "maxLength": 8}},
+     "required": ["x", "y", "label"]},
+]
+
+
+def test_random_model_writes_valid_json_in_50_of_50_runs(smollm2):
+    for seed in range(50):
+        schema = SCHEMAS[seed % len(SCHEMAS)]
+        text, complete = random_run(json_constraint(schema, smollm2), smollm2.n_vocab, seed)
+        assert complete, (seed, text)
+        assert validate(json.loads(text), schema) is None, (seed, text)
+
+
+def test_mask_agrees_with_allows(smollm2):
+    """The fast paths (plain string tokens, trie walk) decide exactly as allows() does."""
+    schema = SCHEMAS[0]
+    c = json_constraint(schema, smollm2)
+    rng = np.random.default_rng(1)
+    sample = rng.choice(smollm2.n_vocab, 3000, replace=False)
+    for prefix in ['{"name":"', '{"name":"a\\', '{"name":"ab", "age":1', '{"name":"ab","age":12,"active":tr']:
+        c = json_constraint(schema, smollm2)
+        for t in _encode_exact(smollm2, prefix):
+            c.advance(t)
+        mask = c.mask()
+        for t in sample.tolist() + sorted(smollm2.eos_ids):
+            assert mask[t] == c.allows(t), (prefix, t, smollm2.token_bytes[t])
+
+
+def _encode_exact(index, text):
+    """Single-byte tokens spelling `text` (every byte is a token in a byte-level BPE)."""
+    single = {data: i for i, data in enumerate(index.token_bytes) if len(data) == 1}
+    return [single[bytes([b])] for b in text.encode()]
+
+
+def test_eos_only_when_complete_and_control_tokens_never(smollm2):
+    c = json_constraint({"type": "integer", "minimum": 1, "maximum": 99}, smollm2)
+    control = [i for i, data in enumerate(smollm2.token_bytes) if not data]
+    assert not c.mask()[control].any()
+    c.advance(_encode_exact(smollm2, "4")[0])
+    assert c.mask()[sorted(smollm2.eos_ids)].all() and not c.is_done()
+    c.advance(_encode_exact(smollm2, "2")[0])
+    assert c.is_done()          # two digits are the most 99 allows: nothing can follow
+    assert c.mask()[sorted(smollm2.eos_ids)].all() and c.mask().sum() == len(smollm2.eos_ids)
+
+
+def test_gemma3_vocabulary():
+    tok = Tokenizer.from_metadata(load_tokenizer_meta(DATA / "tokenizer-meta.gemma3.json.gz"))
+    index = TokenIndex.of(tok)
+    for seed in range(3):
+        schema = SCHEMAS[seed]
+        text, complete = random_run(json_constraint(schema, index), index.n_vocab, seed)
+        assert complete and validate(json.loads(text), schema) is None, text
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "integer", "minimum": -3, "maximum": 250},
+     ["-3", "0", "7", "250", "199"], ["-4", "251", "007", "-0", "1.0", "", "1e2", " 1"]),
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+     ["0.5", "1", "0.000001", "1.0"], ["0", "0.0", "1.5", "-0.1", ".5", "1.", "0.0000001"]),
+    ({"type": "string", "minLength": 2, "maxLength": 3},
+     ['"ab"', '"héé"', '"a\\n"', '"\\u00e9z"', '"日本"'], ['"a"', '"abcd"', '"a\nb"', '"\\x"', '"\\ud800a"', '"a']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "null"}},
+      "required": ["b"]},
+     ['{"b":"x"}', '{"a":1,"b":""}', '{"a": 1, "b": "", "c": null}', '{"b":"x","c":null}'],
+     ['{}', '{"a":1}', '{"b":"x","a":1}', '{"b":"x",}', '{ "b":"x"}', '{"b":"x"} ', '{"b":  "x"}', '{"b":"x","d":1}']),
+    ({"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2},
+     ["[true]", "[true, false]", "[false,false]"], ["[]", "[true,true,true]", "[true,]", "[1]"]),
+    ({"enum": ["a", 1, None, [1, 2]], "type": ["string", "array"]},
+     ['"a"', "[1,2]"], ["1", "null", '"b"']),
+    ({"type": "object", "additionalProperties": {"type": "integer"}},
+     ['{}', '{"x":1,"y":-2}', '{"x": 1, "y": 2}'], ['{"x":"1"}', '{"x":1,}']),
+    ({}, ['{"a":[1,"x",null,{"b":true}]}', "-1.5", '"s"'], ["nul", "{'a':1}"]),
+])
+def test_documents_accepted_and_rejected(schema, good, bad):
+    for text in good:
+        assert accepts(schema, text), text
+        assert validate(json.loads(text), schema) is None, text
+    for text in bad:
+        assert not accepts(schema, text), text
+
+
+def test_number_prefixes_never_dead_end():
+    """Every accepted prefix of a bounded number can still be completed."""
+    schema = {"type": "integer", "minimum": 37, "maximum": 4211}
+    c = json_constraint(schema, BYTES)
+    seen = 0
+    for value in range(0, 5000, 7):
+        text = str(value).encode()
+        c = json_constraint(schema, BYTES)
+        for b in text:
+            if not c.allows(b):
+                break
+            c.advance(b)
+            assert c.mask().any()
+        else:
+            seen += 1
+            assert c.allows(256) == (37 <= value <= 4211)
+    assert seen > 500
+
+
+@pytest.mark.parametrize("schema, keyword, path", [
+    ({"type": "string", "pattern": "^a+$"}, "pattern", "/pattern"),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}, "format", "/properties/d/format"),
+    ({"oneOf": [{"type": "string"}]}, "oneOf", "/oneOf"),
+    ({"allOf": [{"type": "string"}]}, "allOf", "/allOf"),
+    ({"type": "array", "items": {"type": "integer", "multipleOf": 3}}, "multipleOf", "/items/multipleOf"),
+    ({"type": "object", "patternProperties": {}}, "patternProperties", "/patternProperties"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems", "/uniqueItems"),
+    ({"type": "object", "minProperties": 1}, "minProperties", "/minProperties"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"not": {}}}}, "not", "/$defs/a/not"),
+])
+def test_unsupported_keywords_are_rejected_by_name(schema, keyword, path):
+    with pytest.raises(SchemaError) as e:
+        compile_schema(schema)
+    assert e.value.keyword == keyword and e.value.path == path and keyword in str(e.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "required": ["x"]},                           # required but not declared
+    {"type": "integer", "minimum": 5, "maximum": 4},
+    {"type": "string", "minLength": 4, "maxLength": 2},
+    {"$ref": "https://example.com/schema"},
+    {"$ref": "#/$defs/missing"},
+    {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},    # a reference loop
+    {"enum": []},
+    {"type": "string", "enum": [1, 2]},                              # no enum value fits
+    {"type": "decimal"},
+    False,
+])
+def test_unsatisfiable_or_malformed_schemas_are_rejected(schema):
+    with pytest.raises(SchemaError):
+        compile_schema(schema)
+
+
+def test_validator():
+    schema = SCHEMAS[0]
+    assert validate({"name": "x", "age": 3, "active": True}, schema) is None
+    assert "age" in validate({"name": "x", "active": True}, schema)
+    assert validate({"name": "x", "age": 3.0, "active": True}, schema) is None     # 3.0 is an integer
+    assert validate({"name": "x", "age": True, "active": True}, schema)            # true is not
+    assert validate({"name": "x", "age": 3, "active": True, "zzz": 1}, schema)     # additionalProperties
+    assert validate({"name": "x", "age": 3, "active": True, "tags": ["pink"]}, schema)
+    assert validate({"value": 1, "children": [{"value": -5}]}, SCHEMAS[1])        # exclusiveMinimum, via $ref
+    assert validate({"kind": "fixed", "n": [1, 2.0]}, SCHEMAS[2]) is None
