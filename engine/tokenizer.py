@@ -173,6 +173,8 @@ _CHAR_TO_BYTE = {c: b for b, c in enumerate(_BYTE_TO_CHAR)}
 _LATIN1_TO_BYTE_CHAR = {b: c for b, c in enumerate(_BYTE_TO_CHAR)}
 
 _SPACE = "\u2581"  # SentencePiece's visible space
+_WORD_START = regex.compile("(?<=[^\u2581])\u2581")   # where an SPM text may be cut into words
+_SPANS_WORDS = regex.compile("[^\u2581]\u2581")       # a token that could span such a cut
 
 
 def _split(pieces: list[str], pattern: regex.Pattern) -> list[str]:
@@ -319,7 +321,13 @@ class Tokenizer(abc.ABC):
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Cut special tokens out of the text: a list of text fragments and token ids."""
         fragments: list[str | int] = [text]
-        for tid, tok in (self._special_all if parse_special else self._special_user):
+        specials = self._special_all if parse_special else self._special_user
+        if len(specials) > 64 and len(text) > 64:
+            # Thousands of special tokens (Gemma's <unusedN>): look only for those whose
+            # first three characters occur in the text at all.
+            trigrams = {text[i:i + 3] for i in range(len(text) - 2)}
+            specials = [(tid, tok) for tid, tok in specials if len(tok) < 3 or tok[:3] in trigrams]
+        for tid, tok in specials:
             if tok not in text:
                 continue
             out: list[str | int] = []
@@ -470,6 +478,9 @@ class SpmTokenizer(Tokenizer):
         if scores is not None and len(scores) < self.n_vocab:
             raise ModelFileError(f"tokenizer.ggml.scores has {len(scores)} entries for {self.n_vocab} tokens")
         self._scores = scores if scores is not None else [0.0] * self.n_vocab
+        spanning = [t for t in self.tokens if _SPANS_WORDS.search(t)]
+        self._spanning: list[str] | None = spanning if len(spanning) <= 256 else None
+        self._cache: dict[str, tuple[int, ...]] = {}
         self._byte_ids = [self.token_to_id.get(f"<0x{b:02X}>", self.token_to_id.get(chr(b)) if b < 128 else None)
                           for b in range(256)]
 
@@ -485,10 +496,42 @@ class SpmTokenizer(Tokenizer):
                 continue
             if self.add_space_prefix and prev_special:
                 frag = " " + frag
-            self._spm(frag.replace(" ", _SPACE), ids)
+            for word in self._words(frag.replace(" ", _SPACE)):
+                got = self._cache.get(word)
+                if got is None:
+                    if len(self._cache) > 50_000:
+                        self._cache.clear()
+                    got = self._cache[word] = self._spm(word)
+                ids.extend(got)
             prev_special = False
 
-    def _spm(self, text: str, ids: list[int]) -> None:
+    def _words(self, text: str) -> list[str]:
+        """Cut text before each U+2581 that follows another character, where no token can
+        span the cut: merging each word alone then gives exactly the ids of the whole.
+
+        A token spans a cut only if it has a character then U+2581 inside it (Gemma has
+        one, ">▁</"); cuts inside the text's occurrences of such tokens are not made.
+        """
+        if self._spanning is None:
+            return [text]
+        cuts = [m.start() for m in _WORD_START.finditer(text)]
+        if not cuts:
+            return [text]
+        blocked = set()
+        for tok in self._spanning:
+            at = text.find(tok)
+            while at >= 0:
+                blocked.update(range(at + 1, at + len(tok)))
+                at = text.find(tok, at + 1)
+        words, start = [], 0
+        for cut in cuts:
+            if cut not in blocked:
+                words.append(text[start:cut])
+                start = cut
+        words.append(text[start:])
+        return words
+
+    def _spm(self, text: str) -> tuple[int, ...]:
         """Merge adjacent symbols into the highest-scoring token they form, leftmost on a tie."""
         vocab = self.token_to_id
         scores = self._scores
@@ -522,6 +565,7 @@ class SpmTokenizer(Tokenizer):
             for b in (bigram(prv[left], left), bigram(left, nxt[left])):
                 if b:
                     heapq.heappush(heap, b)
+        ids = []
         for s in syms:
             if not s:
                 continue
@@ -532,6 +576,7 @@ class SpmTokenizer(Tokenizer):
             for byte in s.encode():   # byte fallback: <0xXX> tokens
                 tid = self._byte_ids[byte]
                 ids.append(tid if tid is not None else self.unk_id)
+        return tuple(ids)
 
 
 class IncrementalDecoder:

@@ -154,3 +154,19 @@ def test_other_pre_tokenizers_split_as_llama_cpp():
     silent = {k: v for k, v in meta.items() if k != "tokenizer.ggml.add_bos_token"}
     assert Tokenizer.from_metadata({**silent, "tokenizer.ggml.pre": "llama3"}).encode("x")[0] == 1
     assert Tokenizer.from_metadata(silent).encode("x")[0] != 1
+
+
+def test_spm_word_cuts_change_nothing(tokenizers):
+    """SPM merges each word alone (fast, cacheable); that must equal merging the whole text."""
+    import copy
+    import random
+
+    gemma = tokenizers["gemma3"]
+    whole = copy.copy(gemma)
+    whole._spanning, whole._cache = None, {}   # no cuts: one merge over the whole fragment
+    rng = random.Random(0)
+    alphabet = " ab<>/\u2581\né😀"   # ">▁</" is Gemma's one token that spans a cut
+    texts = ["".join(rng.choice(alphabet) for _ in range(40)) for _ in range(300)]
+    texts += ["x> </p> and a>  </b>", "Once upon a time, there was a little robot."]
+    for text in texts:
+        assert gemma.encode(text) == whole.encode(text), text
