@@ -55,13 +55,14 @@ MIGRATIONS: list[list[str]] = [
             input TEXT NOT NULL,
             body TEXT NOT NULL
         )""",
-        # A task: `request` is the validated request it runs; `response` the final
+        # A task: `model` the id of the model it runs; `request` the request body; `response` the final
         # response object once the task is final; `ended_at` starts the event
         # retention clock; `events_expired` is set when its events were purged.
         """CREATE TABLE tasks (
             id TEXT PRIMARY KEY,
             principal TEXT NOT NULL,
             created_at INTEGER NOT NULL,
+            model TEXT NOT NULL,
             response_id TEXT NOT NULL,
             status TEXT NOT NULL,
             request TEXT NOT NULL,
@@ -122,6 +123,7 @@ class TaskRow:
     id: str
     principal: str
     created_at: int
+    model: str
     response_id: str
     status: str
     request: str  # JSON of the request body the task runs
@@ -307,13 +309,14 @@ class Store:
     # -- tasks ----------------------------------------------------------------------
 
     async def create_task(
-        self, task_id: str, principal: str, created_at: int, response_id: str, request: str
+        self, task_id: str, principal: str, created_at: int, model: str, response_id: str,
+        request: str,
     ) -> None:
         await self._write(
             lambda conn: conn.execute(
-                "INSERT INTO tasks (id, principal, created_at, response_id, status, request)"
-                " VALUES (?, ?, ?, ?, 'queued', ?)",
-                (task_id, principal, created_at, response_id, request),
+                "INSERT INTO tasks (id, principal, created_at, model, response_id, status, request)"
+                " VALUES (?, ?, ?, ?, ?, 'queued', ?)",
+                (task_id, principal, created_at, model, response_id, request),
             )
         )
 
@@ -501,10 +504,10 @@ def _insert_events(
 
 def _select_task(conn: sqlite3.Connection, task_id: str, principal: str | None) -> TaskRow | None:
     row = conn.execute(
-        "SELECT id, principal, created_at, response_id, status, request, response, ended_at,"
-        " events_expired FROM tasks WHERE id = ?",
+        "SELECT id, principal, created_at, model, response_id, status, request, response,"
+        " ended_at, events_expired FROM tasks WHERE id = ?",
         (task_id,),
     ).fetchone()
     if row is None or (principal is not None and row[1] != principal):
         return None
-    return TaskRow(*row[:8], bool(row[8]))
+    return TaskRow(*row[:9], bool(row[9]))

@@ -78,7 +78,7 @@ async def test_data_survives_reopening(tmp_path):
 
 
 async def test_task_lifecycle_and_event_log(store):
-    await store.create_task("task_1", "alice", 1794200000, "resp_1", '{"model":"m"}')
+    await store.create_task("task_1", "alice", 1794200000, "tiny:llama", "resp_1", '{"model":"m"}')
     row = await store.get_task("task_1", "alice")
     assert row.object() == {"id": "task_1", "object": "task", "status": "queued",
                             "created_at": 1794200000, "response_id": "resp_1", "response": None}
@@ -106,7 +106,7 @@ async def test_task_lifecycle_and_event_log(store):
 
 async def test_purge_expires_events_of_ended_tasks_only(store):
     for task_id in ("task_old", "task_running"):
-        await store.create_task(task_id, "alice", 0, "resp_" + task_id, "{}")
+        await store.create_task(task_id, "alice", 0, "tiny:llama", "resp_" + task_id, "{}")
         await store.append_events(task_id, [LoggedEvent(1, "response.created", "{}")])
     await store.finish_task("task_old", "completed", response_body("resp_task_old"),
                             [LoggedEvent(2, "response.completed", "{}")])
@@ -137,7 +137,7 @@ async def test_idempotency_claim_complete_release(store):
 
 
 async def test_concurrent_readers_and_writer(store):
-    await store.create_task("task_1", "alice", 0, "resp_1", "{}")
+    await store.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
 
     async def write():
         for i in range(1, 201):
