@@ -1,0 +1,171 @@
+"""Continuous batching and the prefix cache change no output.
+
+Greedy generation must give the same tokens alone, batched with other sequences
+(whose prompts are prefilled in chunks between decode steps), and starting from
+a cached prefix. The batched matmuls run over different numbers of rows than the
+lone ones, and BLAS may sum a row in a different order then, so "the same" means:
+identical tokens, except where the model's top two candidates are within
+NEAR_TIE nats of each other (there a last-bit difference may pick the other one,
+and the sequences go their own ways after it).
+"""
+
+import numpy as np
+import pytest
+import trio
+
+from engine.errors import QueueFull
+from engine.kv_cache import KVCache, Sequence
+from engine.model import load_model
+from engine.prefix_cache import PrefixCache
+from engine.scheduler import Scheduler
+from engine.tiny import write_tiny_model
+
+NEAR_TIE = 0.01  # nats between the top two logits
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / f"tiny-{request.param}.gguf"
+    return load_model(write_tiny_model(path, request.param))
+
+
+def greedy(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [1] + np.random.default_rng(seed).integers(2, 40000, n - 1).tolist()
+
+
+async def generate(scheduler: Scheduler, prompt_ids: list[int], n: int) -> tuple[list[int], int]:
+    with scheduler.submit(prompt_ids, pick=greedy, max_tokens=n) as generation:
+        tokens = [t async for t in generation]
+    return tokens, generation.cached_tokens
+
+
+def assert_same_greedy(model, prompt_ids: list[int], expected: list[int], got: list[int]) -> None:
+    """Equal, or equal up to a position where the expected choice was a near tie."""
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            row = model.logits(prompt_ids + expected[:i])[-1]             # (V,)
+            top2 = np.sort(row)[-2:]
+            assert top2[1] - top2[0] < NEAR_TIE, f"token {i}: {b} instead of {a}, not a near tie"
+            return
+
+
+def alone(model) -> Scheduler:
+    """A scheduler that runs one sequence at a time and remembers no prefix."""
+    return Scheduler(model, max_batch=1, prefix_cache_bytes=0)
+
+
+PROMPTS = [(3, 1), (40, 2), (150, 3), (300, 4), (9, 5)]  # (length, seed): some longer than a chunk
+
+
+async def test_batched_generation_equals_alone(model):
+    expected = [await generate(alone(model), prompt(n, s), 12) for n, s in PROMPTS]
+
+    scheduler = Scheduler(model, max_batch=4, prefill_chunk=128, interleave_chunk=32, prefix_cache_bytes=0)
+    got = [None] * len(PROMPTS)
+
+    async def run(i: int, n: int, seed: int) -> None:
+        await trio.sleep(0.01 * i)   # join at different steps, while others decode
+        got[i] = await generate(scheduler, prompt(n, seed), 12)
+
+    steps = model.steps
+    async with trio.open_nursery() as nursery:
+        for i, (n, seed) in enumerate(PROMPTS):
+            nursery.start_soon(run, i, n, seed)
+    for (n, seed), (want, _), (tokens, cached) in zip(PROMPTS, expected, got):
+        assert cached == 0
+        assert_same_greedy(model, prompt(n, seed), want, tokens)
+    # they shared steps: fewer than the lone runs would take (ceil(prompt/chunk) + 11 each)
+    assert model.steps - steps < sum(-(-n // 128) + 11 for n, _ in PROMPTS)
+
+
+async def test_prefix_cache_gives_the_same_tokens(model):
+    scheduler = Scheduler(model)
+    first_prompt = prompt(60, 7)
+    first, cached = await generate(scheduler, first_prompt, 10)
+    assert cached == 0
+    # the next turn: the whole first sequence, then new tokens
+    second_prompt = first_prompt + first + prompt(20, 8)[1:]
+    second, cached = await generate(scheduler, second_prompt, 10)
+    assert cached == len(first_prompt) + len(first) - 1   # the last generated token was never fed
+    assert_same_greedy(model, second_prompt, (await generate(alone(model), second_prompt, 10))[0], second)
+    # a shared beginning (a system prompt) is reused too, by a prompt that then differs
+    third_prompt = first_prompt[:30] + prompt(15, 9)[1:]
+    third, cached = await generate(scheduler, third_prompt, 10)
+    assert cached == 30
+    assert_same_greedy(model, third_prompt, (await generate(alone(model), third_prompt, 10))[0], third)
+
+
+async def test_queue_full_raises_and_frees_on_cancel(model):
+    scheduler = Scheduler(model, max_batch=1, max_queue=2)
+    generations = []
+    with pytest.raises(QueueFull) as raised:
+        for _ in range(10):
+            generations.append(scheduler.submit(prompt(5, 1), pick=greedy, max_tokens=100))
+    assert raised.value.retry_after >= 1
+    assert 2 <= len(generations) <= 3   # the worker may have taken one into the batch already
+    for generation in generations:
+        generation.cancel()
+    scheduler.submit(prompt(5, 1), pick=greedy, max_tokens=1).cancel()   # room again
+
+
+async def test_cancelled_request_leaves_the_batch(model):
+    scheduler = Scheduler(model, max_batch=4)
+    other_prompt = prompt(20, 11)
+    expected, _ = await generate(alone(model), other_prompt, 30)
+
+    async def other() -> list[int]:
+        return (await generate(scheduler, other_prompt, 30))[0]
+
+    result = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: _collect(other, result))
+        with scheduler.submit(prompt(10, 12), pick=greedy, max_tokens=400) as generation:
+            async for i, _ in _aenumerate(generation):
+                if i == 3:
+                    break
+    assert_same_greedy(model, other_prompt, expected, result[0])
+    steps = model.steps
+    await trio.sleep(0.2)
+    assert model.steps == steps   # nothing left running: the cancelled one is out
+
+
+async def test_context_full_ends_with_length(model):
+    with Scheduler(model).submit(prompt(model.n_ctx - 4, 3), pick=greedy, max_tokens=100) as generation:
+        tokens = [t async for t in generation]
+    assert len(tokens) == 4 and generation.finish_reason == "length"
+
+
+def test_prefix_cache_is_lru_bounded_in_bytes():
+    def finished(tokens: list[int]) -> Sequence:
+        seq = Sequence(tokens, KVCache(1, 1, 4, 4, 64, capacity=32))   # every entry: the same bytes
+        seq.cache.length = len(tokens)
+        return seq
+
+    size = finished([1] * 16).cache.nbytes
+    cache = PrefixCache(max_bytes=2 * size)
+    cache.store(finished(list(range(16))))
+    cache.store(finished(list(range(100, 116))))
+    cache.start(list(range(10)) + [99], lambda t: finished([]))    # touch the first: most recent
+    cache.store(finished(list(range(200, 216))))                    # evicts the second
+    assert len(cache) == 2 and cache.nbytes <= 2 * size
+    assert cache.start(list(range(100, 120)), lambda t: Sequence(t, KVCache(1, 1, 4, 4, 64)))[1] == 0
+    seq, n = cache.start(list(range(20)), lambda t: Sequence(t, KVCache(1, 1, 4, 4, 64)))
+    assert n == 16 and seq.tokens == list(range(20)) and seq.cache.length == 16
+    cache.store(finished(list(range(16)) + [5, 6]))                 # extends an entry: replaces it
+    assert len(cache) == 2
+
+
+async def _collect(fn, out: list) -> None:
+    out.append(await fn())
+
+
+async def _aenumerate(iterator):
+    i = 0
+    async for item in iterator:
+        yield i, item
+        i += 1
