@@ -195,6 +195,41 @@ def _split(pieces: list[str], pattern: regex.Pattern) -> list[str]:
     return out
 
 
+def _merge(chars: str, priority) -> list[str]:
+    """The merge loop of both tokenizer models (llama.cpp's llm_tokenizer_{bpe,spm}_session).
+
+    Start from one symbol per character; repeatedly merge the adjacent pair with the
+    lowest `priority(left, right)` (None: never merge these two), the leftmost pair on
+    a tie, until no pair can merge. A heap holds the candidate pairs; a pair whose
+    sides have changed since it was pushed is outdated and skipped.
+    """
+    syms = list(chars)                      # "" once merged into the left neighbour
+    nxt = list(range(1, len(syms))) + [-1]  # linked list of the live symbols
+    prv = list(range(-1, len(syms) - 1))
+
+    def candidate(left, right):
+        if left < 0 or right < 0:
+            return None
+        key = priority(syms[left], syms[right])
+        return None if key is None else (key, left, right, len(syms[left]) + len(syms[right]))
+
+    heap = [c for c in map(candidate, range(len(syms) - 1), range(1, len(syms))) if c]
+    heapq.heapify(heap)
+    while heap:
+        _, left, right, size = heapq.heappop(heap)
+        if not syms[left] or not syms[right] or len(syms[left]) + len(syms[right]) != size:
+            continue
+        syms[left] += syms[right]
+        syms[right] = ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        for c in candidate(prv[left], left), candidate(left, nxt[left]):
+            if c:
+                heapq.heappush(heap, c)
+    return [s for s in syms if s]
+
+
 class Tokenizer(abc.ABC):
     """Shared part: vocabulary, special tokens, decoding. Subclasses do the text -> ids step."""
 
@@ -353,23 +388,27 @@ class Tokenizer(abc.ABC):
         return b"" if self._silent[token_id] else self._pieces[token_id]
 
     def decode(self, ids, special: bool = False) -> str:
-        """Token ids -> text; see the module docstring for how special tokens render."""
+        """Token ids -> text; see the module docstring for how special tokens render.
+
+        special=False is llama_detokenize(remove_special=False, unparse_special=False);
+        special=True is llama-server's /detokenize: the pieces as they are, control
+        tokens as their text.
+        """
         pieces = self._pieces
-        silent = self._silent
         out = []
-        strip_space = self.add_space_prefix
         for i in ids:
             i = int(i)
             if not 0 <= i < self.n_vocab:
                 raise ValueError(f"token id {i} is out of range (vocabulary of {self.n_vocab})")
-            piece = b"" if silent[i] and not special else pieces[i]
-            if strip_space and piece.startswith(b" "):
-                piece = piece[1:]
-            strip_space = False
-            out.append(piece)
-        data = b"".join(out)
-        if self.clean_spaces and not special:
-            data = _clean_spaces(data)
+            out.append(pieces[i] if special or not self._silent[i] else b"")
+        if not special:
+            if self.add_space_prefix and out and out[0].startswith(b" "):
+                out[0] = out[0][1:]   # the space the tokenizer put before the text
+            data = b"".join(out)
+            if self.clean_spaces:
+                data = _clean_spaces(data)
+        else:
+            data = b"".join(out)
         return data.decode("utf-8", "replace")
 
 
@@ -377,7 +416,7 @@ def _clean_spaces(text: bytes) -> bytes:
     """llama.cpp's detokenize clean-up: " ?" " !" " ." " ," lose the space, " ' " loses both,
     " 's" " 'm" " 're" " 've" lose the space."""
     text = regex.sub(rb" ([?!.,])", rb"\1", text)
-    text = regex.sub(rb" ' (?=.)", rb"'", text)
+    text = text.replace(b" ' ", b"'")
     return regex.sub(rb" '(?=s|m|re|ve)", rb"'", text)
 
 
@@ -433,33 +472,10 @@ class BpeTokenizer(Tokenizer):
         vocab = self.token_to_id
         if self._pre.ignore_merges and encoded in vocab:
             return (vocab[encoded],)
-        syms = list(encoded)            # symbol texts; "" once merged into its left neighbour
-        nxt = list(range(1, len(syms))) + [-1]
-        prv = list(range(-1, len(syms) - 1))
         ranks = self._ranks
-
-        def pair(left, right):
-            rank = ranks.get((syms[left], syms[right]))
-            return None if rank is None else (rank, left, right, syms[left] + syms[right])
-
-        heap = [p for p in map(pair, range(len(syms) - 1), range(1, len(syms))) if p]
-        heapq.heapify(heap)
-        while heap:
-            _, left, right, text = heapq.heappop(heap)
-            if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
-                continue   # outdated: one side was merged with something else since
-            syms[left] = text
-            syms[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            for p in (prv[left], left), (left, nxt[left]):
-                if p[0] >= 0 and p[1] >= 0 and (p := pair(*p)):
-                    heapq.heappush(heap, p)
+        syms = _merge(encoded, lambda left, right: ranks.get((left, right)))
         out = []
         for s in syms:
-            if not s:
-                continue
             tid = vocab.get(s)
             if tid is not None:
                 out.append(tid)
@@ -535,40 +551,14 @@ class SpmTokenizer(Tokenizer):
         """Merge adjacent symbols into the highest-scoring token they form, leftmost on a tie."""
         vocab = self.token_to_id
         scores = self._scores
-        syms = list(text)   # one symbol per character; "" once merged into its left neighbour
-        n = len(syms)
-        nxt = list(range(1, n)) + [-1]
-        prv = list(range(-1, n - 1))
-        heap = []
 
-        def bigram(left, right):
-            if left >= 0 and right >= 0:
-                tid = vocab.get(syms[left] + syms[right])
-                if tid is not None:
-                    return (-scores[tid], left, right, len(syms[left]) + len(syms[right]))
-            return None
+        def priority(left, right):
+            tid = vocab.get(left + right)
+            return None if tid is None else -scores[tid]
 
-        for i in range(n - 1):
-            b = bigram(i, i + 1)
-            if b:
-                heap.append(b)
-        heapq.heapify(heap)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            if not syms[left] or not syms[right] or len(syms[left]) + len(syms[right]) != size:
-                continue   # outdated: one side was merged with something else since
-            syms[left] += syms[right]
-            syms[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            for b in (bigram(prv[left], left), bigram(left, nxt[left])):
-                if b:
-                    heapq.heappush(heap, b)
+        syms = _merge(text, priority)
         ids = []
         for s in syms:
-            if not s:
-                continue
             tid = vocab.get(s)
             if tid is not None:
                 ids.append(tid)

@@ -170,3 +170,14 @@ def test_spm_word_cuts_change_nothing(tokenizers):
     texts += ["x> </p> and a>  </b>", "Once upon a time, there was a little robot."]
     for text in texts:
         assert gemma.encode(text) == whole.encode(text), text
+
+
+def test_gpt2_detokenize_cleans_spaces_like_llama_cpp():
+    # llama.cpp's detokenizer removes the space before , . ? ! and 's 're 've 'm for
+    # pre-tokenizers that ask for it (gpt-2 does, smollm does not).
+    meta = _meta("smollm2")
+    gpt2 = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "gpt-2"})
+    text = "Hello , world . Is it ? It 's so ' quoted ' they 're"
+    assert gpt2.decode(gpt2.encode(text)) == "Hello, world. Is it? It's so'quoted'they're"
+    assert gpt2.decode(gpt2.encode(text), special=True) == text
+    assert Tokenizer.from_metadata(meta).decode(gpt2.encode(text)) == text
