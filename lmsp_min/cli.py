@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(commands)
     add_run_parser(commands)
     add_bench_parser(commands)
+    add_serve_parser(commands)
     return parser
 
 
@@ -240,6 +241,58 @@ def cmd_bench(args) -> int:
             "clone the repository, `pip install -e .` there, then run `lmsp-min bench`"
         )
     return subprocess.call([sys.executable, str(script), *args.extra])
+
+
+# -- serve ----------------------------------------------------------------------
+
+
+def add_serve_parser(commands) -> None:
+    p = commands.add_parser(
+        "serve",
+        help="serve LMSP 1.0 over HTTP",
+        description=(
+            "Serve the given models and every .gguf of the models directory over HTTP "
+            "(LMSP 1.0). Without --tokens-file the service only listens on loopback. "
+            "SIGINT or SIGTERM stops it."
+        ),
+    )
+    p.add_argument("--model", dest="models", action="append", default=[], metavar="PATH",
+                   help="a GGUF file to serve (repeatable)")
+    p.add_argument("--models-dir", type=Path, metavar="DIR",
+                   help=f"serve every .gguf in DIR (default: the model store, {models_dir()})")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    p.add_argument("--tokens-file", type=Path, metavar="FILE",
+                   help='JSON list of {"token", "principal", "scopes"}; required beyond loopback')
+    p.add_argument("--data-dir", type=Path, metavar="DIR",
+                   help="where stored responses and tasks live (default: the user data directory)")
+    p.add_argument("--no-store", action="store_true",
+                   help="keep nothing beyond this process (no conversations)")
+    p.add_argument("--event-retention", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a finished task's events can be replayed (default 3600)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                   help="largest request body accepted (default 4 MiB)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from lmsp_min.http import Limits
+    from lmsp_min.service import ServiceConfig, run
+
+    config = ServiceConfig(
+        model_paths=[Path(path) for path in args.models],
+        models_dir=args.models_dir if args.models_dir is not None else models_dir(),
+        tokens_file=args.tokens_file,
+        data_dir=args.data_dir,
+        store=not args.no_store,
+        event_retention=args.event_retention,
+        limits=Limits(max_body_bytes=args.max_body_bytes),
+    )
+    try:
+        run(config, args.host, args.port)
+    except ValueError as e:  # a bad --model, tokens file or bind address
+        raise CommandError(str(e)) from None
+    return 0
 
 
 # -------------------------------------------------------------------------------

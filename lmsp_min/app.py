@@ -1,0 +1,265 @@
+"""Routes: from an HTTP request to a response object, an event stream or a problem.
+
+`Router` maps (method, path) to a handler and the scope it needs (D7); a path
+no route matches is `404 not_found`, a known path with another method `405
+method_not_allowed` with `Allow`. Every handler is
+`async def handler(request, service) -> Response | StreamingResponse`.
+
+`POST /lmsp/v1/responses` is built from two reusable steps, which tasks use too:
+
+    generation = await prepare_generation(body, principal, service)
+        # validate, find and load the model, check capabilities, resolve
+        # previous_response_id, render and tokenize (context window checked here,
+        # before anything is generated)
+    generation.events()
+        # the LMSP events (events.ResponseRun), from response.created to a final event
+"""
+
+import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+import trio
+
+from lmsp_min import idempotency
+from lmsp_min.events import ResponseRun
+from lmsp_min.http import Request, Response, StreamingResponse, json_response
+from lmsp_min.problems import Problem
+from lmsp_min.validate import (
+    ResponsesRequest,
+    items_to_messages,
+    parse_json_body,
+    validate_responses_request,
+)
+
+# -- routing -----------------------------------------------------------------------------
+
+
+@dataclass
+class Route:
+    pattern: str  # e.g. "/lmsp/v1/models/{model_id}"
+    regex: re.Pattern
+    handlers: dict  # method -> (scope, handler)
+
+
+class Router:
+    """(method, path) -> (handler, scope, path parameters)."""
+
+    def __init__(self):
+        self.routes: list[Route] = []
+
+    def add(self, method: str, pattern: str, scope: str, handler) -> None:
+        """Register `handler` for `method` on `pattern` ({name} matches one path segment)."""
+        for route in self.routes:
+            if route.pattern == pattern:
+                route.handlers[method] = (scope, handler)
+                return
+        regex = re.compile("".join(
+            f"(?P<{part[1:-1]}>[^/]+)" if part.startswith("{") else re.escape(part)
+            for part in re.split(r"(\{[a-z_]+\})", pattern)
+        ))
+        self.routes.append(Route(pattern, regex, {method: (scope, handler)}))
+
+    def match(self, method: str, path: str):
+        for route in self.routes:
+            found = route.regex.fullmatch(path)
+            if found is None:
+                continue
+            if method not in route.handlers:
+                allow = ", ".join(sorted(route.handlers))
+                raise Problem("method_not_allowed", f"{method} is not allowed on this route (allowed: {allow})",
+                              headers=[("Allow", allow)])
+            scope, handler = route.handlers[method]
+            return handler, scope, {name: unquote(value) for name, value in found.groupdict().items()}
+        raise Problem("not_found", "no such route")
+
+
+def check_version(value: str | None) -> None:
+    """D1: absent means 1.0, any 1.x is fine, another major version is refused."""
+    if value is None:
+        return
+    found = re.fullmatch(r"\s*(\d+)(\.\d+)?\s*", value)
+    if found is None or int(found.group(1)) != 1:
+        raise Problem("unsupported_version",
+                      f"LMSP-Version {value.strip()[:20]!r} is not supported; this service speaks LMSP 1.0")
+
+
+class App:
+    """The service's request handler: route, authenticate, check the version, dispatch."""
+
+    def __init__(self, service, router: Router):
+        self.service = service
+        self.router = router
+
+    async def __call__(self, request: Request):
+        handler, scope, params = self.router.match(request.method, request.path)
+        request.params = params
+        request.principal = self.service.auth.authenticate(request.headers.get("authorization"), scope)
+        check_version(request.headers.get("lmsp-version"))
+        return await handler(request, self.service)
+
+
+def default_router() -> Router:
+    router = Router()
+    router.add("GET", "/lmsp/v1/models", "models:read", list_models)
+    router.add("GET", "/lmsp/v1/models/{model_id}", "models:read", get_model)
+    router.add("POST", "/lmsp/v1/responses", "responses:write", create_response)
+    from lmsp_min.task_routes import add_routes  # (it imports this module)
+
+    add_routes(router)  # tasks and stored responses
+    return router
+
+
+# -- models ------------------------------------------------------------------------------
+
+
+async def list_models(request: Request, service) -> Response:
+    capabilities = service.capabilities()
+    return json_response({"object": "list",
+                          "data": [entry.model_object(capabilities) for entry in service.registry]})
+
+
+async def get_model(request: Request, service) -> Response:
+    entry = service.registry.get(request.params["model_id"])
+    return json_response(entry.model_object(service.capabilities()))
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+async def read_json_body(request: Request) -> dict:
+    """The body of a JSON request: 415 unless it is declared application/json."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = media_type or "none"
+        raise Problem("unsupported_media_type",
+                      f"the body must be application/json (Content-Type: {shown[:60]})")
+    return parse_json_body(await request.body())
+
+
+@dataclass
+class Generation:
+    """A validated, prepared response, ready to generate."""
+
+    request: ResponsesRequest
+    principal: str
+    input_items: list[dict]  # the effective input: previous response's items, then this request's
+    model: object  # the engine model
+    prepared: object  # the engine's prepared chat (prompt tokens, constraints)
+    run: ResponseRun
+
+    def events(self):
+        """The LMSP events of this response (start it once)."""
+        return self.run.events(self.model.generate_chat(self.prepared))
+
+
+async def prepare_generation(body: dict, principal: str, service) -> Generation:
+    """Everything that can refuse a request, done before any generation (D1, D2, D4)."""
+    from engine.errors import ChatTemplateError, ContextLengthExceeded, SchemaError
+
+    request = validate_responses_request(body)
+    entry = service.registry.get(request.model, param="model")
+    if request.previous_response_id is not None and not service.stores_responses:
+        raise Problem("unsupported_capability",
+                      "this service does not store responses, so previous_response_id cannot be used",
+                      param="previous_response_id")
+    model = await entry.load(service.log)
+    if request.tools and "tools" not in entry.capabilities:
+        raise Problem("unsupported_capability", f"model '{entry.id}' has no 'tools' capability", param="tools")
+    if request.json_schema is not None and "structured_output" not in entry.capabilities:
+        raise Problem("unsupported_capability", f"model '{entry.id}' has no 'structured_output' capability",
+                      param="response_format")
+
+    earlier: list[dict] = []
+    if request.previous_response_id is not None:
+        earlier = await service.conversation_items(principal, request.previous_response_id)
+    items = earlier + request.input
+    messages = items_to_messages(items, first_index=-len(earlier))
+    chat_request = _chat_request(request, messages)
+    try:
+        prepared = await trio.to_thread.run_sync(model.prepare_chat, chat_request)
+    except ContextLengthExceeded as exc:
+        raise Problem("context_length_exceeded", str(exc), param="input") from None
+    except SchemaError as exc:
+        param = "response_format.json_schema.schema" if request.json_schema is not None else "tools"
+        raise Problem("invalid_request", f"the schema cannot be enforced: {exc}", param=param) from None
+    except ChatTemplateError as exc:
+        raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
+                      param="input") from None
+    run = ResponseRun(entry.id, input_tokens=prepared.input_tokens, log=service.log)
+    return Generation(request, principal, items, model, prepared, run)
+
+
+def _chat_request(request: ResponsesRequest, messages: list[dict]):
+    from engine.chat import ChatRequest
+    from engine.sampling import SamplingParams
+
+    sampling = {}
+    if request.temperature is not None:
+        sampling["temperature"] = request.temperature
+    for name in ("top_k", "top_p", "min_p", "seed"):
+        if getattr(request, name) is not None:
+            sampling[name] = getattr(request, name)
+    tools = [{"name": t.name, "description": t.description, "parameters": t.parameters}
+             for t in request.tools]
+    return ChatRequest(
+        messages=messages,
+        max_tokens=request.max_output_tokens,
+        sampling=SamplingParams(**sampling),
+        stop=request.stop,
+        tools=tools or None,
+        tool_choice=request.tool_choice,
+        json_schema=request.json_schema,
+    )
+
+
+async def create_response(request: Request, service):
+    """POST /lmsp/v1/responses: a response object, or (stream) its events as SSE;
+    at most once per Idempotency-Key (lmsp_min/idempotency.py)."""
+    body = await read_json_body(request)
+    return await idempotency.run_once(service.store, request, "POST /lmsp/v1/responses", body,
+                                      lambda: _respond(body, request, service))
+
+
+async def _respond(body: dict, request: Request, service):
+    generation = await prepare_generation(body, request.principal, service)
+    if generation.request.stream:
+        return StreamingResponse(_sse(generation, request, service))
+    async with aclosing(generation.events()) as events:
+        async for event in events:
+            if event.is_final:
+                await _finish(generation, request, service)
+    run = generation.run
+    if run.status == "failed":
+        error = run.error
+        retry = [("Retry-After", "1")] if error["code"] == "rate_limited" else None
+        raise Problem(error["code"], error["detail"], headers=retry)
+    return json_response(run.response_object())
+
+
+async def _sse(generation: Generation, request: Request, service) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed response: each event as it is produced."""
+    async with aclosing(generation.events()) as events:
+        try:
+            async for event in events:
+                if event.is_final:
+                    await _finish(generation, request, service)
+                yield event.sse()
+        except Exception as exc:
+            service.log(f"error: the stream of {generation.run.id} failed: {type(exc).__name__}: {exc}")
+            yield generation.run.error_event(Problem("internal_error", "an unexpected error occurred")).sse()
+
+
+async def _finish(generation: Generation, request: Request, service) -> None:
+    """Before the final event goes out: note the tokens, store the response if asked (D6)."""
+    usage = generation.run.usage
+    if usage is not None:
+        request.log_note = f"tokens={usage['input_tokens']}+{usage['output_tokens']}"
+    if generation.request.store and service.stores_responses and generation.run.status != "failed":
+        await service.store.put_response(
+            generation.run.id, generation.principal, generation.input_items,
+            json.dumps(generation.run.response_object(), ensure_ascii=False, separators=(",", ":")),
+        )

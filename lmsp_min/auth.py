@@ -1,0 +1,109 @@
+"""Bearer tokens, principals and scopes (decisions.md D7).
+
+With a tokens file every request needs `Authorization: Bearer <token>`; the
+token is compared, in constant time, against every configured token (so the
+time taken says nothing about which token nearly matched). Without one, the
+service only listens on loopback and everyone is the principal "local".
+Tokens are never logged, and never appear in an error's detail.
+"""
+
+import hmac
+import ipaddress
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmsp_min.problems import Problem
+
+SCOPES = ("models:read", "responses:write", "responses:read", "tasks:write", "tasks:read",
+          "tools:execute")
+LOCAL_PRINCIPAL = "local"
+
+
+@dataclass(frozen=True)
+class Token:
+    secret: bytes
+    principal: str
+    scopes: frozenset[str]
+
+    def __repr__(self) -> str:  # never print a secret, even in a debugging session
+        return f"Token(principal={self.principal!r}, scopes={sorted(self.scopes)})"
+
+
+class Auth:
+    """Who is calling, and may they call this route?"""
+
+    def __init__(self, tokens: list[Token] | None = None):
+        self.tokens = list(tokens or [])
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Auth":
+        """Read a tokens file: a JSON list of {"token", "principal", "scopes"}.
+
+        Raises ValueError with a message for the command line (never quoting a token).
+        """
+        try:
+            entries = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ValueError(f"cannot read the tokens file {path}: {exc.strerror}") from None
+        except ValueError:
+            raise ValueError(f"the tokens file {path} is not valid JSON") from None
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"the tokens file {path} must hold a non-empty JSON list")
+        tokens = []
+        for index, entry in enumerate(entries):
+            where = f"the tokens file {path}, entry {index}"
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where}: must be an object")
+            secret, principal, scopes = entry.get("token"), entry.get("principal"), entry.get("scopes")
+            if not isinstance(secret, str) or not secret:
+                raise ValueError(f"{where}: 'token' must be a non-empty string")
+            if not isinstance(principal, str) or not principal:
+                raise ValueError(f"{where}: 'principal' must be a non-empty string")
+            if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
+                raise ValueError(f"{where}: 'scopes' must be a list of strings")
+            unknown = [s for s in scopes if s not in SCOPES]
+            if unknown:
+                raise ValueError(f"{where}: unknown scope {unknown[0]!r} (known: {', '.join(SCOPES)})")
+            if any(hmac.compare_digest(secret.encode(), t.secret) for t in tokens):
+                raise ValueError(f"{where}: the same token appears twice")
+            tokens.append(Token(secret.encode("utf-8"), principal, frozenset(scopes)))
+        return cls(tokens)
+
+    def authenticate(self, authorization: str | None, scope: str) -> str:
+        """The principal of a request that needs `scope`, or a 401 / 403 problem."""
+        if not self.tokens:
+            return LOCAL_PRINCIPAL
+        challenge = [("WWW-Authenticate", 'Bearer realm="lmsp"')]
+        scheme, _, credentials = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
+            raise Problem("unauthorized", "a bearer token is required", headers=challenge)
+        presented = credentials.strip().encode("utf-8")
+        match = None
+        for token in self.tokens:  # no early exit: every token is compared
+            if hmac.compare_digest(presented, token.secret):
+                match = token
+        if match is None:
+            invalid = [("WWW-Authenticate", 'Bearer realm="lmsp", error="invalid_token"')]
+            raise Problem("unauthorized", "the bearer token is not valid", headers=invalid)
+        if scope not in match.scopes:
+            raise Problem(
+                "insufficient_scope",
+                f"this request needs the scope '{scope}'",
+                headers=[("WWW-Authenticate", f'Bearer realm="lmsp", error="insufficient_scope", scope="{scope}"')],
+            )
+        return match.principal
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the service on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,271 @@
+"""Response objects and their events (responses.md 6.2, 6.3, 6.5).
+
+`ResponseRun.events()` is the one place LMSP events come from: it turns the
+engine's chat events (TextDelta, ReasoningDelta, ToolCallDelta, ToolCall,
+Finished) into numbered LMSP events while building the response object. A
+synchronous request drains it and returns `response_object()`; a stream writes
+each event as SSE the moment it is yielded; a task appends each one to its log.
+
+The event sequence it produces, for a reasoning model answering in text:
+
+    1 response.created
+    2 response.output_item.added      reasoning item
+    3 response.reasoning_summary_text.delta ...
+    4 response.output_item.done       reasoning item
+    5 response.output_item.added      message item (content [])
+    6 response.output_text.delta ...
+    7 response.output_item.done       message item, the full text
+    8 response.completed | response.incomplete | response.failed
+
+and for a tool call: output_item.added (arguments ""), optional
+response.function_call_arguments.delta events, output_item.done (the
+complete call). Ids count from 1 and only grow.
+"""
+
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from engine.errors import QueueFull
+from lmsp_min.problems import Problem
+
+FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed",
+                "response.cancelled", "error")
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def new_id(prefix: str) -> str:
+    """`prefix_` + a ULID: 48 bits of milliseconds then 80 random bits, Crockford base32.
+
+    Unique without coordination, and ids made later sort later.
+    """
+    value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+    chars = []
+    for _ in range(26):
+        chars.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return f"{prefix}_{''.join(reversed(chars))}"
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Event:
+    """One LMSP event: its sequence number, name and data object."""
+
+    id: int
+    name: str
+    data: dict
+
+    @property
+    def is_final(self) -> bool:
+        return self.name in FINAL_EVENTS
+
+    def sse(self) -> bytes:
+        """The event as one SSE message (JSON never contains a raw newline)."""
+        return f"id: {self.id}\nevent: {self.name}\ndata: {_json(self.data)}\n\n".encode("utf-8")
+
+
+SSE_KEEPALIVE = b": keep-alive\n\n"
+
+
+class ResponseRun:
+    """One response being generated: its state, and the events that build it."""
+
+    def __init__(self, model_id: str, *, input_tokens: int | None = None,
+                 response_id: str | None = None, log=None):
+        self.id = response_id or new_id("resp")
+        self.model_id = model_id
+        self.created_at = int(time.time())
+        self.status = "in_progress"
+        self.output: list[dict] = []
+        self.usage: dict | None = None
+        self.error: dict | None = None
+        self.incomplete_details: dict | None = None
+        self.input_tokens = input_tokens
+        self._log = log
+        self._last_id = 0
+        self._open: dict | None = None  # the reasoning or message item receiving deltas
+        self._calls: dict[int, dict] = {}  # engine tool-call index -> open function_call item
+        self._call_ids: set[str] = set()
+
+    def response_object(self) -> dict:
+        """The response object of 6.2, as it stands now."""
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "model": self.model_id,
+            "output": self.output,
+            "usage": self.usage,
+            "error": self.error,
+            "incomplete_details": self.incomplete_details,
+        }
+
+    # -- building events ------------------------------------------------------
+
+    def _event(self, name: str, **data) -> Event:
+        self._last_id += 1
+        return Event(self._last_id, name, {"response_id": self.id, **data})
+
+    def _add_item(self, item: dict) -> Event:
+        self.output.append(item)
+        return self._event("response.output_item.added", output_index=len(self.output) - 1,
+                           item=_snapshot(item))
+
+    def _done_item(self, item: dict) -> Event:
+        return self._event("response.output_item.done", output_index=self.output.index(item),
+                           item=_snapshot(item))
+
+    def _close_open(self) -> list[Event]:
+        if self._open is None:
+            return []
+        item, self._open = self._open, None
+        return [self._done_item(item)]
+
+    def _text_item(self, kind: str) -> list[Event]:
+        """Make sure a `kind` item ("message" or "reasoning") is open; events that opens it."""
+        if self._open is not None and self._open["type"] == kind:
+            return []
+        events = self._close_open()
+        if kind == "message":
+            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "content": []}
+        else:
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": []}
+        events.append(self._add_item(item))
+        self._open = item
+        return events
+
+    def _text_delta(self, kind: str, text: str) -> list[Event]:
+        events = self._text_item(kind)
+        item = self._open
+        if kind == "message":
+            if not item["content"]:
+                item["content"].append({"type": "output_text", "text": ""})
+            item["content"][0]["text"] += text
+            events.append(self._event("response.output_text.delta", item_id=item["id"], delta=text))
+        else:
+            if not item["summary"]:
+                item["summary"].append({"type": "summary_text", "text": ""})
+            item["summary"][0]["text"] += text
+            events.append(self._event("response.reasoning_summary_text.delta", item_id=item["id"],
+                                      delta=text))
+        return events
+
+    def _call_item(self, index: int, name: str) -> list[Event]:
+        if index in self._calls:
+            return []
+        events = self._close_open()
+        call_id = new_id("call")
+        while call_id in self._call_ids:  # unique within the response, whatever the clock
+            call_id = new_id("call")
+        self._call_ids.add(call_id)
+        item = {"id": new_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
+                "arguments": ""}
+        self._calls[index] = item
+        events.append(self._add_item(item))
+        return events
+
+    def _finish(self, reason: str, input_tokens: int, output_tokens: int) -> list[Event]:
+        events = self._close_open()
+        for index in sorted(self._calls):
+            events.append(self._done_item(self._calls.pop(index)))
+        if not self.output:
+            # Nothing was generated (an immediate end of turn): the answer is an
+            # empty message, so that clients always find one.
+            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "content": []}
+            events.append(self._add_item(item))
+            item["content"].append({"type": "output_text", "text": ""})
+            events.append(self._done_item(item))
+        self.usage = {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "total_tokens": input_tokens + output_tokens}
+        if reason == "length":
+            self.status = "incomplete"
+            self.incomplete_details = {"reason": "max_output_tokens"}
+            events.append(self._event("response.incomplete", status=self.status,
+                                      incomplete_details=self.incomplete_details, usage=self.usage))
+        else:
+            self.status = "completed"
+            events.append(self._event("response.completed", status=self.status, usage=self.usage))
+        return events
+
+    # -- the generator ----------------------------------------------------------
+
+    async def events(self, chat_events: AsyncIterator) -> AsyncIterator[Event]:
+        """Every LMSP event of this response, from `response.created` to a final event.
+
+        An exception out of the engine ends the response `failed` (with a
+        `generation_failed` problem; the traceback goes to the log, never to
+        the client). Cancellation is not caught: the caller decides what it
+        means (a stream whose client left; a task cancelled, see `cancelled`).
+        """
+        from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall, ToolCallDelta
+
+        yield self._event("response.created", status="in_progress")
+        try:
+            async with aclosing(chat_events) as chat:
+                async for chat_event in chat:
+                    kind = type(chat_event)
+                    if kind is TextDelta:
+                        batch = self._text_delta("message", chat_event.text) if chat_event.text else []
+                    elif kind is ReasoningDelta:
+                        batch = self._text_delta("reasoning", chat_event.text) if chat_event.text else []
+                    elif kind is ToolCallDelta:
+                        batch = self._call_item(chat_event.index, chat_event.name)
+                        if chat_event.arguments_delta:
+                            item = self._calls[chat_event.index]
+                            item["arguments"] += chat_event.arguments_delta
+                            batch.append(self._event("response.function_call_arguments.delta",
+                                                     item_id=item["id"],
+                                                     output_index=self.output.index(item),
+                                                     delta=chat_event.arguments_delta))
+                    elif kind is ToolCall:
+                        batch = self._call_item(chat_event.index, chat_event.name)
+                        item = self._calls.pop(chat_event.index)
+                        item["arguments"] = chat_event.arguments
+                        batch.append(self._done_item(item))
+                    elif kind is Finished:
+                        batch = self._finish(chat_event.reason, chat_event.input_tokens,
+                                             chat_event.output_tokens)
+                    else:
+                        raise TypeError(f"unexpected engine event {chat_event!r}")
+                    for event in batch:
+                        yield event
+                    if kind is Finished:
+                        return
+            raise RuntimeError("the engine's generation ended without a Finished event")
+        except QueueFull:
+            yield self.failed(Problem("rate_limited", "too many requests are waiting for this model; "
+                                      "retry in a moment"))
+        except Exception as exc:
+            if self._log is not None:
+                self._log(f"error: generation of {self.id} failed: {type(exc).__name__}: {exc}")
+            yield self.failed(Problem("generation_failed", "the model failed while generating the response"))
+
+    def failed(self, problem: Problem) -> Event:
+        """End the response `failed` with `problem`; the final event."""
+        self.status = "failed"
+        self.error = problem.to_dict()
+        return self._event("response.failed", status=self.status, error=self.error)
+
+    def cancelled(self) -> Event:
+        """End the response `cancelled` (a task stopped by its client); the final event."""
+        self.status = "cancelled"
+        return self._event("response.cancelled", status=self.status)
+
+    def error_event(self, problem: Problem) -> Event:
+        """An `error` event: the stream cannot go on for a reason not tied to the response."""
+        self._last_id += 1
+        return Event(self._last_id, "error", {"error": problem.to_dict()})
+
+
+def _snapshot(item: dict) -> dict:
+    """A deep copy of an output item as it is now (events must not change afterwards)."""
+    return json.loads(json.dumps(item))

@@ -1,0 +1,502 @@
+"""HTTP/1.1 on h11 and trio: one task per connection, every error path explained.
+
+h11 knows the protocol (framing, keep-alive, what may legally come next);
+this module owns the socket and the policy around it, in the spirit of h11's
+examples/trio-server.py:
+
+- One reader task per connection moves bytes from the socket into a small
+  bounded channel. It is always reading, so a client that goes away (EOF) is
+  noticed while a response is still being generated, and the request being
+  served is cancelled at once: a stream or a synchronous request stops within
+  one decoding step. (A half-closed socket counts as gone, as in nginx.)
+- Requests on a keep-alive connection are answered one after another, in
+  order; pipelined requests simply wait in h11's buffer.
+- Limits are explicit (`Limits`): header size (431), body size (413), number
+  of connections (429), and three timeouts: idle keep-alive (close), headers
+  (408 then close), body (408 then close).
+- A malformed request gets 400 and the connection is closed: after a framing
+  error nothing later on the connection can be trusted.
+- A handler that raises a `Problem` gets its problem document; any other
+  exception is logged and becomes 500 `internal_error`, never a crash or a
+  hung connection.
+
+Handlers see a `Request` and return a `Response` (a whole body) or a
+`StreamingResponse` (an async iterator of byte chunks, each written and
+flushed as soon as it exists).
+"""
+
+import json
+import sys
+import time
+import traceback
+from http import HTTPStatus
+from collections.abc import AsyncIterable, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl
+from wsgiref.handlers import format_date_time
+
+import h11
+import trio
+
+from lmsp_min import __version__
+from lmsp_min.problems import Problem
+
+LMSP_VERSION = "1.0"
+SERVER_HEADER = f"lmsp-min/{__version__}"
+RECEIVE_SIZE = 64 * 1024
+DRAIN_LIMIT = 64 * 1024  # an unread request body up to this size is read and dropped
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every bound the HTTP layer enforces (decisions.md D9)."""
+
+    max_header_bytes: int = 16 * 1024  # request line + headers; past it: 431
+    max_body_bytes: int = 4 * 1024 * 1024  # past it: 413 request_too_large
+    max_connections: int = 256  # past it: 429 rate_limited, then close
+    idle_timeout: float = 15.0  # keep-alive: wait this long for a next request
+    header_timeout: float = 10.0  # from a request's first byte to the end of its headers
+    body_timeout: float = 30.0  # to receive a whole request body
+
+
+@dataclass
+class Response:
+    """A complete response; Content-Length is set from `body`."""
+
+    status: int
+    body: bytes = b""
+    content_type: str | None = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class StreamingResponse:
+    """A response whose body is produced while it is sent (chunked framing).
+
+    Each chunk of `chunks` is written to the socket as soon as the iterator
+    yields it. The iterator is closed (aclose) when the client goes away.
+    """
+
+    chunks: AsyncIterable[bytes]
+    status: int = 200
+    content_type: str = "text/event-stream"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+def json_response(obj, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
+    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return Response(status, body, "application/json", headers or [])
+
+
+def problem_response(problem: Problem) -> Response:
+    body = json.dumps(problem.to_dict(), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return Response(problem.status, body, "application/problem+json", list(problem.headers))
+
+
+class Request:
+    """One HTTP request as handlers see it.
+
+    `headers` maps lowercase names to values (repeated headers joined by ", ").
+    The body is read only when a handler asks for it (`await request.body()`),
+    so a request rejected on its headers (401, 415, 413 by Content-Length)
+    never makes a client that sent `Expect: 100-continue` upload anything.
+    """
+
+    def __init__(self, event: h11.Request, connection: "_Connection"):
+        self.method = event.method.decode("ascii")
+        target = event.target.decode("ascii")
+        path, _, query = target.partition("?")
+        if path.startswith(("http://", "https://")):  # absolute-form target
+            path = "/" + path.split("/", 3)[3] if path.count("/") >= 3 else "/"
+        self.path = path
+        self.query: dict[str, str] = dict(parse_qsl(query, keep_blank_values=True))
+        headers: dict[str, str] = {}
+        for name, value in event.headers:
+            key = name.decode("ascii")
+            text = value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        self.headers = headers
+        self.params: dict[str, str] = {}  # route parameters, filled by the router
+        self.principal: str | None = None  # filled by authentication
+        self.log_note = ""  # appended to the access-log line (token counts)
+        self._connection = connection
+        self._body: bytes | None = None
+
+    @property
+    def disconnected(self) -> trio.Event:
+        """Set when the client's side of the connection is gone."""
+        return self._connection.peer_closed
+
+    async def body(self) -> bytes:
+        """The whole request body, at most `Limits.max_body_bytes` (else 413)."""
+        if self._body is None:
+            self._body = await self._connection.read_body()
+        return self._body
+
+
+Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
+
+
+class _ClientGone(Exception):
+    """The socket broke while we were writing: nothing more can be sent."""
+
+
+class _DateHeader:
+    """`Date` in IMF-fixdate, formatted once per second rather than per response."""
+
+    def __init__(self):
+        self._second = -1
+        self._value = b""
+
+    def __call__(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._value = format_date_time(now).encode("ascii")
+        return self._value
+
+
+_date = _DateHeader()
+
+
+def _base_headers() -> list[tuple[bytes, bytes]]:
+    return [
+        (b"Date", _date()),
+        (b"Server", SERVER_HEADER.encode("ascii")),
+        (b"LMSP-Version", LMSP_VERSION.encode("ascii")),
+    ]
+
+
+class _Connection:
+    """The state of one client connection, from accept to close."""
+
+    def __init__(self, stream: trio.SocketStream, handler: Handler, limits: Limits, log):
+        self.stream = stream
+        self.handler = handler
+        self.limits = limits
+        self.log = log
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.peer_closed = trio.Event()
+        # The reader task pushes received chunks here; 4 chunks bound what a
+        # pipelining client can make us buffer while a response is generated.
+        self._incoming_send, self._incoming = trio.open_memory_channel[bytes](4)
+        self._request_scope: trio.CancelScope | None = None
+        self._sent_100_continue = False
+        self._content_length: int | None = None  # of the request being served
+        self._body_abandoned = False
+
+    # -- socket I/O ---------------------------------------------------------
+
+    async def _read_socket(self) -> None:
+        """Read until EOF; on EOF cancel whatever request is being served."""
+        async with self._incoming_send:
+            while True:
+                try:
+                    data = await self.stream.receive_some(RECEIVE_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    self.peer_closed.set()
+                    if self._request_scope is not None:
+                        self._request_scope.cancel()
+                    return
+                await self._incoming_send.send(data)
+
+    async def _receive_into_h11(self) -> None:
+        """Hand h11 the next chunk from the reader (b"" means EOF)."""
+        if self.h11.they_are_waiting_for_100_continue and not self._sent_100_continue:
+            self._sent_100_continue = True
+            await self._send(h11.InformationalResponse(status_code=100, headers=_base_headers()))
+        try:
+            data = await self._incoming.receive()
+        except trio.EndOfChannel:
+            data = b""
+        self.h11.receive_data(data)
+
+    async def _send(self, event) -> None:
+        data = self.h11.send(event)
+        if data:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise _ClientGone() from exc
+
+    # -- the connection loop ------------------------------------------------
+
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_socket)
+            try:
+                await self._serve_requests()
+            except _ClientGone:
+                pass
+            finally:
+                nursery.cancel_scope.cancel()
+                await trio.aclose_forcefully(self.stream)
+
+    async def _serve_requests(self) -> None:
+        while True:
+            event = await self._next_request()
+            if event is None:
+                return
+            await self._serve_request(event)
+            if self.peer_closed.is_set() and self.h11.their_state is not h11.DONE:
+                return
+            if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
+                return  # MUST_CLOSE, or a body we chose not to read: close
+            self.h11.start_next_cycle()
+            self._sent_100_continue = False
+            self._body_abandoned = False
+
+    async def _next_request(self) -> h11.Request | None:
+        """Wait for the next request's headers; None means close the connection.
+
+        Idle timeout until its first byte, header timeout from then on.
+        """
+        idle_deadline = trio.current_time() + self.limits.idle_timeout
+        header_deadline = None
+        while True:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                await self._refuse(_protocol_problem(exc))
+                return None
+            if type(event) is h11.Request:
+                return event
+            if event is not h11.NEED_DATA:
+                return None  # ConnectionClosed: the client is done with us
+            started = bool(self.h11.trailing_data[0])
+            if started and header_deadline is None:
+                header_deadline = trio.current_time() + self.limits.header_timeout
+            with trio.move_on_at(header_deadline if started else idle_deadline):
+                await self._receive_into_h11()
+                continue
+            if started:
+                await self._refuse(Problem("invalid_request", "the request headers took too long to arrive", status=408))
+            return None
+
+    async def read_body(self) -> bytes:
+        """Read the current request's body, enforcing size and time limits."""
+        try:
+            return await self._read_body()
+        except Problem:
+            self._body_abandoned = True  # the rest of it will not be read: close after answering
+            raise
+
+    async def _read_body(self) -> bytes:
+        length = self._content_length
+        if length is not None and length > self.limits.max_body_bytes:
+            raise Problem("request_too_large", _too_large(self.limits.max_body_bytes))
+        chunks = []
+        size = 0
+        with trio.move_on_after(self.limits.body_timeout):
+            while True:
+                try:
+                    event = self.h11.next_event()
+                except h11.RemoteProtocolError as exc:
+                    raise _protocol_problem(exc) from None
+                if event is h11.NEED_DATA:
+                    await self._receive_into_h11()
+                elif type(event) is h11.Data:
+                    size += len(event.data)
+                    if size > self.limits.max_body_bytes:
+                        raise Problem("request_too_large", _too_large(self.limits.max_body_bytes))
+                    chunks.append(event.data)
+                elif type(event) is h11.EndOfMessage:
+                    return b"".join(chunks)
+                else:  # ConnectionClosed in the middle of the body
+                    raise Problem("invalid_request", "the connection closed before the request body ended")
+        raise Problem("invalid_request", "the request body took too long to arrive", status=408)
+
+    async def _serve_request(self, event: h11.Request) -> None:
+        request = Request(event, self)
+        length = request.headers.get("content-length")
+        self._content_length = int(length) if length is not None else None  # h11 checked it
+        started = time.perf_counter()
+        status = 0
+        with trio.CancelScope() as scope:
+            self._request_scope = scope
+            if self.peer_closed.is_set():
+                scope.cancel()
+            try:
+                response = await self.handler(request)
+            except Problem as problem:
+                response = problem_response(problem)
+            except Exception:
+                self.log("error: unexpected exception in a handler:\n" + traceback.format_exc())
+                response = problem_response(Problem("internal_error", "an unexpected error occurred"))
+            status = response.status
+            if isinstance(response, StreamingResponse):
+                await self._send_streaming(response)
+            else:
+                await self._send_response(response)
+        self._request_scope = None
+        duration = (time.perf_counter() - started) * 1000
+        outcome = " (client disconnected)" if scope.cancelled_caught else ""
+        note = f" {request.log_note}" if request.log_note else ""
+        self.log(f"{request.method} {request.path} {status} {duration:.1f}ms{note}{outcome}")
+
+    async def _finish_request_body(self) -> bool:
+        """Before answering: read what is left of the request, if that is cheap.
+
+        A request without a body still has its end to read. A small body that a
+        handler did not need (a request refused on its headers) is read and
+        dropped, so the connection can serve the next request. Anything else
+        (a large body, a client waiting for 100-continue that we never sent)
+        is not worth reading: the response says `Connection: close`.
+        """
+        if self.h11.their_state is not h11.SEND_BODY:
+            return True
+        if self._body_abandoned:
+            return False
+        if self.h11.they_are_waiting_for_100_continue and not self._sent_100_continue:
+            return False
+        if self._content_length is not None and self._content_length > DRAIN_LIMIT:
+            return False
+        budget = DRAIN_LIMIT  # also bounds a chunked body
+        with trio.move_on_after(self.limits.body_timeout):
+            while True:
+                try:
+                    event = self.h11.next_event()
+                except h11.RemoteProtocolError:
+                    return False
+                if event is h11.NEED_DATA:
+                    await self._receive_into_h11()
+                elif type(event) is h11.Data and len(event.data) <= budget:
+                    budget -= len(event.data)
+                elif type(event) is h11.EndOfMessage:
+                    return True
+                else:  # over budget, or the connection closed
+                    return False
+        return False
+
+    async def _head(self, status: int, content_type: str | None, extra, length: int | None) -> h11.Response:
+        headers = _base_headers()
+        if content_type is not None:
+            headers.append((b"Content-Type", content_type.encode("ascii")))
+        if length is not None:
+            headers.append((b"Content-Length", str(length).encode("ascii")))
+        for name, value in extra:
+            headers.append((name.encode("ascii"), value.encode("latin-1")))
+        if not await self._finish_request_body():
+            headers.append((b"Connection", b"close"))
+        return h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase)
+
+    async def _send_response(self, response: Response) -> None:
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return  # a response already started: nothing more can be said
+        await self._send(await self._head(response.status, response.content_type, response.headers, len(response.body)))
+        if response.body:
+            await self._send(h11.Data(data=response.body))
+        await self._send(h11.EndOfMessage())
+
+    async def _send_streaming(self, response: StreamingResponse) -> None:
+        extra = [("Cache-Control", "no-cache"), *response.headers]
+        await self._send(await self._head(response.status, response.content_type, extra, None))
+        async with aclosing(aiter(response.chunks)) as chunks:
+            try:
+                async for chunk in chunks:
+                    await self._send(h11.Data(data=chunk))
+            except Exception:
+                # The body is half sent: we cannot report the error in-band any
+                # more, so the connection ends without its final chunk and the
+                # client sees a truncated stream rather than a clean end.
+                self.log("error: a response stream failed:\n" + traceback.format_exc())
+                raise _ClientGone() from None
+        await self._send(h11.EndOfMessage())
+
+    async def _refuse(self, problem: Problem) -> None:
+        """Answer with a problem and close: the request could not even be read."""
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        response = problem_response(problem)
+        response.headers.append(("Connection", "close"))
+        try:
+            await self._send_response(response)
+        except h11.LocalProtocolError:
+            # h11 refuses to answer in some error states (it cannot know how
+            # the client would frame a response); write the bytes directly.
+            await self._send_raw(response)
+        self.log(f"- - {problem.status} ({problem.detail})")
+
+    async def _send_raw(self, response: Response) -> None:
+        try:
+            await self.stream.send_all(_raw_response(response))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+def _too_large(limit: int) -> str:
+    return f"the request body is larger than the limit of {limit} bytes"
+
+
+def _protocol_problem(exc: h11.RemoteProtocolError) -> Problem:
+    if exc.error_status_hint == 431:
+        return Problem("request_too_large", "the request headers are too large", status=431)
+    return Problem("invalid_request", f"malformed HTTP request: {exc}", status=exc.error_status_hint or 400)
+
+
+async def serve_http(
+    handler: Handler,
+    host: str,
+    port: int,
+    *,
+    limits: Limits = Limits(),
+    log=None,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen on host:port and serve connections until cancelled.
+
+    Reports the bound (host, port) addresses through `task_status` (port 0
+    picks a free port, which is what tests use).
+    """
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    active = 0
+
+    async def serve_connection(stream: trio.SocketStream) -> None:
+        nonlocal active
+        if active >= limits.max_connections:
+            await _refuse_connection(stream, limits)
+            return
+        active += 1
+        try:
+            await _Connection(stream, handler, limits, log).serve()
+        finally:
+            active -= 1
+
+    addresses = [listener.socket.getsockname()[:2] for listener in listeners]
+    task_status.started(addresses)
+    await trio.serve_listeners(serve_connection, listeners)
+
+
+async def _refuse_connection(stream: trio.SocketStream, limits: Limits) -> None:
+    """Over the connection limit: a 429 problem, then close, without reading anything."""
+    problem = Problem(
+        "rate_limited",
+        f"the service already has {limits.max_connections} open connections",
+        headers=[("Retry-After", "1")],
+    )
+    with trio.move_on_after(1):
+        try:
+            await stream.send_all(_raw_response(problem_response(problem)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await trio.aclose_forcefully(stream)
+
+
+def _raw_response(response: Response) -> bytes:
+    """A complete `Connection: close` response as bytes, for when no h11 state can send it."""
+    head = [
+        *_base_headers(),
+        (b"Content-Type", (response.content_type or "application/octet-stream").encode("ascii")),
+        (b"Content-Length", str(len(response.body)).encode("ascii")),
+        *[(name.encode("ascii"), value.encode("latin-1"))
+          for name, value in response.headers if name.lower() != "connection"],
+        (b"Connection", b"close"),
+    ]
+    reason = HTTPStatus(response.status).phrase.encode("ascii")
+    lines = [b"HTTP/1.1 %d %s" % (response.status, reason)]
+    lines += [name + b": " + value for name, value in head]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + response.body

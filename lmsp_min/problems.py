@@ -1,0 +1,73 @@
+"""Errors as RFC 9457 problem documents (decisions.md D1).
+
+Every error the service reports, whatever the route, is a `Problem`: raised
+anywhere in a handler, turned into an `application/problem+json` response by
+the HTTP layer, or embedded as the `error` of a failed response or event.
+`detail` is written for humans and never carries a path, a stack trace or a
+secret: it is always composed here or by the validator, never copied from an
+arbitrary exception.
+"""
+
+# code -> (HTTP status, title). The closed list of D1's error table.
+CODES: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "Invalid request"),
+    "unsupported_capability": (400, "Unsupported capability"),
+    "context_length_exceeded": (400, "Context length exceeded"),
+    "unsupported_version": (400, "Unsupported version"),
+    "unauthorized": (401, "Unauthorized"),
+    "insufficient_scope": (403, "Insufficient scope"),
+    "model_not_found": (404, "Model not found"),
+    "response_not_found": (404, "Response not found"),
+    "task_not_found": (404, "Task not found"),
+    "not_found": (404, "Not found"),
+    "method_not_allowed": (405, "Method not allowed"),
+    "idempotency_conflict": (409, "Idempotency conflict"),
+    "event_history_expired": (410, "Event history expired"),
+    "request_too_large": (413, "Request too large"),
+    "unsupported_media_type": (415, "Unsupported media type"),
+    "idempotency_key_reused": (422, "Idempotency key reused"),
+    "rate_limited": (429, "Rate limited"),
+    "internal_error": (500, "Internal error"),
+    "generation_failed": (500, "Generation failed"),
+    "model_unavailable": (503, "Model unavailable"),
+}
+
+
+class Problem(Exception):
+    """An error with its D1 code; raise it from any handler.
+
+    `status` defaults to the code's status in D1's table; it is given
+    explicitly only where HTTP itself needs another one (408, 431).
+    `headers` are extra response headers (`Allow`, `WWW-Authenticate`, `Retry-After`).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        detail: str,
+        *,
+        param: str | None = None,
+        status: int | None = None,
+        headers: list[tuple[str, str]] | None = None,
+    ):
+        if code not in CODES:
+            raise ValueError(f"unknown problem code {code!r}")
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+        self.param = param
+        self.status = status if status is not None else CODES[code][0]
+        self.headers = headers or []
+
+    def to_dict(self) -> dict:
+        """The problem document: also the `error` of failed responses and events."""
+        doc = {
+            "type": f"urn:lmsp:error:{self.code}",
+            "title": CODES[self.code][1],
+            "status": self.status,
+            "detail": self.detail,
+            "code": self.code,
+        }
+        if self.param is not None:
+            doc["param"] = self.param
+        return doc

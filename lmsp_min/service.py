@@ -1,0 +1,188 @@
+"""The service: models, auth, storage and routes, served over HTTP.
+
+A trio program runs one like this:
+
+    service = await Service.open(ServiceConfig(model_paths=[path]))
+    async with trio.open_nursery() as nursery:
+        addresses = await nursery.start(lmsp_min.serve, service, "127.0.0.1", 8080)
+
+`lmsp-min serve` does exactly that, and stops cleanly on SIGINT or SIGTERM.
+"""
+
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from lmsp_min.app import App, default_router
+from lmsp_min.auth import Auth, is_loopback
+from lmsp_min.http import Limits, serve_http
+from lmsp_min.problems import Problem
+from lmsp_min import paths
+from lmsp_min.registry import Registry
+from lmsp_min.store import Store
+from lmsp_min.tasks import Tasks
+
+DEFAULT_MODEL = "smollm2:135m-instruct-q4_1"
+
+
+def stderr_log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class ServiceConfig:
+    """Everything `lmsp-min serve` can be told."""
+
+    model_paths: list[Path] = field(default_factory=list)
+    models_dir: Path | None = None  # every .gguf here is served
+    tokens_file: Path | None = None  # none: loopback only, principal "local"
+    data_dir: Path | None = None  # the store's database (None: lmsp_min.paths.data_dir())
+    store: bool = True  # False (--no-store): nothing outlives the process
+    event_retention: float = 3600.0  # seconds a finished task's events are kept (D3)
+    limits: Limits = field(default_factory=Limits)
+    access_log: bool = True  # one line per request on stderr
+
+
+class Service:
+    """What a request handler can reach: the models, auth, the store, the log.
+
+    `store` (lmsp_min/store.py) is optional: without one, `previous_response_id`
+    is `unsupported_capability` and `store: true` is ignored (D2). `tasks` is
+    set by the tasks module when it is wired in; `nursery` is where background
+    work lives while `serve` runs.
+    """
+
+    def __init__(self, registry: Registry, *, auth: Auth | None = None, store=None,
+                 config: ServiceConfig | None = None, log=stderr_log):
+        self.registry = registry
+        self.auth = auth or Auth()
+        self.store = store
+        self.config = config or ServiceConfig()
+        self.tasks = None
+        self.nursery: trio.Nursery | None = None
+        self.router = default_router()
+        self.log = log
+        self.started_at = time.time()
+
+    @classmethod
+    async def open(cls, config: ServiceConfig, log=stderr_log) -> "Service":
+        """Read the model headers and the tokens file (ValueError: a message for the user)."""
+        registry = await Registry.scan(config.model_paths, config.models_dir, log)
+        auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
+        store = await Store.open((config.data_dir or paths.data_dir()) if config.store else None)
+        service = cls(registry, auth=auth, store=store, config=config, log=log)
+        service.tasks = Tasks(store, event_retention=config.event_retention,
+                              stores_responses=service.stores_responses, log=log)
+        return service
+
+    def close(self) -> None:
+        """Close the store (the throw-away database of --no-store is deleted)."""
+        if self.store is not None:
+            self.store.close()
+
+    @property
+    def stores_responses(self) -> bool:
+        """D2 `conversations`: responses are kept beyond this process."""
+        return self.store is not None and getattr(self.store, "persistent", True)
+
+    def capabilities(self) -> tuple[str, ...]:
+        """The service-level capabilities every model object lists."""
+        names = ["streaming"]
+        if self.stores_responses:
+            names.append("conversations")
+        if self.tasks is not None:
+            names.append("tasks")
+        return tuple(names)
+
+    async def conversation_items(self, principal: str, response_id: str) -> list[dict]:
+        """The input then the output items of a stored response (for previous_response_id)."""
+        stored = await self.store.get_response(response_id, principal)
+        if stored is None:
+            raise Problem("response_not_found", f"no stored response has the id '{response_id[:80]}'",
+                          param="previous_response_id")
+        return [*stored.input, *stored.output]
+
+
+async def serve(service: Service, host: str = "127.0.0.1", port: int = 8080, *,
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `service` on host:port until cancelled; reports the bound addresses.
+
+    Refuses (ValueError) to listen beyond loopback without tokens (D7).
+    """
+    if not service.auth.enabled and not is_loopback(host):
+        raise ValueError(f"refusing to listen on {host} without tokens: a service without "
+                         "--tokens-file only listens on loopback (127.0.0.1, ::1 or localhost)")
+    app = App(service, service.router)
+    log = service.log if service.config.access_log else _errors_only(service.log)
+    async with trio.open_nursery() as nursery:
+        service.nursery = nursery
+        if service.tasks is not None:  # tasks a crash left running are failed before any request
+            await nursery.start(service.tasks.run)
+        addresses = await nursery.start(
+            lambda task_status: serve_http(app, host, port, limits=service.config.limits, log=log,
+                                           task_status=task_status))
+        task_status.started(addresses)
+
+
+def _errors_only(log):
+    return lambda line: log(line) if line.startswith(("error", "warning")) else None
+
+
+# -- lmsp-min serve (the command line is in cli.py) ------------------------------------------------------------------------
+
+
+def ensure_default_model(config: ServiceConfig, log=stderr_log) -> None:
+    """No --model and an empty models directory: fetch the default model into it."""
+    if config.model_paths or (config.models_dir is not None and any(config.models_dir.glob("*.gguf"))):
+        return
+    from lmsp_min import fetch
+
+    log(f"no model given and none in {config.models_dir}: fetching {DEFAULT_MODEL}")
+    config.model_paths.append(Path(fetch.pull(DEFAULT_MODEL)))
+
+
+def run(config: ServiceConfig, host: str, port: int) -> None:
+    """`lmsp-min serve`: run the service until SIGINT or SIGTERM.
+
+    Raises ValueError, with a message for the user, when it cannot start.
+    """
+    if not is_loopback(host) and config.tokens_file is None:
+        raise ValueError(f"refusing to listen on {host} without --tokens-file: without tokens "
+                         "the service only listens on loopback (127.0.0.1, ::1 or localhost)")
+    ensure_default_model(config)
+    trio.run(_serve_until_signal, config, host, port)
+
+
+async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> None:
+    service = await Service.open(config)
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                addresses = await nursery.start(serve, service, host, port)
+                _banner(service, addresses)
+                async for signum in signals:
+                    stderr_log(f"{signal.Signals(signum).name}: shutting down")
+                    nursery.cancel_scope.cancel()
+                    break
+    finally:
+        service.close()
+    stderr_log("stopped")
+
+
+def _banner(service: Service, addresses) -> None:
+    where = ", ".join(f"http://{f'[{host}]' if ':' in host else host}:{port}" for host, port in addresses)
+    stderr_log(f"lmsp-min serving LMSP 1.0 on {where}")
+    for entry in service.registry:
+        stderr_log(f"  model {entry.id}  ({entry.path.name}, {entry.architecture}, {entry.quantization})")
+    if not len(service.registry):
+        stderr_log("  no models")
+    if service.auth.enabled:
+        principals = sorted({token.principal for token in service.auth.tokens})
+        stderr_log(f"  auth: bearer tokens ({len(service.auth.tokens)} tokens; principals {', '.join(principals)})")
+    else:
+        stderr_log("  auth: none (loopback only, principal 'local')")
+    stderr_log(f"  storage: {'on' if service.stores_responses else 'off'}")
