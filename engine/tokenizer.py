@@ -31,6 +31,17 @@ llama-server's ``/detokenize`` does (it pastes `common_token_to_piece(..., speci
 control tokens); `IncrementalDecoder` turns a stream of ids into text that never
 ends in half a UTF-8 character.
 
+End of generation: `eos_ids` is llama.cpp's set of end-of-generation tokens: the
+EOS, EOT and EOM ids of the metadata, the tokens whose text marks the end of a turn
+(`<|im_end|>`, `<end_of_turn>`, `<|eot_id|>`, `<|endoftext|>`, ...), and the
+fill-in-the-middle pad / repo / file-separator tokens. Like llama.cpp, all of them
+(and the other fill-in-the-middle tokens) are treated as control tokens.
+
+Speed: BPE results are cached per pre-token word. SentencePiece merges run over a
+whole text fragment in llama.cpp; here the fragment is cut before every U+2581
+that follows another character, unless a token of the vocabulary could span the
+cut (see `SpmTokenizer._words`), so the result is the same and words are cached too.
+
 Not implemented (llama.cpp sets them from the model name, which the tokenizer
 metadata does not carry): the per-token lstrip/rstrip attributes of a few models
 (phi-3, jina). Other tokenizer models (bert, t5, rwkv, ...) raise
@@ -193,6 +204,14 @@ def _split(pieces: list[str], pattern: regex.Pattern) -> list[str]:
         if start < len(piece):
             out.append(piece[start:])
     return out
+
+
+def _remember(cache: dict, word: str, ids: tuple[int, ...]) -> None:
+    """Cache a word's ids; long words seldom repeat, and the cache is bounded."""
+    if len(word) <= 64:
+        if len(cache) >= 100_000:
+            cache.clear()
+        cache[word] = ids
 
 
 def _merge(chars: str, priority) -> list[str]:
@@ -461,9 +480,8 @@ class BpeTokenizer(Tokenizer):
             for word in self.pre_tokenize(frag):
                 got = cache.get(word)
                 if got is None:
-                    if len(cache) > 50_000:
-                        cache.clear()
-                    got = cache[word] = self._bpe(word)
+                    got = self._bpe(word)
+                    _remember(cache, word, got)
                 ids.extend(got)
 
     def _bpe(self, word: str) -> tuple[int, ...]:
@@ -515,9 +533,8 @@ class SpmTokenizer(Tokenizer):
             for word in self._words(frag.replace(" ", _SPACE)):
                 got = self._cache.get(word)
                 if got is None:
-                    if len(self._cache) > 50_000:
-                        self._cache.clear()
-                    got = self._cache[word] = self._spm(word)
+                    got = self._spm(word)
+                    _remember(self._cache, word, got)
                 ids.extend(got)
             prev_special = False
 
