@@ -9,6 +9,12 @@ extension, a no-op `{% generation %}` block, `raise_exception(message)`,
 escaping, non-ASCII kept, `indent`/`separators`/`sort_keys` allowed). Variables:
 `messages`, `add_generation_prompt`, `tools`, `bos_token`, `eos_token`.
 
+The rendered text then loses a leading `bos_token` when the tokenizer adds BOS
+itself (`add_bos`), and a trailing `eos_token` when it adds EOS (`add_eos`), as
+llama.cpp's common/chat.cpp does: many templates start with `{{ bos_token }}`, and
+tokenizing that text with add_special would otherwise give two BOS tokens. So
+`render` returns what llama.cpp's chat rendering returns for the same model.
+
 Tools are given to templates in the shape they expect,
 `{"type": "function", "function": {"name", "description", "parameters"}}`; a bare
 `{"name", "description", "parameters"}` dict is wrapped into it. Tool calls in
@@ -182,9 +188,11 @@ class ChatTemplate:
     """
 
     def __init__(self, template_source: str | None, bos_token: str = "", eos_token: str = "",
-                 *, vocab: Container[str] = ()):
+                 *, vocab: Container[str] = (), add_bos: bool = False, add_eos: bool = False):
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.add_bos = add_bos
+        self.add_eos = add_eos
         env = _environment()
         self.is_fallback = not template_source
         self._extra: dict = {}
@@ -206,7 +214,7 @@ class ChatTemplate:
                tools: list[dict] | None = None) -> str:
         """The prompt text for these messages (special tokens as text, to be parsed)."""
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=_normalize_tools(tools),
@@ -219,3 +227,8 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(
                 f"the chat template failed on these messages ({type(e).__name__}: {e})") from e
+        if self.add_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        if self.add_eos and self.eos_token and text.endswith(self.eos_token):
+            text = text[:-len(self.eos_token)]
+        return text

@@ -139,3 +139,12 @@ def test_plain_fallback():
         "User: Hi\n\nAssistant: Let me check.\n"
         '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
         '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n\nAssistant:')
+
+
+def test_leading_bos_dropped_when_the_tokenizer_adds_it():
+    # As llama.cpp: the template's own "{{ bos_token }}" would give a second BOS.
+    source = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}"
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert ChatTemplate(source, "<bos>", "<eos>").render(msgs) == "<bos>Hi<eos>"
+    assert ChatTemplate(source, "<bos>", "<eos>", add_bos=True).render(msgs) == "Hi<eos>"
+    assert ChatTemplate(source, "<bos>", "<eos>", add_bos=True, add_eos=True).render(msgs) == "Hi"
