@@ -72,31 +72,25 @@ def add_models_parser(commands) -> None:
 
 
 def cmd_models(args) -> int:
+    from lmsp_min.registry import GGUFHeaderError, ModelEntry
+
     paths = sorted(models_dir().glob("*.gguf"))
     if not paths:
         print(f"no models in {models_dir()}; try `lmsp-min pull {fetch.DEFAULT_MODEL}`")
         return 0
-    rows = [("ID", "SIZE", "ARCHITECTURE", "QUANTIZATION", "FILE")]
+    rows = [("ID", "SIZE", "PARAMETERS", "ARCHITECTURE", "QUANTIZATION", "CONTEXT", "FILE")]
     for path in paths:
         try:
-            header = fetch.read_header(path, frozenset({"general.architecture", "general.file_type"}))
-            architecture = str(header.get("general.architecture", "unknown"))
-            quantization = fetch.FILE_TYPES.get(header.get("general.file_type"), "unknown")
-        except (OSError, fetch.FetchError):
-            architecture, quantization = "unreadable", "-"
-        rows.append((model_id(path), f"{path.stat().st_size / 1e6:.0f} MB", architecture, quantization, path.name))
+            m = ModelEntry.from_file(path)  # the header only, as the server lists models
+        except (OSError, GGUFHeaderError) as e:
+            rows.append(("-", "-", "-", "unreadable", "-", "-", f"{path.name} ({e})"))
+            continue
+        size, params = f"{m.size_bytes / 1e6:.0f} MB", f"{m.parameters / 1e6:.0f} M"
+        rows.append((m.id, size, params, m.architecture, m.quantization, str(m.context_window), path.name))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return 0
-
-
-def model_id(path: Path) -> str:
-    """The id a store file is known by: its known name, else its file name without .gguf."""
-    for model in fetch.KNOWN_MODELS.values():
-        if model.filename == path.name:
-            return model.name
-    return path.stem
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -106,8 +100,10 @@ def resolve_model(name_or_path: str) -> Path:
         return path
     if name_or_path in fetch.KNOWN_MODELS:
         return fetch.pull(name_or_path)
+    from lmsp_min.registry import model_id_for
+
     for candidate in sorted(models_dir().glob("*.gguf")):
-        if model_id(candidate) == name_or_path or candidate.name == name_or_path:
+        if name_or_path in (model_id_for(candidate), candidate.name):
             return candidate
     raise CommandError(
         f"no model {name_or_path!r}: not a file, not a known name ({', '.join(fetch.KNOWN_MODELS)}), "

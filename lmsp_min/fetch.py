@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -288,74 +287,3 @@ class Progress:
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
-
-# -- reading a store file's header ------------------------------------------------
-
-# GGUF metadata value types: fixed-size scalars as struct formats; 8 is a string, 9 an array.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-# llama.cpp's `general.file_type` (enum llama_ftype), as quantization names.
-FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
-    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
-    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
-}
-
-
-def read_header(path: str | os.PathLike, keys: frozenset[str] | None = None) -> dict:
-    """The scalar metadata of a GGUF file (strings and numbers; arrays are skipped).
-
-    A listing needs a few keys such as `general.architecture`, and reading the
-    whole header through gguf-py decodes every token of the vocabulary (seconds
-    for a 262k-token model), so this walks the key/value records with `struct`
-    and stops as soon as it has every key in `keys`. Raises FetchError when the
-    file is not a readable GGUF (version 2 or 3).
-    """
-    found: dict = {}
-    with open(path, "rb") as f:
-
-        def take(fmt: str):
-            size = struct.calcsize("<" + fmt)
-            data = f.read(size)
-            if len(data) != size:
-                raise FetchError(f"{path}: truncated GGUF header")
-            return struct.unpack("<" + fmt, data)[0]
-
-        def string() -> str:
-            return f.read(take("Q")).decode("utf-8", "replace")
-
-        def skip(value_type: int) -> None:
-            if value_type in _GGUF_SCALARS:
-                f.seek(struct.calcsize("<" + _GGUF_SCALARS[value_type]), os.SEEK_CUR)
-            elif value_type == _GGUF_STRING:
-                f.seek(take("Q"), os.SEEK_CUR)
-            elif value_type == _GGUF_ARRAY:
-                item_type, count = take("I"), take("Q")
-                if item_type in _GGUF_SCALARS:
-                    f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[item_type]), os.SEEK_CUR)
-                else:
-                    for _ in range(count):
-                        skip(item_type)
-            else:
-                raise FetchError(f"{path}: unknown GGUF value type {value_type}")
-
-        if f.read(4) != b"GGUF":
-            raise FetchError(f"{path} is not a GGUF file")
-        version = take("I")
-        if version not in (2, 3):
-            raise FetchError(f"{path}: GGUF version {version} is not supported")
-        _n_tensors, n_kv = take("Q"), take("Q")
-        for _ in range(n_kv):
-            key, value_type = string(), take("I")
-            if value_type in _GGUF_SCALARS:
-                found[key] = take(_GGUF_SCALARS[value_type])
-            elif value_type == _GGUF_STRING:
-                found[key] = string()
-            else:
-                skip(value_type)
-            if keys is not None and keys <= found.keys():
-                break
-    return found

@@ -17,7 +17,7 @@ def store(tmp_path, monkeypatch):
     return tmp_path / "home" / "models"
 
 
-@pytest.mark.parametrize("command", [[], ["pull"], ["models"], ["run"]])
+@pytest.mark.parametrize("command", [[], ["pull"], ["models"], ["run"], ["serve"]])
 def test_help_everywhere(command, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([*command, "--help"])
@@ -36,9 +36,10 @@ def test_pull_a_local_file_then_list_it(store, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(store / "tiny-llama.gguf")
     assert cli.main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["ID", "SIZE", "ARCHITECTURE", "QUANTIZATION", "FILE"]
-    assert lines[1].split()[0] == "tiny-llama" and "llama" in lines[1].split()
-    assert cli.resolve_model("tiny-llama") == store / "tiny-llama.gguf"
+    assert lines[0].split() == ["ID", "SIZE", "PARAMETERS", "ARCHITECTURE", "QUANTIZATION", "CONTEXT", "FILE"]
+    assert lines[1].split()[0] == "tiny:llama" and "llama" in lines[1].split()
+    assert cli.resolve_model("tiny:llama") == store / "tiny-llama.gguf"
+    assert cli.resolve_model("tiny-llama.gguf") == store / "tiny-llama.gguf"
 
 
 def test_models_on_an_empty_store(store, capsys):

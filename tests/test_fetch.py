@@ -241,38 +241,9 @@ def test_known_models_are_pinned():
     assert gemma3.filename == "gemma-3-270m-q4_k_m.gguf" and gemma3.size == 253_113_024
 
 
-def test_read_header_reads_scalars_and_skips_arrays(tmp_path):
-    import gguf
 
-    path = tmp_path / "header.gguf"
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_name("Header Test")
-    w.add_file_type(15)
-    w.add_token_list([f"tok{i}" for i in range(1000)])
-    w.add_token_scores([0.5] * 1000)
-    w.add_array("test.nested", [[1, 2], [3]])
-    w.add_context_length(4096)
-    w.add_float32("test.f32", 0.25)
-    w.add_bool("test.bool", True)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
+def test_known_names_are_the_ids_the_server_gives_their_files():
+    from lmsp_min.registry import model_id_for
 
-    header = fetch.read_header(path)
-    assert header["general.architecture"] == "llama"
-    assert header["general.name"] == "Header Test"
-    assert fetch.FILE_TYPES[header["general.file_type"]] == "Q4_K_M"
-    assert header["llama.context_length"] == 4096
-    assert header["test.f32"] == 0.25 and header["test.bool"] is True
-    assert "tokenizer.ggml.tokens" not in header and "test.nested" not in header
-    assert fetch.read_header(path, frozenset({"general.architecture"})) == {"general.architecture": "llama"}
-
-
-def test_read_header_rejects_other_files(tmp_path):
-    path = tmp_path / "x.gguf"
-    path.write_bytes(b"GGML" + bytes(20))
-    with pytest.raises(fetch.FetchError, match="not a GGUF"):
-        fetch.read_header(path)
-    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(3))
-    with pytest.raises(fetch.FetchError, match="truncated"):
-        fetch.read_header(path)
+    for model in fetch.KNOWN_MODELS.values():
+        assert model_id_for(Path(model.filename)) == model.name
