@@ -13,11 +13,17 @@ disconnects only loses its own place.
 
 from __future__ import annotations
 
+import json
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import trio
 
-from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.events import SSE_KEEPALIVE, new_id
+from lmsp_min.problems import Problem
+from lmsp_min.store import LoggedEvent, Store, TaskRow
 
 # D3: "at least every 15 seconds" while a stream is idle.
 KEEPALIVE_INTERVAL = 15.0
@@ -40,13 +46,16 @@ class LiveLog:
 
     # -- the runner's side --------------------------------------------------------
 
-    def append(self, event: str, data: str) -> int:
-        """Queue an event (its `data` is JSON text) for the log; returns its seq."""
-        seq = self._next_seq
-        self._next_seq += 1
-        self._pending.append(LoggedEvent(seq, event, data))
+    def append(self, event: LoggedEvent) -> None:
+        """Queue the next event for the log (seqs run 1, 2, 3... without a gap)."""
+        self._check_next(event)
+        self._pending.append(event)
         self._wake_writer.set()
-        return seq
+
+    def _check_next(self, event: LoggedEvent) -> None:
+        if event.seq != self._next_seq:
+            raise ValueError(f"task {self.task_id}: event {event.seq} logged after {self._next_seq - 1}")
+        self._next_seq += 1
 
     async def write_loop(self) -> None:
         """Commit and publish appended events until `finish` closes the log.
@@ -62,19 +71,14 @@ class LiveLog:
                 self._writer_idle.set()
                 return
 
-    @property
-    def next_seq(self) -> int:
-        return self._next_seq
-
-    async def finish(self, status: str, response: str, event: str, data: str,
+    async def finish(self, status: str, response: str, final: LoggedEvent,
                      stored: tuple[str, list] | None = None) -> None:
         """Commit the final event with the task's final status and response in one
         durable transaction (after every event before it), then publish it."""
+        self._check_next(final)
         self._closing = True
         self._wake_writer.set()
         await self._writer_idle.wait()
-        final = LoggedEvent(self._next_seq, event, data)
-        self._next_seq += 1
         await self.store.finish_task(self.task_id, status, response, [final], stored)
         self.done = True
         self._publish([final])
@@ -108,3 +112,200 @@ class LiveLog:
                 await published.wait()
             if idle.cancelled_caught:
                 yield None
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(event: LoggedEvent) -> bytes:
+    """A logged event as SSE, byte for byte what a direct stream sends (events.Event.sse)."""
+    return f"id: {event.seq}\nevent: {event.event}\ndata: {event.data}\n\n".encode("utf-8")
+
+
+@dataclass
+class _Running:
+    """A task this process is running."""
+
+    task_id: str
+    principal: str
+    generation: object  # app.Generation: the prepared response
+    log: LiveLog
+    cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    ended: trio.Event = field(default_factory=trio.Event)
+
+
+class Tasks:
+    """Every task of the service: start, follow, cancel, recover after a crash, expire.
+
+    `run` (started in the service's nursery before it serves) first ends the
+    tasks a dead process left running, then purges expired events periodically.
+    Task runners live in the same nursery, never in a request's: the request
+    that created a task, and every follower, can go away without touching it.
+    """
+
+    def __init__(self, store: Store, *, event_retention: float = 3600.0,
+                 stores_responses: bool = True, log=None):
+        self.store = store
+        self.event_retention = event_retention
+        self.stores_responses = stores_responses
+        self._log = log or (lambda line: None)
+        self._running: dict[str, _Running] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Recover, then host the task runners and purge expired events until cancelled."""
+        await self.recover()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await self.purge()
+                await trio.sleep(min(60.0, max(0.5, self.event_retention / 4)))
+
+    # -- starting and running -----------------------------------------------------
+
+    async def start(self, generation, body: dict) -> TaskRow:
+        """Create a task for a prepared generation (app.Generation) and start it.
+
+        Once this returns, the task is in the database (durably) and running."""
+        if self._nursery is None:
+            raise RuntimeError("Tasks.run is not running: tasks cannot start")
+        task_id = new_id("task")
+        run = generation.run
+        running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))
+        self._running[task_id] = running
+        try:
+            await self.store.create_task(task_id, generation.principal, run.created_at, run.model_id,
+                                         run.id, _json(body))
+        except BaseException:
+            del self._running[task_id]
+            raise
+        self._nursery.start_soon(self._run, running)
+        return TaskRow(task_id, generation.principal, run.created_at, run.model_id, run.id, "queued",
+                       _json(body), None, None, False)
+
+    async def _run(self, running: _Running) -> None:
+        generation = running.generation
+        run = generation.run
+        log = running.log
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(log.write_loop)
+                await self.store.set_task_status(running.task_id, "in_progress")
+                final = None
+                with running.cancel_scope:
+                    async with aclosing(generation.events()) as events:
+                        async for event in events:
+                            logged = LoggedEvent(event.id, event.name, _json(event.data))
+                            if event.is_final:
+                                final = logged
+                                break
+                            log.append(logged)
+                if final is None:  # cancelled by POST /cancel
+                    event = run.cancelled()
+                    final = LoggedEvent(event.id, event.name, _json(event.data))
+                stored = None
+                if generation.request.store and self.stores_responses:
+                    stored = (running.principal, generation.input_items)
+                await log.finish(run.status, _json(run.response_object()), final, stored)
+        except BaseException as exc:
+            # The service is stopping (the task is failed at the next start) or the
+            # database failed: release followers either way.
+            log.abandon()
+            if not isinstance(exc, trio.Cancelled):
+                self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            del self._running[running.task_id]
+            running.ended.set()
+
+    # -- what routes ask ----------------------------------------------------------
+
+    async def get(self, task_id: str, principal: str) -> TaskRow:
+        row = await self.store.get_task(task_id, principal)
+        if row is None:
+            raise Problem("task_not_found", f"no task has the id '{task_id[:80]}'")
+        return row
+
+    async def cancel(self, task_id: str, principal: str) -> TaskRow:
+        """Stop a running task and return it once it is `cancelled`; a final task
+        is returned unchanged."""
+        row = await self.get(task_id, principal)
+        running = self._running.get(task_id)
+        if running is not None:
+            running.cancel_scope.cancel()
+            await running.ended.wait()
+            row = await self.get(task_id, principal)
+        return row
+
+    async def events(self, task_id: str, principal: str, after: int) -> AsyncIterator[bytes]:
+        """The SSE body of GET /tasks/{id}/events (checks done before it starts:
+        404 for an unknown task or another principal's, 410 once expired)."""
+        row = await self.get(task_id, principal)
+        if row.events_expired or (
+            row.ended_at is not None and time.time() - row.ended_at > self.event_retention
+        ):
+            raise Problem(
+                "event_history_expired",
+                f"the events of task '{task_id}' are no longer kept; GET the task for its result",
+            )
+        running = self._running.get(task_id)
+        if running is not None:
+            return self._follow(running.log, after)
+        return self._replay(task_id, after)
+
+    async def _follow(self, log: LiveLog, after: int) -> AsyncIterator[bytes]:
+        async with aclosing(log.follow(after)) as events:
+            async for event in events:
+                yield SSE_KEEPALIVE if event is None else sse(event)
+
+    async def _replay(self, task_id: str, after: int, batch: int = 512) -> AsyncIterator[bytes]:
+        """A finished task's events, from the database (the final one is there)."""
+        while True:
+            events = await self.store.read_events(task_id, after, batch)
+            if events:
+                yield b"".join(sse(event) for event in events)
+                after = events[-1].seq
+            if len(events) < batch:
+                return
+
+    # -- crash recovery and expiry ------------------------------------------------
+
+    async def recover(self) -> list[str]:
+        """End the tasks a process that died left queued or in progress: each
+        becomes `failed` with a problem saying why, and gets a final
+        `response.failed` event, so followers of its (still readable) log close."""
+        recovered = []
+        for row, events in await self.store.interrupted_tasks():
+            problem = Problem(
+                "generation_failed",
+                "the service stopped while this task was running; its events up to then are kept",
+            )
+            output: dict[int, dict] = {}
+            for event in events:
+                if event.event == "response.output_item.done":
+                    data = json.loads(event.data)
+                    output[data["output_index"]] = data["item"]
+            response = {
+                "id": row.response_id, "object": "response", "created_at": row.created_at,
+                "status": "failed", "model": row.model,
+                "output": [output[index] for index in sorted(output)],
+                "usage": None, "error": problem.to_dict(), "incomplete_details": None,
+            }
+            final = LoggedEvent(
+                events[-1].seq + 1 if events else 1, "response.failed",
+                _json({"response_id": row.response_id, "status": "failed", "error": problem.to_dict()}),
+            )
+            # Not kept as a stored response even with `store: true`: the effective
+            # input died with the process; the task object keeps the response.
+            await self.store.finish_task(row.id, "failed", _json(response), [final])
+            recovered.append(row.id)
+            self._log(f"task {row.id} was interrupted by a restart: marked failed")
+        await self.store.release_all_running_keys()
+        return recovered
+
+    async def purge(self) -> None:
+        from lmsp_min.idempotency import RECORD_TTL
+
+        await self.store.purge(time.time(), self.event_retention, RECORD_TTL)

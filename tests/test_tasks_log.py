@@ -6,14 +6,14 @@ import pytest
 import trio
 
 from lmsp_min import tasks
-from lmsp_min.store import Store
+from lmsp_min.store import LoggedEvent, Store
 from lmsp_min.tasks import LiveLog
 
 
 @pytest.fixture
 async def store(tmp_path):
     s = await Store.open(tmp_path)
-    await s.create_task("task_1", "alice", 0, "resp_1", "{}")
+    await s.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
     yield s
     s.close()
 
@@ -23,10 +23,10 @@ async def run_task(log: LiveLog, n: int, pause: float = 0.0) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(log.write_loop)
         for i in range(n):
-            log.append("response.output_text.delta", json.dumps({"delta": f"{i} "}))
+            log.append(LoggedEvent(i + 1, "response.output_text.delta", json.dumps({"delta": f"{i} "})))
             await trio.sleep(pause)
         await log.finish("completed", '{"id":"resp_1","status":"completed"}',
-                         "response.completed", '{"status":"completed"}')
+                         LoggedEvent(n + 1, "response.completed", '{"status":"completed"}'))
 
 
 async def collect(log: LiveLog, after: int, store: Store) -> list:
@@ -99,7 +99,9 @@ async def test_keepalive_while_idle_and_abandon_releases_followers(store, monkey
     async with trio.open_nursery() as nursery:
         nursery.start_soon(log.write_loop)
         nursery.start_soon(follow)
-        log.append("response.created", "{}")
+        log.append(LoggedEvent(1, "response.created", "{}"))
+        with pytest.raises(ValueError):
+            log.append(LoggedEvent(3, "response.output_text.delta", "{}"))
         await trio.sleep(0.18)
         log.abandon()
         nursery.cancel_scope.deadline = trio.current_time() + 5

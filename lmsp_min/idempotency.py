@@ -1,0 +1,156 @@
+"""Idempotency keys (D8) for POST /responses and POST /tasks.
+
+A key belongs to the principal that sent it. The first request with a key
+claims it in the store; the request's fingerprint (route + canonical JSON body,
+so whitespace and key order do not matter) is kept with it. Then:
+
+- a repeat with the same fingerprint while the first runs: 409 idempotency_conflict;
+- a repeat with another fingerprint (another body, or the same key on the other
+  route): 422 idempotency_key_reused, running or not;
+- a repeat once the first has succeeded: the first result again, with
+  `Idempotent-Replayed: true`. A synchronous response replays the exact bytes
+  first served. A task request returns the same task (its current state, 202,
+  same Location).
+- A streamed POST /responses with a key is recorded too: once its stream has
+  run to a `response.completed` or `response.incomplete` event, a repeat gets
+  the whole stream again, byte for byte (the same ids, the same events), as one
+  `text/event-stream` body.
+
+Only successes are remembered. A request that ends in a problem document (or
+a stream that ends in `response.failed`/`error`), or whose client goes away
+before the end, releases its key, so a retry runs it again: those outcomes are
+not results a client could have relied on, and most of them (429, 503, a dropped
+connection) are exactly what a retry is for. Records are kept 24 hours
+(`RECORD_TTL`) and then purged with expired task events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import AsyncIterator, Awaitable, Callable
+
+import trio
+
+from lmsp_min.http import Request, Response, StreamingResponse
+from lmsp_min.problems import Problem
+from lmsp_min.store import Store
+
+HEADER = "idempotency-key"
+RECORD_TTL = 24 * 3600.0
+MAX_KEY_LENGTH = 255
+REPLAYED = ("Idempotent-Replayed", "true")
+
+# A stream ending with one of these was a success worth replaying.
+_SUCCESSFUL_ENDINGS = (b"event: response.completed\n", b"event: response.incomplete\n")
+
+
+def fingerprint(route: str, body: object) -> str:
+    """What makes two requests "the same": route and canonical JSON of the body."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(f"{route}\n{canonical}".encode("utf-8")).hexdigest()
+
+
+def key_of(request: Request) -> str | None:
+    """The request's Idempotency-Key, checked; None when it has none."""
+    key = request.headers.get(HEADER)
+    if key is None:
+        return None
+    if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable() or not key.isascii():
+        raise Problem(
+            "invalid_request",
+            f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters",
+            param="Idempotency-Key",
+        )
+    return key
+
+
+async def run_once(
+    store: Store | None,
+    request: Request,
+    route: str,
+    body: object,
+    run: Callable[[], Awaitable[Response | StreamingResponse]],
+    replay_task: Callable[[str], Awaitable[Response]] | None = None,
+) -> Response | StreamingResponse:
+    """Answer `request` with `run()`, at most once per Idempotency-Key.
+
+    `body` is the parsed JSON request body. For POST /tasks, `run()` answers with
+    the task object (its "id" is what the record keeps) and `replay_task(task_id)`
+    builds the answer to a repeat from the task as it is now.
+    """
+    key = key_of(request)
+    if key is None or store is None:  # (a Service built without a store honours no keys)
+        return await run()
+    principal = request.principal
+    print_ = fingerprint(route, body)
+    record = await store.claim_idempotency_key(principal, key, print_)
+    if record is not None:
+        if record.fingerprint != print_:
+            raise Problem(
+                "idempotency_key_reused",
+                "this Idempotency-Key was already used with a different request",
+                param="Idempotency-Key",
+            )
+        if record.state == "running":
+            raise Problem(
+                "idempotency_conflict",
+                "a request with this Idempotency-Key is still being processed",
+                param="Idempotency-Key",
+            )
+        if record.task_id is not None and replay_task is not None:
+            response = await replay_task(record.task_id)
+        else:
+            response = Response(record.status, record.body, record.content_type)
+        response.headers.append(REPLAYED)
+        return response
+
+    try:
+        response = await run()
+    except BaseException:
+        await _release(store, principal, key)
+        raise
+    if isinstance(response, StreamingResponse):
+        response.chunks = _recorded_stream(store, principal, key, response)
+        return response
+    if 200 <= response.status < 300:
+        task_id = None
+        if replay_task is not None:
+            task_id = json.loads(response.body)["id"]
+        await store.complete_idempotency_key(
+            principal, key, status=response.status, content_type=response.content_type,
+            body=response.body, task_id=task_id,
+        )
+    else:
+        await _release(store, principal, key)
+    return response
+
+
+async def _recorded_stream(
+    store: Store, principal: str, key: str, response: StreamingResponse
+) -> AsyncIterator[bytes]:
+    """The stream's chunks, passed on as they come and kept for replay at the end."""
+    sent: list[bytes] = []
+    try:
+        async for chunk in response.chunks:
+            sent.append(chunk)
+            yield chunk
+    except BaseException:
+        await _release(store, principal, key)
+        raise
+    whole = b"".join(sent)
+    last_event = whole[whole.rfind(b"\nevent: ") + 1:] if b"\nevent: " in whole else b""
+    if last_event.startswith(_SUCCESSFUL_ENDINGS):
+        with trio.CancelScope(shield=True):
+            await store.complete_idempotency_key(
+                principal, key, status=response.status, content_type=response.content_type,
+                body=whole,
+            )
+    else:
+        await _release(store, principal, key)
+
+
+async def _release(store: Store, principal: str, key: str) -> None:
+    # Shielded: this runs while the request is being cancelled (client gone).
+    with trio.CancelScope(shield=True):
+        await store.release_idempotency_key(principal, key)
