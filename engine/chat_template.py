@@ -22,7 +22,9 @@ assistant messages are `{"id", "type": "function", "function": {"name",
 "arguments": dict}}` and tool results are `{"role": "tool", "content",
 "tool_call_id"}`, as in transformers.
 
-A model without a template gets a fallback, chosen by its vocabulary:
+A model without a template gets a fallback, chosen by its vocabulary (and a model
+whose template never mentions `tools` gets it for requests with tools, tool calls
+or tool results, since its own template cannot show them):
 
 - ChatML when the vocabulary has `<|im_start|>` and `<|im_end|>`::
 
@@ -164,6 +166,9 @@ _FALLBACK_FORMATS = {
 }
 
 
+_FALLBACK_TEMPLATE = _environment().from_string(_FALLBACK)
+
+
 def fallback_format(vocab: Container[str]) -> str:
     """Which fallback a model without a template gets: "chatml", "gemma" or "plain"."""
     if "<|im_start|>" in vocab and "<|im_end|>" in vocab:
@@ -180,11 +185,21 @@ def _normalize_tools(tools):
     return [t if "function" in t or "name" not in t else {"type": "function", "function": t} for t in tools]
 
 
+def _has_tool_turns(messages) -> bool:
+    return any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
+
+
 class ChatTemplate:
     """A model's chat template, compiled once, rendered per request.
 
     `template_source` None (or empty) means the model has no template: the fallback
     chosen from `vocab` (the model's token texts) is used and `is_fallback` is true.
+    `supports_tools` says whether the template in use mentions `tools`. A template
+    that does not cannot show tools, tool calls or tool results, so requests that
+    have any are rendered with the fallback format instead (for SmolLM2: ChatML with
+    Hermes-style tools); `tool_format` tells which syntax the model then sees and is
+    expected to answer in: "hermes" (`<tool_call>{json}</tool_call>`, see the module
+    docstring) or "template" (whatever the model's own template defines).
     """
 
     def __init__(self, template_source: str | None, bos_token: str = "", eos_token: str = "",
@@ -193,34 +208,39 @@ class ChatTemplate:
         self.eos_token = eos_token
         self.add_bos = add_bos
         self.add_eos = add_eos
-        env = _environment()
         self.is_fallback = not template_source
-        self._extra: dict = {}
+        self.fallback_format = fallback_format(vocab)
+        self._fallback_variables = _FALLBACK_FORMATS[self.fallback_format]
         if self.is_fallback:
-            self.format = fallback_format(vocab)
             self.source = _FALLBACK
-            self._extra = _FALLBACK_FORMATS[self.format]
+            self._template = _FALLBACK_TEMPLATE
+            self.supports_tools = True
         else:
-            self.format = "template"
             self.source = template_source
-        try:
-            self._template = env.from_string(self.source)
-            variables = jinja2.meta.find_undeclared_variables(env.parse(self.source))
-        except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(f"the model's chat template does not compile: {e.message} (line {e.lineno})") from e
-        self.supports_tools = "tools" in variables
+            env = _environment()
+            try:
+                self._template = env.from_string(template_source)
+                variables = jinja2.meta.find_undeclared_variables(env.parse(template_source))
+            except jinja2.TemplateSyntaxError as e:
+                raise ChatTemplateError(
+                    f"the model's chat template does not compile: {e.message} (line {e.lineno})") from e
+            self.supports_tools = "tools" in variables
+        self.tool_format = "template" if self.supports_tools and not self.is_fallback else "hermes"
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None) -> str:
         """The prompt text for these messages (special tokens as text, to be parsed)."""
+        template, variables = self._template, {}
+        if self.is_fallback or (not self.supports_tools and (tools or _has_tool_turns(messages))):
+            template, variables = _FALLBACK_TEMPLATE, self._fallback_variables
         try:
-            text = self._template.render(
+            text = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=_normalize_tools(tools),
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                **self._extra,
+                **variables,
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from e
