@@ -1,4 +1,4 @@
-"""Chat templates: messages -> prompt text, the way Hugging Face's apply_chat_template does it.
+r"""Chat templates: messages -> prompt text, the way Hugging Face's apply_chat_template does it.
 
 A GGUF file carries its model's Jinja template in `tokenizer.chat_template`. It is
 rendered in jinja2's ImmutableSandboxedEnvironment (a template is data from a
