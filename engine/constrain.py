@@ -1046,8 +1046,9 @@ class _Compiler:
         if not isinstance(extra, (bool, dict)):
             raise SchemaError("'additionalProperties' must be a boolean or a schema",
                               f"{path}/additionalProperties", "additionalProperties")
-        if props or extra is False:
-            # declared properties only (also valid when extra ones would be allowed)
+        if "properties" in schema or extra is False:
+            # declared properties only, even where extra ones would be allowed: the schema's
+            # author listed the keys that mean something (`"properties": {}` -> `{}`)
             values = [self.compile(s, f"{path}/properties/{name}") for name, s in props.items()]
             return Object(list(props), values, required)
         values = self.compile(extra, f"{path}/additionalProperties") if isinstance(extra, dict) else AnyValue()

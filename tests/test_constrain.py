@@ -40,7 +40,7 @@ def random_run(constraint, n_vocab, seed, max_tokens=400):
     for _ in range(max_tokens):
         if constraint.is_done():
             break
-        logits = rng.standard_normal(n_vocab) * 3                  # (V,)
+        logits = rng.random(n_vocab, dtype=np.float32)             # (V,)
         token = int(np.argmax(logits))
         if not constraint.allows(token):
             mask = constraint.mask()                               # (V,) bool

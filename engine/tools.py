@@ -1,0 +1,217 @@
+"""Tool calling: tools into the prompt, calls out of the generated text, valid by construction.
+
+One call format is used for every model, the Hermes / Qwen 2.5 one::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+- A chat template that takes `tools` (ChatTemplate.supports_tools) and writes this format
+  (it mentions `<tool_call>`), including engine/chat_template.py's fallbacks, renders the
+  tools, the assistant's `tool_calls` and the `tool` results itself: the model sees its own
+  format.
+- Any other template (SmolLM2's ChatML template has no tools; a Llama-3 style template
+  expects another format) gets the generic rendering below: the tool list and the
+  instruction in the system message, past calls written into the assistant text in the
+  same format, and tool results as user turns `<tool_response>\\n...\\n</tool_response>`.
+
+While decoding, `tool_call_grammar` makes the calls valid: after `<tool_call>` the model can
+only write `{"name": <a listed tool>, "arguments": <JSON valid for its parameters>}` and the
+closing tag; several calls may follow each other (up to MAX_CALLS), and nothing but calls
+after the first one. `tool_choice`:
+
+- "required" / {"name": N}: constrained from the first token (only N for a named choice);
+- "auto": free text until the model writes `<tool_call>`, then constrained;
+- "none": the tools are not shown and `<tool_call>` can never be completed.
+
+`ToolCallParser` turns the generated text into message text and complete calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .constrain import (AnyOf, FreeText, GrammarConstraint, Literal, Object, Repeat, Seq, TokenIndex,
+                        compile_schema, schema_key)
+from .errors import EngineError, SchemaError
+
+OPENER = "<tool_call>"
+CLOSER = "</tool_call>"
+MAX_CALLS = 8  # calls in one response: a small model must not loop on calls forever
+
+GENERIC_INSTRUCTIONS = (
+    "# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def _compact(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def uses_native_format(chat_template) -> bool:
+    """Does this template render tools and tool calls in the `<tool_call>` format itself?"""
+    return bool(getattr(chat_template, "supports_tools", False)) and OPENER in chat_template.source
+
+
+def _arguments(call: dict) -> dict:
+    args = call["function"].get("arguments", {})
+    return json.loads(args) if isinstance(args, str) else args
+
+
+def render_generic(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template that knows nothing of tools (see the module docstring).
+
+    `tools` None means none are shown (tool_choice "none"); history calls and results are
+    still written out, so the model sees the conversation as it was.
+    """
+    out: list[dict] = []
+    if tools:
+        listing = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)
+        instructions = GENERIC_INSTRUCTIONS.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{instructions}"})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": instructions})
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(
+                f'{OPENER}\n{json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}, ensure_ascii=False)}\n{CLOSER}'
+                for c in m["tool_calls"])
+            text = m.get("content") or ""
+            out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
+        elif m["role"] == "tool":
+            block = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):  # several results: one user turn
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+        else:
+            out.append(m)
+    return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
+
+
+def check_tools(tools: list[dict], tool_choice) -> list[dict]:
+    """The tools a call may use under `tool_choice`; SchemaError for a bad tool or choice."""
+    names = [t["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise SchemaError("tool names must be unique", "tools", "name")
+    if isinstance(tool_choice, dict):
+        chosen = [t for t in tools if t["name"] == tool_choice.get("name")]
+        if not chosen:
+            raise SchemaError(f"tool_choice names {tool_choice.get('name')!r}, which is not a listed tool",
+                              "tool_choice", "name")
+        return chosen
+    if tool_choice not in ("auto", "none", "required"):
+        raise SchemaError(f"unknown tool_choice {tool_choice!r}", "tool_choice")
+    return tools
+
+
+def _call_object(tools: list[dict]):
+    """`{"name": N, "arguments": {...}}` for each tool, as alternatives."""
+    options = []
+    for i, tool in enumerate(tools):
+        params = tool.get("parameters") or {"type": "object", "properties": {}}
+        try:
+            args = compile_schema(params)
+        except SchemaError as e:
+            raise SchemaError(f"tool {tool['name']!r}: {e}", f"tools/{i}/parameters{e.path}", e.keyword) from e
+        name = Literal([_compact(tool["name"]).encode()])
+        options.append(Object(["name", "arguments"], [name, args], ["name", "arguments"]))
+    return AnyOf(options)
+
+
+def tool_call_grammar(tools: list[dict], tool_choice):
+    """The grammar of a whole response under `tool_choice` (see the module docstring)."""
+    chosen = check_tools(tools, tool_choice)
+    newline = Literal([b"", b"\n"])
+    body = [newline, _call_object(chosen), newline, Literal([CLOSER.encode()])]
+    one = Seq([Literal([OPENER.encode()]), *body])
+    more = Repeat(Seq([newline, one]), 0, MAX_CALLS - 1)
+    if tool_choice == "none":
+        return FreeText(OPENER.encode(), None)
+    if tool_choice == "auto":
+        return FreeText(OPENER.encode(), Seq([*body, more]))
+    return Seq([one, more])
+
+
+def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex) -> GrammarConstraint:
+    """The constraint for a response with tools (grammars cached per tools + choice)."""
+    key = ("tools", schema_key([tools, tool_choice]))
+    return GrammarConstraint(index.grammar(key, lambda: tool_call_grammar(tools, tool_choice)))
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # compact JSON
+
+
+class ToolCallParser:
+    """Splits streamed text into message text and tool calls.
+
+    Text that might be the beginning of `<tool_call>` is held back until it is known not to
+    be; once the first call has started, everything else is calls (the grammar allows only
+    whitespace between them).
+    """
+
+    def __init__(self):
+        self.pending = ""     # text not yet given out
+        self.in_call = False
+        self.seen_call = False
+
+    def feed(self, text: str) -> list:
+        """-> a list of str (message text) and ParsedCall, in order."""
+        self.pending += text
+        out = []
+        while True:
+            if self.in_call:
+                end = self.pending.find(CLOSER)
+                if end < 0:
+                    return out
+                out.append(self._parse(self.pending[:end]))
+                self.pending = self.pending[end + len(CLOSER):]
+                self.in_call = False
+                continue
+            start = self.pending.find(OPENER)
+            if start >= 0:
+                if not self.seen_call and self.pending[:start]:
+                    out.append(self.pending[:start])
+                self.pending = self.pending[start + len(OPENER):]
+                self.in_call = self.seen_call = True
+                continue
+            keep = self._partial_opener()
+            if not self.seen_call and len(self.pending) > keep:
+                out.append(self.pending[: len(self.pending) - keep])
+            self.pending = self.pending[len(self.pending) - keep:] if keep else ""
+            return out
+
+    def _partial_opener(self) -> int:
+        """Length of the longest end of `pending` that begins the opener."""
+        for k in range(min(len(OPENER) - 1, len(self.pending)), 0, -1):
+            if self.pending.endswith(OPENER[:k]):
+                return k
+        return 0
+
+    def finish(self) -> list:
+        """Whatever is left at the end of generation (text, or an unfinished call: an error)."""
+        if self.in_call:
+            raise EngineError("generation ended inside a tool call")
+        out = [self.pending] if self.pending and not self.seen_call else []
+        self.pending = ""
+        return out
+
+    @staticmethod
+    def _parse(body: str) -> ParsedCall:
+        try:
+            call = json.loads(body)
+            return ParsedCall(call["name"], _compact(call["arguments"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise EngineError(f"malformed tool call {body!r}") from e

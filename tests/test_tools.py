@@ -1,0 +1,165 @@
+"""Tool calling: prompt rendering, the call grammar under each tool_choice, parsing of calls."""
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.chat_template import ChatTemplate
+from engine.constrain import TokenIndex, validate
+from engine.errors import SchemaError
+from engine.tiny import load_tokenizer_meta
+from engine.tokenizer import Tokenizer
+from engine.tools import (CLOSER, MAX_CALLS, OPENER, ParsedCall, ToolCallParser, render_generic,
+                          tool_constraint, uses_native_format)
+from tests.conftest import DATA
+from tests.test_constrain import random_run
+
+TOOLS = [
+    {"name": "get_weather", "description": "Get the current weather for a city.",
+     "parameters": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 16},
+                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                    "required": ["city"]}},
+    {"name": "add", "description": "Add two integers.",
+     "parameters": {"type": "object",
+                    "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                                   "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+                    "required": ["a", "b"], "additionalProperties": False}},
+    {"name": "get_time", "description": "The time now.", "parameters": {"type": "object", "properties": {}}},
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    tok = Tokenizer.from_metadata(load_tokenizer_meta(DATA / "tokenizer-meta.smollm2.json.gz"))
+    return tok, TokenIndex.of(tok)
+
+
+def parse(text: str) -> list:
+    parser = ToolCallParser()
+    return parser.feed(text) + parser.finish()
+
+
+def check_calls(events, tools):
+    """Every call names a listed tool and its arguments validate; returns the calls."""
+    calls = [e for e in events if isinstance(e, ParsedCall)]
+    by_name = {t["name"]: t for t in tools}
+    for call in calls:
+        assert call.name in by_name
+        assert validate(json.loads(call.arguments), by_name[call.name]["parameters"]) is None, call
+    return calls
+
+
+def test_random_model_makes_valid_calls_in_50_of_50_runs(smollm2):
+    _, index = smollm2
+    for seed in range(50):
+        choice = "required" if seed % 2 else {"type": "function", "name": TOOLS[seed % 3]["name"]}
+        text, complete = random_run(tool_constraint(TOOLS, choice, index), index.n_vocab, seed, max_tokens=600)
+        assert complete, (seed, text)
+        calls = check_calls(parse(text.decode()), TOOLS)
+        assert 1 <= len(calls) <= MAX_CALLS
+        if isinstance(choice, dict):
+            assert {c.name for c in calls} == {choice["name"]}
+        assert parse(text.decode())[0] == calls[0]   # nothing before the first call
+
+
+def test_auto_is_free_until_the_opener_then_constrained(smollm2):
+    tok, index = smollm2
+    for seed in range(10):
+        c = tool_constraint(TOOLS, "auto", index)
+        assert c.complete()                          # the model may just answer
+        for t in tok.encode("Let me check. <tool_call>", add_special=False):
+            c.advance(t)
+        assert not c.complete()
+        text, complete = random_run(c, index.n_vocab, seed, max_tokens=600)
+        assert complete
+        events = parse(text.decode())
+        assert events[0] == "Let me check. "
+        assert len(check_calls(events, TOOLS)) >= 1
+
+
+def test_none_never_completes_the_opener(smollm2):
+    tok, index = smollm2
+    c = tool_constraint(TOOLS, "none", index)
+    for t in tok.encode("Sure <tool_call", add_special=False):
+        c.advance(t)
+    mask = c.mask()
+    for t in range(index.n_vocab):
+        data = index.token_bytes[t]
+        if data.startswith(b">"):
+            assert not mask[t] and not c.allows(t)
+    assert mask[sorted(index.eos_ids)].all()
+    assert mask[tok.encode(" no", add_special=False)[0]]
+
+
+def test_calls_end_the_response(smollm2):
+    """After a call only another call or the end may come, never free text."""
+    tok, index = smollm2
+    c = tool_constraint(TOOLS, "required", index)
+    for t in tok.encode('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', add_special=False):
+        c.advance(t)
+    assert c.complete() and not c.is_done()
+    assert not c.allows(tok.encode("Hello", add_special=False)[0])
+    assert c.allows(tok.encode("\n", add_special=False)[0])
+
+
+def test_unknown_named_tool_and_bad_parameters_are_rejected(smollm2):
+    _, index = smollm2
+    with pytest.raises(SchemaError):
+        tool_constraint(TOOLS, {"type": "function", "name": "nope"}, index)
+    bad = [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "format": "uri"}}}}]
+    with pytest.raises(SchemaError) as e:
+        tool_constraint(bad, "auto", index)
+    assert e.value.keyword == "format" and e.value.path == "tools/0/parameters/properties/x/format"
+
+
+def test_parser_streams_text_and_calls():
+    parser = ToolCallParser()
+    out = []
+    text = 'Checking.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n' \
+           '<tool_call>{"name":"get_time","arguments":{}}</tool_call>'
+    for i in range(0, len(text), 3):           # in small pieces, the opener split across them
+        out += parser.feed(text[i:i + 3])
+    out += parser.finish()
+    assert "".join(e for e in out if isinstance(e, str)) == "Checking."
+    assert [e for e in out if not isinstance(e, str)] == [
+        ParsedCall("add", '{"a":1,"b":2}'), ParsedCall("get_time", "{}")]
+    assert parse("a < b, <tool_ is text") == ["a < b, <tool_ is text"] or \
+        "".join(parse("a < b, <tool_ is text")) == "a < b, <tool_ is text"
+
+
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"c": 17}'},
+    {"role": "tool", "tool_call_id": "call_2", "content": '{"c": 21}'},
+]
+
+
+def test_generic_rendering():
+    messages = render_generic(HISTORY, TOOLS)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert '"name": "get_weather"' in messages[0]["content"] and OPENER in messages[0]["content"]
+    assert messages[2]["content"] == (
+        f'{OPENER}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSER}\n'
+        f'{OPENER}\n{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}\n{CLOSER}')
+    assert messages[3]["content"] == '<tool_response>\n{"c": 17}\n</tool_response>\n<tool_response>\n{"c": 21}\n</tool_response>'
+    assert all(set(m) == {"role", "content"} for m in messages)
+    # tool_choice "none": no tool list, the history still rendered
+    assert render_generic(HISTORY, None)[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_native_format_detection(smollm2):
+    tok, _ = smollm2
+    meta = load_tokenizer_meta(DATA / "tokenizer-meta.smollm2.json.gz")
+    smol = ChatTemplate(meta["tokenizer.chat_template"], vocab=("<|im_start|>", "<|im_end|>"))
+    assert not uses_native_format(smol)                 # ChatML without tools: generic format
+    fallback = ChatTemplate(None, vocab=("<start_of_turn>", "<end_of_turn>"))
+    assert uses_native_format(fallback)                 # our fallbacks write <tool_call>
+    prompt = fallback.render(HISTORY, tools=TOOLS)
+    assert OPENER in prompt and "<tool_response>" in prompt and "get_weather" in prompt
