@@ -184,8 +184,9 @@ class Client:
         """Answer the model's function calls with `functions` until it stops calling.
 
         Each round sends the full context again (6.5): the earlier input, the
-        `function_call` items exactly as received, and one `function_call_output`
-        per call, with what `functions[name](**arguments)` returned.
+        response's output items exactly as received (its `function_call` items
+        among them), then one `function_call_output` per call, with what
+        `functions[name](**arguments)` returned.
         """
         items = as_input(input)
         for _ in range(max_rounds):
@@ -193,11 +194,12 @@ class Client:
             calls = function_calls(response)
             if not calls:
                 return response
+            items += response["output"]
             for call in calls:
                 if call["name"] not in functions:
                     raise KeyError(f"the model called {call['name']!r}, which is not in functions")
                 result = functions[call["name"]](**json.loads(call["arguments"]))
-                items += [call, function_call_output(call["call_id"], result)]
+                items.append(function_call_output(call["call_id"], result))
         raise RuntimeError(f"the model was still calling tools after {max_rounds} rounds")
 
     # -- tasks ----------------------------------------------------------------
