@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import AsyncIterable, AsyncIterator, Awaitable, Callable
 
 import trio
 
@@ -111,7 +112,7 @@ async def run_once(
         await _release(store, principal, key)
         raise
     if isinstance(response, StreamingResponse):
-        response.chunks = _recorded_stream(store, principal, key, response)
+        response.chunks = _recorded_stream(store, principal, key, response, response.chunks)
         return response
     if 200 <= response.status < 300:
         task_id = None
@@ -127,14 +128,16 @@ async def run_once(
 
 
 async def _recorded_stream(
-    store: Store, principal: str, key: str, response: StreamingResponse
+    store: Store, principal: str, key: str, response: StreamingResponse,
+    chunks: AsyncIterable[bytes],
 ) -> AsyncIterator[bytes]:
-    """The stream's chunks, passed on as they come and kept for replay at the end."""
+    """The stream's `chunks`, passed on as they come and kept for replay at the end."""
     sent: list[bytes] = []
     try:
-        async for chunk in response.chunks:
-            sent.append(chunk)
-            yield chunk
+        async with aclosing(aiter(chunks)) as inner:  # closing us closes the generation
+            async for chunk in inner:
+                sent.append(chunk)
+                yield chunk
     except BaseException:
         await _release(store, principal, key)
         raise
