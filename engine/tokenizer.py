@@ -180,8 +180,12 @@ def _bytes_to_unicode() -> list[str]:
 
 _BYTE_TO_CHAR = _bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in enumerate(_BYTE_TO_CHAR)}
-# bytes.translate can't map to multi-char strings, so byte-encode through latin-1 + str.translate.
+# Byte-encoding and decoding through latin-1 text and str.translate, which are fast:
+# bytes -> latin-1 str -> byte characters, and byte characters -> latin-1 str -> bytes
+# (a character below 256 outside the table stands for its own UTF-8 bytes).
 _LATIN1_TO_BYTE_CHAR = {b: c for b, c in enumerate(_BYTE_TO_CHAR)}
+_BYTE_CHAR_TO_LATIN1 = {c: chr(c).encode().decode("latin-1") for c in range(256)} | {
+    ord(c): chr(b) for c, b in _CHAR_TO_BYTE.items()}
 
 _SPACE = "\u2581"  # SentencePiece's visible space
 _WORD_START = regex.compile("(?<=[^\u2581])\u2581")   # where an SPM text may be cut into words
@@ -319,7 +323,7 @@ class Tokenizer(abc.ABC):
                               if not self.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN)]
 
         # The bytes each token writes (special=True rendering); control ones are blanked on use.
-        self._pieces: list[bytes] = [self._piece(i) for i in range(n)]
+        self._pieces: list[bytes] = self._all_pieces()
         self._silent = bytearray(1 if a & (Attr.CONTROL | Attr.UNKNOWN) else 0 for a in self.attrs)
 
     # -- construction ---------------------------------------------------------------------
@@ -336,16 +340,22 @@ class Tokenizer(abc.ABC):
             raise ModelFileError("the file has no tokenizer (tokenizer.ggml.model is missing)")
         raise UnsupportedModelError(f"tokenizer model {model!r} is not supported (only 'gpt2' and 'llama')")
 
-    def _piece(self, i: int) -> bytes:
-        """llama.cpp's token_to_piece(special=True) for one token."""
-        a, text = self.attrs[i], self.tokens[i]
-        if a & (Attr.UNKNOWN | Attr.CONTROL | Attr.USER_DEFINED):
-            return text.encode()
-        if a & Attr.NORMAL:
-            return self._normal_piece(text)
-        if a & Attr.BYTE:
-            return bytes([int(text[3:5], 16)])
-        return b""
+    def _all_pieces(self) -> list[bytes]:
+        """llama.cpp's token_to_piece(special=True) of every token: special tokens write
+        their text, normal tokens the bytes their text stands for, <0xXX> its byte."""
+        shown_as_text = Attr.UNKNOWN | Attr.CONTROL | Attr.USER_DEFINED
+        normal_piece = self._normal_piece
+        pieces = [
+            text.encode() if a & shown_as_text else normal_piece(text) if a & Attr.NORMAL else b""
+            for text, a in zip(self.tokens, self.attrs)
+        ]
+        for i, a in enumerate(self.attrs):
+            if a & Attr.BYTE and not a & (shown_as_text | Attr.NORMAL):
+                try:
+                    pieces[i] = bytes([int(self.tokens[i][3:5], 16)])
+                except ValueError:
+                    raise ModelFileError(f"byte token {i} is {self.tokens[i]!r}, not <0xXX>") from None
+        return pieces
 
     @abc.abstractmethod
     def _normal_piece(self, text: str) -> bytes:
@@ -462,7 +472,10 @@ class BpeTokenizer(Tokenizer):
         self._cache: dict[str, tuple[int, ...]] = {}
 
     def _normal_piece(self, text: str) -> bytes:
-        return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode() for c in text)
+        try:
+            return text.translate(_BYTE_CHAR_TO_LATIN1).encode("latin-1")
+        except UnicodeEncodeError:   # a character outside the byte table stands for itself
+            return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode() for c in text)
 
     def pre_tokenize(self, text: str) -> list[str]:
         """Cut text into the words BPE runs on: each regex splits the pieces of the one before."""
@@ -512,7 +525,7 @@ class SpmTokenizer(Tokenizer):
         if scores is not None and len(scores) < self.n_vocab:
             raise ModelFileError(f"tokenizer.ggml.scores has {len(scores)} entries for {self.n_vocab} tokens")
         self._scores = scores if scores is not None else [0.0] * self.n_vocab
-        spanning = [t for t in self.tokens if _SPANS_WORDS.search(t)]
+        spanning = [t for t in self.tokens if _SPACE in t[1:] and _SPANS_WORDS.search(t)]
         self._spanning: list[str] | None = spanning if len(spanning) <= 256 else None
         self._cache: dict[str, tuple[int, ...]] = {}
         self._byte_ids = [self.token_to_id.get(f"<0x{b:02X}>", self.token_to_id.get(chr(b)) if b < 128 else None)
