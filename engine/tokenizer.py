@@ -297,21 +297,28 @@ class Tokenizer(abc.ABC):
         if self.add_eos and self.eos_id is None:
             raise ModelFileError("tokenizer.ggml.add_eos_token is true, but there is no EOS token")
 
-        # End-of-generation tokens, found by id and by text as llama.cpp does; all become control.
-        eog = {special_id(k, None) for k in ("eos_token_id", "eot_token_id", "eom_token_id",
-                                             "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")}
-        eog |= {self.token_to_id.get(text) for text in _EOG_TEXTS | _FIM_EOG_TEXTS}
-        eog.discard(None)
-        eog_texts = {tokens[i] for i in eog}
-        if {"<|return|>", "<|call|>", "<|end|>"} <= eog_texts or {"<|calls|>", "<|flush|>", "<|end|>"} <= eog_texts:
-            end = self.token_to_id["<|end|>"]   # harmony, solar-open: <|end|> ends a message, not generation
-            eog.discard(end)
-            self.attrs[end] = Attr.USER_DEFINED
-        for i in eog | {self.token_to_id.get(text) for text in _FIM_TEXTS} - {None}:
+        # End-of-generation tokens, found by id and by text as llama.cpp does. The tokens
+        # found by their text are control tokens, whatever the file says.
+        by_text = {self.token_to_id.get(t) for t in _EOG_TEXTS | _FIM_EOG_TEXTS | _FIM_TEXTS} - {None}
+        for i in by_text:
             self.attrs[i] |= Attr.CONTROL
-        for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # gpt-oss renders these
+        for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # gpt-oss shows these
             if text in self.token_to_id:
                 self.attrs[self.token_to_id[text]] = Attr.USER_DEFINED
+        eog = {special_id(k, None) for k in ("eos_token_id", "eot_token_id", "eom_token_id",
+                                             "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")}
+        eog |= {i for i in by_text if tokens[i] in _EOG_TEXTS or tokens[i] in _FIM_EOG_TEXTS}
+        eog.discard(None)
+        eog_texts = {tokens[i]: i for i in eog}
+        if {"<|return|>", "<|call|>", "<|end|>"} <= eog_texts.keys() or \
+                {"<|calls|>", "<|flush|>", "<|end|>"} <= eog_texts.keys():
+            end = eog_texts["<|end|>"]   # harmony, solar-open: <|end|> ends a message, not generation
+            eog.discard(end)
+            self.attrs[end] = Attr.USER_DEFINED
+        if "<|tool_response>" in eog_texts and "</s>" in eog_texts:
+            s_id = eog_texts["</s>"]     # gemma 4: </s> is plain text there
+            eog.discard(s_id)
+            self.attrs[s_id] = Attr.NORMAL
         self.eos_ids: frozenset[int] = frozenset(eog)
 
         # Tokens cut out of the text before tokenizing, longest first (tokenizer_st_partition).
