@@ -102,8 +102,8 @@ MIGRATIONS: list[list[str]] = [
 FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 
-class StoreError(Exception):
-    """The database cannot be used (for example, written by a newer lmsp-min)."""
+class StoreError(ValueError):
+    """The database cannot be opened (a ValueError: `lmsp-min serve` prints it and stops)."""
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,11 @@ class Store:
             temporary_dir = Path(tempfile.mkdtemp(prefix="lmsp-min-nostore-"))
             return cls(temporary_dir / DB_NAME, temporary_dir)
         data_dir = Path(data_dir)
-        data_dir.mkdir(parents=True, exist_ok=True)
-        return cls(data_dir / DB_NAME)
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            return cls(data_dir / DB_NAME)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the database in {data_dir}: {exc}") from None
 
     @classmethod
     async def open(cls, data_dir: Path | str | None) -> "Store":

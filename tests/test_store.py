@@ -155,3 +155,9 @@ async def test_concurrent_readers_and_writer(store):
         nursery.start_soon(write)
         for _ in range(3):
             nursery.start_soon(read)
+
+
+def test_an_unusable_data_dir_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(StoreError, match="cannot open the database"):
+        Store.open_sync(tmp_path / "file" / "data")
