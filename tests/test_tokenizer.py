@@ -181,3 +181,16 @@ def test_gpt2_detokenize_cleans_spaces_like_llama_cpp():
     assert gpt2.decode(gpt2.encode(text)) == "Hello, world. Is it? It's so'quoted'they're"
     assert gpt2.decode(gpt2.encode(text), special=True) == text
     assert Tokenizer.from_metadata(meta).decode(gpt2.encode(text)) == text
+
+
+def test_spm_space_prefix_like_llama_2(tokenizers):
+    # Llama 2 style SPM files put a space before the text and after every special token.
+    gemma = tokenizers["gemma3"]
+    llama2_like = Tokenizer.from_metadata({**_meta("gemma3"), "tokenizer.ggml.add_space_prefix": True})
+    assert llama2_like.encode("Hello world") == gemma.encode(" Hello world")
+    sot = gemma.token_to_id["<start_of_turn>"]
+    assert llama2_like.encode("<start_of_turn>user", add_special=False, parse_special=True) == \
+        [sot, *gemma.encode(" user", add_special=False)]
+    # Decoding drops that space again, unless a (silent) BOS comes first, as in llama.cpp.
+    assert llama2_like.decode(llama2_like.encode("Hello", add_special=False)) == "Hello"
+    assert llama2_like.decode(llama2_like.encode("Hello")) == " Hello"
