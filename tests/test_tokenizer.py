@@ -44,6 +44,19 @@ def test_identical_to_llama_cpp(tokenizers, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_prompts_with_special_tokens_identical_to_llama_cpp(tokenizers, name):
+    # greedy.*.jsonl: prompts tokenized by llama.cpp with special tokens parsed, and the
+    # text llama.cpp made of the ids it generated.
+    tok = tokenizers[name]
+    with open(DATA / f"greedy.{name}.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert rows
+    for row in rows:
+        assert tok.encode(row["prompt"], add_special=True, parse_special=True) == row["prompt_ids"]
+        assert tok.decode(row["ids"]) == row["text"]
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_decode_round_trips(tokenizers, name):
     tok = tokenizers[name]
     for row in _rows(name):
