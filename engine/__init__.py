@@ -4,3 +4,18 @@ It knows nothing of HTTP: it reads a GGUF file, keeps the weights quantized in
 memory, turns text into tokens and tokens into logits, and exposes generation
 as an async generator.
 """
+
+from .chat import (ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, ToolCall,
+                   ToolCallDelta)
+from .errors import (ContextLengthExceeded, EngineError, ModelFileError, SchemaError,
+                     UnsupportedModelError)
+from .generate import Generation, Token
+from .model import Model, ModelInfo, load_model
+from .sampling import SamplingParams
+
+__all__ = [
+    "load_model", "Model", "ModelInfo", "SamplingParams", "Token", "Generation",
+    "ChatRequest", "PreparedChat", "TextDelta", "ReasoningDelta", "ToolCallDelta", "ToolCall",
+    "Finished", "EngineError", "ModelFileError", "UnsupportedModelError",
+    "ContextLengthExceeded", "SchemaError",
+]

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from gguf import LlamaFileType
+from gguf.quants import dequantize
 
 from . import architectures
 from .architectures import Block, Hyperparameters, Weights
@@ -67,12 +68,17 @@ class Model:
         self.tokenizer = tokenizer
         self.n_ctx = min(n_ctx or hp.context_length, hp.context_length)
         self.template_source: str | None = file.get("tokenizer.chat_template")
+        self.add_bos = bool(file.get("tokenizer.ggml.add_bos_token", tokenizer.bos_id is not None))
+        vocab = file.get("tokenizer.ggml.tokens") or ()
+        eos_id = file.get("tokenizer.ggml.eos_token_id")
         self.chat_template = ChatTemplate(
             self.template_source,
-            bos_token=self._token_text(tokenizer.bos_id),
-            eos_token=self._token_text(min(tokenizer.eos_ids) if tokenizer.eos_ids else None),
+            bos_token=_token_text(vocab, tokenizer.bos_id),
+            eos_token=_token_text(vocab, eos_id),
+            vocab=frozenset(vocab),
+            add_bos=self.add_bos,
+            add_eos=bool(file.get("tokenizer.ggml.add_eos_token", False)),
         )
-        self.add_bos = bool(file.get("tokenizer.ggml.add_bos_token", tokenizer.bos_id is not None))
         self.steps = 0                       # forward steps run so far (tests watch it)
         self._forward_lock = threading.Lock()  # one forward at a time over the shared weights
         self.info = self._make_info()
@@ -139,11 +145,6 @@ class Model:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _token_text(self, token_id: int | None) -> str:
-        if token_id is None or not 0 <= token_id < self.tokenizer.n_vocab:
-            return ""
-        return self.tokenizer.decode([token_id], special=True)
-
     def _make_info(self) -> ModelInfo:
         file, hp = self.file, self.hp
         file_type = file.get("general.file_type")
@@ -172,6 +173,10 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({self.info.name!r}, {self.info.architecture}, {self.info.quantization})"
+
+
+def _token_text(vocab, token_id: int | None) -> str:
+    return vocab[token_id] if token_id is not None and 0 <= token_id < len(vocab) else ""
 
 
 def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
@@ -245,7 +250,7 @@ def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights:
             return None
         if tuple(t.shape) != (size,):
             raise ModelFileError(f"{file.path}: tensor {name!r} has shape {t.shape}, expected ({size},)")
-        return np.asarray(load_weight(t).dequantize(), np.float32).reshape(size)
+        return np.asarray(dequantize(t.data, t.type), np.float32).reshape(size)
 
     d, hd, hd_v = hp.n_embd, hp.head_dim, hp.head_dim_v
     n_q, n_k, n_v = hp.n_head * hd, hp.n_head_kv * hd, hp.n_head_kv * hd_v

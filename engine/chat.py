@@ -1,0 +1,166 @@
+"""Chat: from a list of messages to a stream of events, what the server uses.
+
+`model.prepare_chat(request)` does everything that can fail before a token is
+generated, synchronously: it renders the chat template, tokenizes the result
+(special tokens in the template text are parsed as such) and checks that the
+input and the requested output fit the context window (decision D4). Then
+`model.generate_chat(prepared)` is an async generator of events:
+
+    TextDelta(text)              message text (complete UTF-8, never a stop sequence)
+    ReasoningDelta(text)         text between <think> and </think>, for models that reason
+    ToolCallDelta / ToolCall     tool calls (see below)
+    Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
+
+Tools and structured output (JSON Schema) need constrained decoding
+(engine/constrain.py, engine/tools.py); until that is wired in here, a request
+asking for them raises an EngineError in prepare_chat (see `_check_supported`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ContextLengthExceeded, EngineError
+from .generate import StopFilter
+from .sampling import SamplingParams
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]      # HF chat-template messages (role, content, tool_calls, tool_call_id)
+    max_tokens: int | None = None           # None -> until the context window is full
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    tools: list[dict] | None = None         # [{"name", "description", "parameters"}]
+    tool_choice: str | dict = "auto"        # "auto" | "none" | "required" | {"name": str}
+    json_schema: dict | None = None         # structured output
+
+
+@dataclass
+class PreparedChat:
+    request: ChatRequest
+    prompt: str               # the rendered template
+    prompt_ids: list[int]
+    max_tokens: int           # resolved: never past the context window
+    starts_in_reasoning: bool  # the template's generation prompt opened a <think> block
+
+    @property
+    def input_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int
+    name: str
+    arguments_delta: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    index: int
+    name: str
+    arguments: str            # a JSON string valid for the tool's parameters schema
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str               # "stop" | "length"
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+
+
+def prepare_chat(model, request: ChatRequest) -> PreparedChat:
+    """Render, tokenize and check a chat request; raises before any generation starts."""
+    _check_supported(request)
+    prompt = model.apply_chat_template(request.messages, add_generation_prompt=True)
+    prompt_ids = model.tokenize(prompt, add_special=model.add_bos, parse_special=True)
+    n_ctx = model.n_ctx
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    if len(prompt_ids) >= n_ctx or len(prompt_ids) + (request.max_tokens or 0) > n_ctx:
+        raise ContextLengthExceeded(len(prompt_ids), request.max_tokens or 0, n_ctx)
+    max_tokens = request.max_tokens if request.max_tokens is not None else n_ctx - len(prompt_ids)
+    reasoning = "reasoning" in model.info.capabilities
+    starts_in_reasoning = reasoning and prompt.rstrip().endswith(THINK_OPEN)
+    return PreparedChat(request, prompt, prompt_ids, max_tokens, starts_in_reasoning)
+
+
+async def generate_chat(model, prepared: PreparedChat):
+    """The events of one chat completion (see the module docstring)."""
+    request = prepared.request
+    generation = model.generate(prepared.prompt_ids, max_tokens=prepared.max_tokens,
+                                sampling=request.sampling, stop=request.stop)
+    splitter = ReasoningSplitter(prepared.starts_in_reasoning) if "reasoning" in model.info.capabilities else None
+    try:
+        async for token in generation:
+            if splitter is None:
+                if token.text:
+                    yield TextDelta(token.text)
+            else:
+                for event in splitter.feed(token.text):
+                    yield event
+        if splitter is not None:
+            for event in splitter.flush():
+                yield event
+    finally:
+        await generation.aclose()
+    yield Finished(generation.finish_reason or "stop", prepared.input_tokens,
+                   generation.n_generated, cached_tokens=0)
+
+
+class ReasoningSplitter:
+    """Routes text inside <think>...</think> to ReasoningDelta, the rest to TextDelta.
+
+    A tag may arrive split across tokens, so text that could be the start of the
+    next tag is held back (a StopFilter on that tag) until it is known.
+    """
+
+    def __init__(self, in_reasoning: bool):
+        self.in_reasoning = in_reasoning
+        self.tag = StopFilter((THINK_CLOSE,) if in_reasoning else (THINK_OPEN,))
+
+    def feed(self, text: str) -> list[TextDelta | ReasoningDelta]:
+        events = []
+        while text:
+            out = self.tag.feed(text)
+            text = ""
+            if self.tag.stopped:  # the tag appeared: what follows it belongs to the other side
+                rest = self.tag.rest
+                self._emit(out, events)
+                self.in_reasoning = not self.in_reasoning
+                self.tag = StopFilter((THINK_CLOSE,) if self.in_reasoning else (THINK_OPEN,))
+                text = rest
+            else:
+                self._emit(out, events)
+        return events
+
+    def flush(self) -> list[TextDelta | ReasoningDelta]:
+        events = []
+        self._emit(self.tag.flush(), events)
+        return events
+
+    def _emit(self, text: str, events: list) -> None:
+        if text:
+            events.append(ReasoningDelta(text) if self.in_reasoning else TextDelta(text))
+
+
+def _check_supported(request: ChatRequest) -> None:
+    """Tool calling and structured output are the constrained-decoding hook points."""
+    if request.tools and request.tool_choice != "none":
+        raise EngineError("tool calling is not supported by this engine yet")
+    if request.json_schema is not None:
+        raise EngineError("structured output (json_schema) is not supported by this engine yet")

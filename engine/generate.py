@@ -1,0 +1,147 @@
+"""Generation: an async generator of tokens and their text, one forward step at a time.
+
+`model.generate(prompt_ids, max_tokens=..., sampling=..., stop=..., constraint=...)`
+returns a `Generation`: `async for token in generation` yields `Token(id, text)`.
+
+- Each forward step runs in a worker thread (`trio.to_thread.run_sync`), never on
+  the trio loop; the model's lock lets one forward run at a time.
+- Between steps the generator is at an `await`: a consumer that stops iterating
+  (`aclose()`, leaving the `async for`) or is cancelled ends it there, and no
+  further step runs. A step already running finishes first (numpy cannot be
+  interrupted) and its result is dropped.
+- `text` holds only complete UTF-8 characters (possibly ""). Text that could be
+  the start of a stop sequence is held back until it is known not to be one; a
+  stop sequence is never emitted, not even partly, and ends the generation.
+- An end-of-generation token (EOS, end of turn) ends it and is not yielded
+  (unless text was held back until then: it comes with that last Token).
+  So does a constraint that reports `is_done()`, after its last token.
+- `finish_reason` is "stop" or "length" once the iteration is over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trio
+
+from .errors import ContextLengthExceeded
+from .model import PREFILL_CHUNK
+from .sampling import Constraint, Sampler, SamplingParams
+from .tokenizer import IncrementalDecoder
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    text: str  # complete UTF-8 only; "" while held back (partial character or stop-sequence prefix)
+
+
+class StopFilter:
+    """Passes text through, holding back any tail that could begin a stop sequence."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = tuple(s for s in stop if s)
+        self.held = ""
+        self.stopped = False
+        self.rest = ""  # text that came after the stop sequence (callers that go on read it)
+
+    def feed(self, text: str) -> str:
+        """The text that is now safe to emit; sets `stopped` when a stop sequence appeared."""
+        if not self.stop:
+            return text
+        self.held += text
+        hits = [(i, s) for i, s in ((self.held.find(s), s) for s in self.stop) if i >= 0]
+        if hits:
+            i, s = min(hits)
+            self.stopped = True
+            out, self.rest, self.held = self.held[:i], self.held[i + len(s):], ""
+            return out
+        keep = max((k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
+        cut = len(self.held) - keep
+        out, self.held = self.held[:cut], self.held[cut:]
+        return out
+
+    def flush(self) -> str:
+        """At the end, held-back text was not a stop sequence after all."""
+        out, self.held = self.held, ""
+        return out
+
+
+class Generation:
+    """An async iterator of `Token`s (see the module docstring); `finish_reason` at the end."""
+
+    def __init__(self, model, prompt_ids: list[int], *, max_tokens: int,
+                 sampling: SamplingParams | None = None, stop: tuple[str, ...] = (),
+                 constraint: Constraint | None = None):
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("the prompt has no token")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if len(prompt_ids) >= model.n_ctx:
+            raise ContextLengthExceeded(len(prompt_ids), max_tokens, model.n_ctx)
+        self.model = model
+        self.prompt_ids = prompt_ids
+        self.max_tokens = min(max_tokens, model.n_ctx - len(prompt_ids))
+        self.sampler = Sampler(sampling or SamplingParams(), constraint)
+        self.stop = tuple(stop)
+        self.finish_reason: str | None = None
+        self.n_generated = 0
+        self._tokens = self._run()
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> Token:
+        return await self._tokens.__anext__()
+
+    async def aclose(self) -> None:
+        await self._tokens.aclose()
+
+    async def _run(self):
+        model, sampler = self.model, self.sampler
+        eos_ids = model.tokenizer.eos_ids
+        decoder = IncrementalDecoder(model.tokenizer)
+        stops = StopFilter(self.stop)
+        seq = model.new_sequence(self.prompt_ids, capacity=len(self.prompt_ids) + self.max_tokens)
+        while seq.n_pending > PREFILL_CHUNK:  # long prompts: one chunk per step
+            await trio.to_thread.run_sync(model.step, [seq])
+        while True:
+            token = await trio.to_thread.run_sync(_next_token, model, seq, sampler)
+            if token in eos_ids:
+                self.finish_reason = "stop"
+                break
+            seq.append(token)
+            self.n_generated += 1
+            text = stops.feed(decoder.feed(token))
+            if stops.stopped:
+                self.finish_reason = "stop"
+                yield Token(token, text)
+                return
+            done = sampler.constraint is not None and sampler.constraint.is_done()
+            if done or self.n_generated >= self.max_tokens:
+                self.finish_reason = "stop" if done else "length"
+                text += stops.feed(decoder.flush())
+                if stops.stopped:
+                    self.finish_reason = "stop"
+                else:
+                    text += stops.flush()
+                yield Token(token, text)
+                return
+            yield Token(token, text)
+        tail = stops.feed(decoder.flush())
+        tail += "" if stops.stopped else stops.flush()
+        if tail:
+            yield Token(token, tail)  # the end-of-generation token carries the held-back text
+
+
+def generate(model, prompt_ids, *, max_tokens: int, sampling: SamplingParams | None = None,
+             stop=(), constraint: Constraint | None = None) -> Generation:
+    return Generation(model, prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                      stop=tuple(stop), constraint=constraint)
+
+
+def _next_token(model, seq, sampler: Sampler) -> int:
+    """Worker thread: run the pending token(s) and pick the next one."""
+    logits = model.step([seq])[0]                                  # (1, V)
+    return sampler.pick(logits[0])

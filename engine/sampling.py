@@ -1,0 +1,96 @@
+"""Choosing the next token from the logits.
+
+Temperature 0 is greedy: the argmax, deterministic (the lowest id wins a tie).
+Otherwise the logits are divided by the temperature, then filtered, in this
+order, by top_k (keep the k most likely), top_p (keep the smallest set whose
+probability reaches p) and min_p (drop tokens below min_p × the top
+probability), and one token is drawn with the request's own numpy Generator
+(seeded when `seed` is given, so a seeded request repeats exactly).
+
+A constraint (engine/constrain.py) restricts which tokens may come next. Its
+mask costs a pass over the vocabulary, so the sampler first draws as if
+unconstrained and asks `allows(token)`; only when the answer is no does it
+build the mask and draw again from the allowed tokens. Both ways the token
+comes from the same distribution: the unconstrained one renormalized over the
+allowed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .errors import EngineError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0   # 0 -> greedy, deterministic
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+
+
+class Constraint(Protocol):
+    def allows(self, token_id: int) -> bool: ...
+    def mask(self) -> np.ndarray: ...          # bool (V,), True = allowed
+    def advance(self, token_id: int) -> None: ...
+    def is_done(self) -> bool: ...
+
+
+class Sampler:
+    """The token picker of one request: its parameters, its random generator, its constraint."""
+
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
+        self.params = params
+        self.constraint = constraint
+        self.rng = np.random.default_rng(params.seed)
+
+    def pick(self, logits: np.ndarray) -> int:
+        """The next token id for logits (V,); advances the constraint with it."""
+        token = self._draw(logits)
+        if self.constraint is not None:
+            if not self.constraint.allows(token):
+                allowed = self.constraint.mask()                   # (V,) bool
+                if not allowed.any():
+                    raise EngineError("the output constraint allows no token at this point")
+                token = self._draw(np.where(allowed, logits, -np.inf))
+            self.constraint.advance(token)
+        return token
+
+    def _draw(self, logits: np.ndarray) -> int:
+        p = self.params
+        if p.temperature == 0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / p.temperature               # (V,)
+        ids = np.arange(z.shape[0])                                 # (V,) candidate ids
+        if p.top_k and p.top_k < z.shape[0]:
+            ids = np.argpartition(-z, p.top_k - 1)[: p.top_k]       # (k,)
+            z = z[ids]
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()                                        # (C,)
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")               # (C,) most likely first
+            cumulative = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cumulative, p.top_p)) + 1]
+            ids, probs = ids[keep], probs[keep]
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs.max()
+            ids, probs = ids[keep], probs[keep]
+        probs = probs / probs.sum()
+        u = self.rng.random()
+        i = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)
+        return int(ids[i])
