@@ -1,0 +1,133 @@
+"""What constrained decoding costs: token masks per step, and constrained vs free decoding.
+
+1. Mask cost, both vocabularies (SmolLM2 49,152 tokens, Gemma 3 262,144), no model needed:
+   a "model" of random logits writes documents for a few schemas under the sampler's rule
+   (draw, `allows()`, else mask and draw again). Reported per step: how often a mask was
+   needed, the time of a freshly computed mask, and the whole constraint time per step
+   (allows + mask + advance, caches warm as in a real run).
+2. Slowdown with the real SmolLM2 (when it is in the model store): greedy decoding of the
+   same prompt free and with a JSON schema; time per generated token, both ways.
+
+    python -m benchmarks.constrained            # both parts
+    python -m benchmarks.constrained --masks    # part 1 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from engine.constrain import TokenIndex, json_constraint
+from engine.tiny import load_tokenizer_meta
+from engine.tokenizer import Tokenizer
+from engine.tools import tool_constraint
+
+DATA = __import__("pathlib").Path(__file__).parent.parent / "tests" / "data"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "city": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4},
+        "score": {"type": "number", "minimum": 0, "maximum": 100},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "member"],
+}
+TOOLS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}},
+    {"name": "search", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string", "maxLength": 40}, "limit": {"type": "integer", "minimum": 1, "maximum": 50}},
+        "required": ["query"]}},
+]
+
+
+def mask_cost(vocab: str, runs: int = 6, max_tokens: int = 120) -> dict:
+    """Constraint time per step over random-logit decodes (see the module docstring)."""
+    tok = Tokenizer.from_metadata(load_tokenizer_meta(DATA / f"tokenizer-meta.{vocab}.json.gz"))
+    start = time.perf_counter()
+    index = TokenIndex.of(tok)
+    build = time.perf_counter() - start
+    steps = masks = 0
+    mask_seconds: list[float] = []
+    constraint_seconds = 0.0
+    for run in range(runs):
+        rng = np.random.default_rng(run)
+        c = json_constraint(SCHEMA, index) if run % 2 == 0 else tool_constraint(TOOLS, "required", index)
+        c.grammar._masks.clear()  # cold masks: measure computing them, not the cache
+        for _ in range(max_tokens):
+            if c.is_done():
+                break
+            logits = rng.random(index.n_vocab, dtype=np.float32)   # (V,)
+            t0 = time.perf_counter()
+            token = int(np.argmax(logits))
+            if not c.allows(token):
+                m0 = time.perf_counter()
+                cached = c.state in c.grammar._masks
+                mask = c.mask()                                     # (V,) bool
+                if not cached:
+                    mask_seconds.append(time.perf_counter() - m0)
+                masks += 1
+                token = int(np.argmax(np.where(mask, logits, -np.inf)))
+            c.advance(token)
+            constraint_seconds += time.perf_counter() - t0
+            steps += 1
+    return {
+        "vocab": vocab, "n_vocab": index.n_vocab, "index_build_s": round(build, 2), "steps": steps,
+        "mask_fraction": round(masks / steps, 2),
+        "mask_ms_median": round(1000 * float(np.median(mask_seconds)), 2),
+        "mask_ms_mean": round(1000 * float(np.mean(mask_seconds)), 2),
+        "constraint_ms_per_step": round(1000 * constraint_seconds / steps, 2),
+    }
+
+
+def slowdown(path, max_tokens: int = 48) -> dict:
+    """Greedy decode of SmolLM2, free and JSON-constrained: ms per generated token."""
+    import trio
+
+    from engine.model import load_model
+    from engine.sampling import SamplingParams
+
+    model = load_model(path)
+    prompt = model.apply_chat_template([{"role": "user", "content":
+        "Describe a person called Ada Lovelace from London as JSON with name, age, city, tags, score, member."}])
+    ids = model.tokenize(prompt, parse_special=True)
+    index = TokenIndex.of(model.tokenizer)
+
+    async def run(constraint):
+        gen = model.generate(ids, max_tokens=max_tokens, sampling=SamplingParams(temperature=0),
+                             constraint=constraint)
+        n, first = 0, None
+        async for _ in gen:
+            n += 1
+            if first is None:
+                first = time.perf_counter()  # decode steps only, the prefill is not counted
+        return (time.perf_counter() - first) / max(n - 1, 1), n
+
+    trio.run(run, None)  # warm up
+    free, n_free = trio.run(run, None)
+    json_constraint(SCHEMA, index)  # grammar compiled once, as a repeated request would find it
+    constrained, n_json = trio.run(run, json_constraint(SCHEMA, index))
+    return {"free_ms_per_token": round(1000 * free, 1), "constrained_ms_per_token": round(1000 * constrained, 1),
+            "tokens": (n_free, n_json), "slowdown_pct": round(100 * (constrained / free - 1), 1)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--masks", action="store_true", help="only the mask costs (no model)")
+    args = parser.parse_args(argv)
+    for vocab in ("smollm2", "gemma3"):
+        print(mask_cost(vocab))
+    if not args.masks:
+        from lmsp_min import fetch
+        print(slowdown(fetch.pull("smollm2:135m-instruct-q4_1")))
+
+
+if __name__ == "__main__":
+    main()
