@@ -1,0 +1,180 @@
+"""Forward passes of the tiny random-weight models: the code paths agree with each other.
+
+Every way of running the same tokens (one long prefill, prefill then decode one
+token at a time, chunked prefill, several sequences in one batch, a forked
+cache) must give the same logits, up to float32 rounding.
+"""
+
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+
+from engine import ModelInfo, SamplingParams, UnsupportedModelError, load_model
+from engine.architectures import attend, rope
+from engine.sampling import Sampler
+from engine.tiny import ARCHITECTURES, write_tiny_model
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / f"tiny-{request.param}.gguf"
+    return load_model(write_tiny_model(path, request.param))
+
+
+@pytest.fixture(scope="module")
+def ids(model):
+    ids = model.tokenize(TEXT)
+    assert len(ids) > 16  # long enough to cross gemma3's sliding window of 8
+    return ids
+
+
+def assert_close(a, b):
+    scale = max(1.0, float(np.abs(b).max()))
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
+
+
+def test_logits_shape_and_fresh_context(model, ids):
+    first = model.logits(ids)
+    assert first.dtype == np.float32 and first.shape == (len(ids), model.info.n_vocab)
+    assert np.isfinite(first).all()
+    np.testing.assert_array_equal(model.logits(ids), first)
+
+
+def test_prefill_then_decode_equals_one_prefill(model, ids):
+    full = model.logits(ids)                                   # (n, V)
+    seq = model.new_sequence(ids[:5])
+    rows = [model.step([seq], all_logits=True)[0]]             # (5, V)
+    for token in ids[5:]:
+        seq.append(token)
+        rows.append(model.step([seq])[0])                      # (1, V)
+    assert_close(np.concatenate(rows), full)
+
+
+def test_chunked_prefill_equals_one_shot(model, ids):
+    full = model.logits(ids)
+    seq = model.new_sequence(ids)
+    rows = []
+    while seq.n_pending:
+        rows.append(model.step([seq], all_logits=True, chunk=6)[0])
+    assert len(rows) > 2
+    assert_close(np.concatenate(rows), full)
+
+
+def test_batched_sequences_equal_each_alone(model, ids):
+    a, b = ids, ids[3:12]
+    seqs = [model.new_sequence(a), model.new_sequence(b)]
+    together = model.step(seqs, all_logits=True)
+    assert_close(together[0], model.logits(a))
+    assert_close(together[1], model.logits(b))
+    # then one decode step for both at once
+    seqs[0].append(7)
+    seqs[1].append(9)
+    last = model.step(seqs)
+    assert_close(last[0], model.logits(a + [7])[-1:])
+    assert_close(last[1], model.logits(b + [9])[-1:])
+
+
+def test_forked_cache_continues_like_a_fresh_one(model, ids):
+    seq = model.new_sequence(ids[:12])
+    model.step([seq])
+    fork = seq.fork(8)
+    assert fork.cache.length == 8
+    fork.tokens.extend(ids[8:15])
+    out = model.step([fork], all_logits=True)[0]
+    assert_close(out, model.logits(ids[:15])[8:])
+
+
+def test_cache_grows_past_its_initial_capacity(model, ids):
+    seq = model.new_sequence(ids[:2], capacity=2)
+    model.step([seq])
+    for token in ids[2:]:
+        seq.append(token)
+        model.step([seq])
+    assert seq.cache.length == len(ids) and seq.cache.capacity >= len(ids)
+    seq.cache.truncate(4)
+    seq.tokens[4:] = [ids[4]]
+    assert_close(model.step([seq])[0], model.logits(ids[:5])[-1:])
+
+
+def test_info(model):
+    info = model.info
+    assert isinstance(info, ModelInfo)
+    assert info.architecture in ARCHITECTURES
+    assert info.quantization == "Q8_0"
+    assert info.n_vocab == 49152 and info.n_embd == 64
+    assert info.context_length == 512 and info.has_chat_template
+    assert info.n_params > 0 and info.size_bytes > 0
+    assert info.capabilities == ()
+
+
+def test_sampling_is_deterministic(model, ids):
+    logits = model.logits(ids)[-1]                             # (V,)
+    logits = logits / logits.std()                             # a spread-out distribution
+    greedy = Sampler(SamplingParams(temperature=0))
+    assert greedy.pick(logits) == int(np.argmax(logits)) == greedy.pick(logits)
+    params = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, min_p=0.01, seed=1234)
+    s1, s2 = Sampler(params), Sampler(params)
+    draws = [s1.pick(logits) for _ in range(20)]
+    assert draws == [s2.pick(logits) for _ in range(20)]
+    assert len(set(draws)) > 1
+
+
+def test_unknown_architecture_names_the_file(tmp_path):
+    path = tmp_path / "odd.gguf"
+    w = GGUFWriter(str(path), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="odd.gguf.*mamba"):
+        load_model(path)
+
+
+def test_context_window_cap(tmp_path):
+    model = load_model(write_tiny_model(tmp_path / "m.gguf", "llama"), n_ctx=32)
+    assert model.info.context_length == 32
+    with pytest.raises(ValueError):
+        model.logits(list(range(33)))
+
+
+# --- the building blocks against plain references ------------------------------------------
+
+
+def test_rope_pair_layouts():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2, 8)).astype(np.float32)      # (n, heads, hd)
+    pos = np.array([0, 1, 5])
+    angles = pos[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)  # (n, 4)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    norm, neox = rope(x, cos, sin, neox=False), rope(x, cos, sin, neox=True)
+    for t in range(3):
+        for i in range(4):
+            c, s = cos[t, i], sin[t, i]
+            a, b = x[t, :, 2 * i], x[t, :, 2 * i + 1]          # adjacent pair (llama)
+            np.testing.assert_allclose(norm[t, :, 2 * i], a * c - b * s, atol=1e-6)
+            np.testing.assert_allclose(norm[t, :, 2 * i + 1], a * s + b * c, atol=1e-6)
+            a, b = x[t, :, i], x[t, :, i + 4]                  # split halves (neox)
+            np.testing.assert_allclose(neox[t, :, i], a * c - b * s, atol=1e-6)
+            np.testing.assert_allclose(neox[t, :, i + 4], a * s + b * c, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_attend_matches_a_loop(window):
+    rng = np.random.default_rng(1)
+    T, L, n_head, n_kv, hd = 4, 9, 4, 2, 8
+    q = rng.standard_normal((T, n_head, hd)).astype(np.float32)
+    keys = rng.standard_normal((n_kv, L, hd)).astype(np.float32)
+    values = rng.standard_normal((n_kv, L, hd)).astype(np.float32)
+    positions = np.arange(L - T, L)
+    out = attend(q, keys, values, positions, window, 0.3).reshape(T, n_head, hd)
+    for t, p in enumerate(positions):
+        for h in range(n_head):
+            kv = h // (n_head // n_kv)
+            seen = [j for j in range(L) if j <= p and (not window or p - j < window)]
+            s = np.array([q[t, h] @ keys[kv, j] * 0.3 for j in seen])
+            w = np.exp(s - s.max())
+            w /= w.sum()
+            np.testing.assert_allclose(out[t, h], w @ values[kv, seen], atol=1e-5)
