@@ -51,9 +51,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from engine.errors import UnsupportedModelError
 from engine.gguf_file import Tensor
 
-# Scratch tiles hold about this many float32 values (512 KiB): small enough to stay
-# in a core's L2 cache while BLAS reads them back.
-TILE_VALUES = 1 << 17
+# Decode tiles hold about this many float32 values (1 MiB): small enough to stay in a
+# core's L2 cache while BLAS reads them back.
+TILE_VALUES = 1 << 18
+# Prefill tiles are larger: BLAS blocks a GEMM for the caches itself, and each tile is
+# one GEMM that BLAS spreads over the cores.
+PREFILL_TILE_VALUES = 1 << 20
 # Below this many rows of x the decode kernel is used, above it the dequantize-and-GEMM one.
 DECODE_MAX_ROWS = 4
 # Matrices with fewer values than this are not worth splitting across threads.
@@ -134,19 +137,8 @@ class Weight(ABC):
         """Bytes this weight keeps in memory."""
 
     @abstractmethod
-    def _dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> None:
-        """Write W[r0:r1] as float32 into out (r1 - r0, in)."""
-
-    def _matmul_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
-        """y[:, r0:r1] = x @ W[r0:r1].T, a tile of rows at a time (x: (n, in), y: (n, out))."""
-        n_in = self.shape[1]
-        tile_rows = max(1, TILE_VALUES // n_in)
-        buf = _buffer("tile", min(tile_rows, r1 - r0) * n_in)
-        for t0 in range(r0, r1, tile_rows):
-            t1 = min(t0 + tile_rows, r1)
-            w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in) float32
-            self._dequantize_rows(t0, t1, w)
-            np.matmul(x, w.T, out=y[:, t0:t1])
+    def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
+        """Write W[rows] as float32 into out (n_rows, in); rows is a slice or an index array."""
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x float32 (n, in) -> x @ W.T float32 (n, out)."""
@@ -155,8 +147,29 @@ class Weight(ABC):
             raise ValueError(f"matmul of a {self.shape} weight with x of shape {x.shape}")
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.empty((x.shape[0], n_out), np.float32)
-        _parallel_rows(lambda r0, r1: self._matmul_rows(x, y, r0, r1), n_out, n_out * n_in)
+        if x.shape[0] <= DECODE_MAX_ROWS:
+            _parallel_rows(lambda r0, r1: self._decode_rows(x, y, r0, r1), n_out, n_out * n_in)
+        else:
+            self._prefill(x, y)
         return y
+
+    def _decode_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+        """y[:, r0:r1] = x @ W[r0:r1].T for a few rows of x, one cache-sized tile at a time."""
+        self._tiled_matmul(x, y, r0, r1, TILE_VALUES)
+
+    def _prefill(self, x: np.ndarray, y: np.ndarray) -> None:
+        """y = x @ W.T for many rows of x: big tiles, and BLAS spreads each GEMM over the cores."""
+        self._tiled_matmul(x, y, 0, self.shape[0], PREFILL_TILE_VALUES)
+
+    def _tiled_matmul(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int, tile_values: int) -> None:
+        n_in = self.shape[1]
+        tile_rows = max(1, tile_values // n_in)
+        buf = _buffer("tile", min(tile_rows, r1 - r0) * n_in)
+        for t0 in range(r0, r1, tile_rows):
+            t1 = min(t0 + tile_rows, r1)
+            w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in) float32
+            self._dequantize(slice(t0, t1), w)
+            np.matmul(x, w.T, out=y[:, t0:t1])
 
     def rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """W[ids] as float32 (len(ids), in): an embedding lookup."""
@@ -164,14 +177,13 @@ class Weight(ABC):
         if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
             raise IndexError(f"row ids out of range for a weight of {self.shape[0]} rows")
         out = np.empty((ids.size, self.shape[1]), np.float32)
-        for i, r in enumerate(ids.tolist()):
-            self._dequantize_rows(r, r + 1, out[i : i + 1])
+        self._dequantize(ids, out)
         return out
 
     def dequantize(self) -> np.ndarray:
         """The whole matrix as float32 (out, in) (tests and small tensors)."""
         out = np.empty(self.shape, np.float32)
-        self._dequantize_rows(0, self.shape[0], out)
+        self._dequantize(slice(None), out)
         return out
 
     def __repr__(self) -> str:
@@ -193,19 +205,18 @@ class DenseWeight(Weight):
     def nbytes(self) -> int:
         return self.data.nbytes
 
-    def _dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> None:
+    def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
         if self.kind == T.BF16:
             bits = out.view(np.uint32)
-            np.copyto(bits, self.data[r0:r1])
+            np.copyto(bits, self.data[rows])
             np.left_shift(bits, 16, out=bits)
         else:
-            np.copyto(out, self.data[r0:r1])
+            np.copyto(out, self.data[rows])
 
-    def _matmul_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
-        if self.kind == T.F32:
-            np.matmul(x, self.data[r0:r1].T, out=y[:, r0:r1])
-        else:
-            super()._matmul_rows(x, y, r0, r1)
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        if self.kind == T.F32 and x.ndim == 2 and x.shape[1] == self.shape[1]:
+            return np.ascontiguousarray(x, dtype=np.float32) @ self.data.T  # BLAS as it is
+        return super().matmul(x)
 
 
 class QuantWeight(Weight):
@@ -222,39 +233,12 @@ class QuantWeight(Weight):
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
-    def _dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> None:
-        rows, g = r1 - r0, self.group
-        w = out.reshape(rows, -1, g)  # (rows, groups, g)
-        np.copyto(out, self.codes[r0:r1])
-        np.multiply(w, self.scales[r0:r1, :, None], out=w)
+    def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
+        w = out.reshape(out.shape[0], self.scales.shape[1], self.group)  # (rows, groups, g)
+        np.copyto(out, self.codes[rows])
+        np.multiply(w, self.scales[rows, :, None], out=w)
         if self.mins is not None:
-            np.add(w, self.mins[r0:r1, :, None], out=w)
-
-    def _group_sums(self, x: np.ndarray) -> np.ndarray:
-        """Per-group sums of x (n, in) -> (n, groups): what the mins multiply."""
-        return x.reshape(x.shape[0], -1, self.group).sum(axis=2)
-
-    def _matmul_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
-        n, n_in = x.shape
-        if n > DECODE_MAX_ROWS:
-            self._prefill_rows(x, y, r0, r1)
-        else:
-            self._decode_rows(x, y, r0, r1)
-        if self.mins is not None:
-            # y[:, r] += sum_k mins[r, k] * sum(x[:, group k])
-            y[:, r0:r1] += self._group_sums(x) @ self.mins[r0:r1].T
-
-    def _prefill_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
-        n_in, g = self.shape[1], self.group
-        tile_rows = max(1, TILE_VALUES // n_in)
-        buf = _buffer("tile", min(tile_rows, r1 - r0) * n_in)
-        for t0 in range(r0, r1, tile_rows):
-            t1 = min(t0 + tile_rows, r1)
-            w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in)
-            np.copyto(w, self.codes[t0:t1])
-            w3 = w.reshape(t1 - t0, -1, g)  # (rows, groups, g)
-            np.multiply(w3, self.scales[t0:t1, :, None], out=w3)
-            np.matmul(x, w.T, out=y[:, t0:t1])
+            np.add(w, self.mins[rows, :, None], out=w)
 
     def _decode_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
         n, n_in = x.shape
@@ -268,15 +252,20 @@ class QuantWeight(Weight):
         for t0 in range(r0, r1, tile_rows):
             t1 = min(t0 + tile_rows, r1)
             rows = t1 - t0
-            w = buf[: rows * n_in].reshape(rows, n_in)  # (rows, in) codes as float32
+            w = buf[: rows * n_in].reshape(rows, n_in)  # (rows, in): the codes as float32
             np.copyto(w, self.codes[t0:t1])
             p = pbuf[: n_groups * rows * n].reshape(n_groups, rows, n)
             # p[k, r, :] = codes[r, group k] . x[:, group k]
             np.matmul(w.reshape(rows, n_groups, g).transpose(1, 0, 2), xg, out=p)
+            # y[:, r] = sum_k scales[r, k] * p[k, r, :]
             if n == 1:
                 np.vecdot(p[:, :, 0].T, self.scales[t0:t1], out=y[0, t0:t1])
             else:
                 y[:, t0:t1] = np.einsum("krn,rk->nr", p, self.scales[t0:t1])
+        if self.mins is not None:
+            # y[:, r] += sum_k mins[r, k] * sum(x[:, group k])
+            x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)
+            y[:, r0:r1] += x_sums @ self.mins[r0:r1].T
 
 
 # ---------------------------------------------------------------------------------------
