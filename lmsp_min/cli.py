@@ -142,9 +142,7 @@ def cmd_run(args) -> int:
 
     import trio
 
-    from engine import load_model
-    from engine.chat import ChatRequest
-    from engine.generate import SamplingParams
+    from engine import ChatRequest, SamplingParams, load_model
 
     model = load_model(path, n_ctx=args.ctx)
     sampling = SamplingParams(
@@ -187,7 +185,7 @@ def cmd_run(args) -> int:
 
 async def _stream_answer(model, request) -> str:
     """Print one answer as it is generated and return its text."""
-    from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall
+    from engine import Finished, ReasoningDelta, TextDelta, ToolCall
 
     prepared = model.prepare_chat(request)
     text = []

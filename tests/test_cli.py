@@ -1,5 +1,6 @@
 """The `lmsp-min` command line: help, pull, models, run, bench."""
 
+import io
 import os
 import socket
 import subprocess
@@ -86,3 +87,65 @@ def test_unknown_arguments_are_rejected(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["models", "--bad"])
     assert e.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    from engine.tiny import write_tiny_chat_model
+
+    return write_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat-q8_0.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tiny_chat):
+    from engine import load_model
+
+    return load_model(tiny_chat)
+
+
+@pytest.fixture
+def load_once(tiny_chat, tiny_chat_model, monkeypatch):
+    """`run` gets the tiny model loaded once for this module (loading takes seconds)."""
+    import engine
+
+    def load_model(path, n_ctx=None):
+        assert path == tiny_chat
+        return tiny_chat_model
+
+    monkeypatch.setattr(engine, "load_model", load_model)
+
+
+def test_run_answers_a_prompt(tiny_chat, load_once, capsys):
+    assert cli.main(["run", str(tiny_chat), "Hello!", "--temperature", "0", "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and "[stopped at the token limit]" in out
+
+
+def test_run_without_prompt_chats_and_keeps_the_conversation(tiny_chat, load_once, monkeypatch):
+    from engine.model import Model
+
+    seen = []
+    prepare_chat = Model.prepare_chat
+
+    def spy(self, request):
+        seen.append([(m["role"], m["content"]) for m in request.messages])
+        return prepare_chat(self, request)
+
+    monkeypatch.setattr(Model, "prepare_chat", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("First\nSecond\n/clear\n\nThird\n/bye\nnever read\n"))
+    args = ["run", str(tiny_chat), "--system", "Be brief.", "--temperature", "0", "--max-tokens", "3"]
+    assert cli.main(args) == 0
+    assert [[role for role, _ in messages] for messages in seen] == [
+        ["system", "user"],
+        ["system", "user", "assistant", "user"],
+        ["system", "user"],  # after /clear only the system message is left
+    ]
+    assert seen[1][1] == ("user", "First") and seen[1][3] == ("user", "Second")
+    assert seen[2][1] == ("user", "Third")
+
+
+@pytest.mark.slow
+def test_run_the_default_model(smollm2_path, capsys):
+    prompt = "What is the capital of France? Answer in one word."
+    assert cli.main(["run", str(smollm2_path), prompt, "--temperature", "0", "--max-tokens", "16"]) == 0
+    assert "Paris" in capsys.readouterr().out

@@ -7,6 +7,8 @@ streams that it cuts mid-event to exercise resumption.
 
 import http.server
 import json
+import queue
+import socket
 import threading
 
 import pytest
@@ -254,3 +256,145 @@ def test_run_tools_round_trip(fake):
     assert [i["type"] for i in second] == ["message", "function_call", "function_call_output"]
     assert second[2] == function_call_output("call_1", {"temperature_c": 17})
     assert second[2]["output"] == '{"temperature_c": 17}'
+
+
+# -- against the real server ------------------------------------------------------------
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 that cuts task event streams after some bytes.
+
+    Each connection whose request is for a task's events lets through the next
+    number of bytes in `cuts` (then closes both sides, as a dropped network
+    would), or everything once `cuts` is empty.
+    """
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.cuts: list[int] = []
+        self.event_connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._handle, args=(down,), daemon=True).start()
+
+    def _handle(self, down: socket.socket):
+        up = socket.create_connection(("127.0.0.1", self.upstream_port))
+        head = down.recv(65536)  # the client writes its request head at once
+        limit = None
+        if b"/events" in head.split(b"\r\n", 1)[0]:
+            self.event_connections += 1
+            limit = self.cuts.pop(0) if self.cuts else None
+        up.sendall(head)
+        threading.Thread(target=self._pump, args=(down, up, None), daemon=True).start()
+        self._pump(up, down, limit)
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, limit: int | None):
+        sent = 0
+        try:
+            while data := source.recv(65536):
+                if limit is not None and sent + len(data) >= limit:
+                    sink.sendall(data[: limit - sent])
+                    break
+                sink.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in (source, sink):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self):
+        self.listener.close()
+
+
+TINY = "tiny:chat-q8_0"
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory):
+    """lmsp-min serving the tiny chat model from a thread of its own (the client is blocking)."""
+    import trio
+
+    from engine.tiny import write_tiny_chat_model
+    from lmsp_min.service import Service, ServiceConfig, serve
+
+    path = write_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat-q8_0.gguf")
+    data_dir = tmp_path_factory.mktemp("data")
+    started = queue.Queue()
+
+    async def main():
+        try:
+            config = ServiceConfig(model_paths=[path], models_dir=None, data_dir=data_dir, access_log=False)
+            service = await Service.open(config, log=lambda line: None)
+        except BaseException as e:
+            started.put(e)
+            raise
+        try:
+            async with trio.open_nursery() as nursery:
+                addresses = await nursery.start(serve, service, "127.0.0.1", 0)
+                started.put((addresses[0][1], trio.lowlevel.current_trio_token(), nursery.cancel_scope))
+        finally:
+            service.close()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    result = started.get(timeout=120)
+    if isinstance(result, BaseException):
+        raise result
+    port, token, scope = result
+    yield port
+    trio.from_thread.run_sync(scope.cancel, trio_token=token)
+    thread.join(10)
+
+
+def test_real_server_models_and_errors(live_server):
+    client = Client(f"http://127.0.0.1:{live_server}")
+    assert [m["id"] for m in client.list_models()] == [TINY]
+    assert client.get_model(TINY)["object"] == "model"
+    with pytest.raises(LMSPError) as e:
+        client.create_response("nope:1b", "hi")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    with pytest.raises(LMSPError) as e:
+        client.create_response(TINY, "hi", max_tokens=3)  # a typo of max_output_tokens
+    assert e.value.status == 400 and e.value.code == "invalid_request"
+
+
+def test_real_server_sync_and_stream_agree(live_server):
+    client = Client(f"http://127.0.0.1:{live_server}")
+    request = {"max_output_tokens": 12, "temperature": 0}
+    response = client.create_response(TINY, "Hello!", **request)
+    assert response["object"] == "response" and response["usage"]["output_tokens"] <= 12
+    events = list(client.stream_response(TINY, "Hello!", **request))
+    assert [e.id for e in events] == list(range(1, len(events) + 1))
+    assert events[0].event == "response.created" and events[-1].event in ("response.completed", "response.incomplete")
+    streamed = "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta")
+    assert streamed == output_text(response)  # greedy: the same text both ways
+
+
+def test_real_server_task_stream_resumes_through_cut_connections(live_server):
+    proxy = CuttingProxy(live_server)
+    try:
+        client = Client(proxy.url)
+        task = client.create_task(TINY, "Tell me a long story.", max_output_tokens=48, temperature=0)
+        proxy.cuts = [900, 2500]  # the first two event connections drop mid-stream
+        events = list(client.follow_task(task["id"]))
+        assert proxy.event_connections == 3
+        assert [e.id for e in events] == list(range(1, len(events) + 1))  # each event once
+        text = "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta")
+        final = client.get_task(task["id"])
+        assert final["status"] == events[-1].data["status"]
+        assert text and text == output_text(final["response"])
+    finally:
+        proxy.close()
