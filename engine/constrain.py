@@ -45,6 +45,7 @@ __all__ = [
     "Grammar",
     "GrammarConstraint",
     "compile_schema",
+    "can_constrain",
     "json_constraint",
     "validate",
     "Literal",
@@ -844,6 +845,20 @@ class TokenIndex:
             index = cls([tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)], tokenizer.eos_ids)
             cls._of_tokenizer[tokenizer] = index
         return index
+
+
+# bytes every document may need as a token of its own: printable ASCII and newline
+NEEDED_BYTES = frozenset([0x0A, *range(0x20, 0x7F)])
+
+
+def can_constrain(tokenizer) -> bool:
+    """Can the matcher never be stuck in this vocabulary? True when each printable ASCII byte
+    (and newline) is a token by itself, as in byte-level BPE or SentencePiece with byte
+    fallback: JSON structure, numbers and escapes are ASCII, and a string can always go on
+    or close. (Non-ASCII characters of enum values and keys need their bytes as tokens too;
+    both real vocabularies have them.)"""
+    single = {data[0] for i in range(tokenizer.n_vocab) if len(data := tokenizer.token_bytes(i)) == 1}
+    return NEEDED_BYTES <= single
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass
 
 from .constrain import (AnyOf, FreeText, GrammarConstraint, Literal, Object, Repeat, Seq, TokenIndex,
-                        compile_schema, schema_key)
+                        compile_schema, json_constraint, schema_key)
 from .errors import EngineError, SchemaError
 
 OPENER = "<tool_call>"
@@ -142,6 +142,33 @@ def tool_call_grammar(tools: list[dict], tool_choice):
     return Seq([one, more])
 
 
+@dataclass
+class OutputPlan:
+    """How a chat request's output is shaped: what the template gets, what constrains decoding."""
+
+    messages: list[dict]                   # for the chat template
+    template_tools: list[dict] | None      # `tools` for the chat template (native format only)
+    constraint: GrammarConstraint | None
+    tool_calls: bool                       # parse the output into text and tool calls
+
+
+def plan_output(model, request) -> OutputPlan:
+    """Tools / json_schema of a ChatRequest -> prompt messages and constraint; SchemaError early."""
+    tools, schema = request.tools, request.json_schema
+    if tools and schema is not None:
+        raise SchemaError("tools and a json_schema response format cannot be combined", "response_format")
+    index = TokenIndex.of(model.tokenizer)
+    if schema is not None:
+        return OutputPlan(request.messages, None, json_constraint(schema, index), False)
+    if not tools:
+        return OutputPlan(request.messages, None, None, False)
+    constraint = tool_constraint(tools, request.tool_choice, index)
+    shown = None if request.tool_choice == "none" else tools
+    if uses_native_format(model.chat_template):
+        return OutputPlan(request.messages, shown, constraint, True)
+    return OutputPlan(render_generic(request.messages, shown), None, constraint, True)
+
+
 def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex) -> GrammarConstraint:
     """The constraint for a response with tools (grammars cached per tools + choice)."""
     key = ("tools", schema_key([tools, tool_choice]))
@@ -150,6 +177,7 @@ def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex) -> Gramma
 
 @dataclass(frozen=True)
 class ParsedCall:
+    index: int      # 0, 1, ... in the order of the response
     name: str
     arguments: str  # compact JSON
 
@@ -166,6 +194,7 @@ class ToolCallParser:
         self.pending = ""     # text not yet given out
         self.in_call = False
         self.seen_call = False
+        self.n_calls = 0
 
     def feed(self, text: str) -> list:
         """-> a list of str (message text) and ParsedCall, in order."""
@@ -176,7 +205,8 @@ class ToolCallParser:
                 end = self.pending.find(CLOSER)
                 if end < 0:
                     return out
-                out.append(self._parse(self.pending[:end]))
+                out.append(self._parse(self.pending[:end], self.n_calls))
+                self.n_calls += 1
                 self.pending = self.pending[end + len(CLOSER):]
                 self.in_call = False
                 continue
@@ -200,18 +230,22 @@ class ToolCallParser:
                 return k
         return 0
 
-    def finish(self) -> list:
-        """Whatever is left at the end of generation (text, or an unfinished call: an error)."""
-        if self.in_call:
+    def finish(self, complete: bool = True) -> list:
+        """Whatever text is left at the end of generation.
+
+        A call cut off by the token limit (`complete` False) is dropped: only whole, valid
+        calls are ever given out. One unfinished in a complete output is a bug: an error.
+        """
+        if self.in_call and complete:
             raise EngineError("generation ended inside a tool call")
         out = [self.pending] if self.pending and not self.seen_call else []
         self.pending = ""
         return out
 
     @staticmethod
-    def _parse(body: str) -> ParsedCall:
+    def _parse(body: str, index: int) -> ParsedCall:
         try:
             call = json.loads(body)
-            return ParsedCall(call["name"], _compact(call["arguments"]))
+            return ParsedCall(index, call["name"], _compact(call["arguments"]))
         except (ValueError, KeyError, TypeError) as e:
             raise EngineError(f"malformed tool call {body!r}") from e

@@ -216,3 +216,14 @@ def test_validator():
     assert validate({"name": "x", "age": 3, "active": True, "tags": ["pink"]}, schema)
     assert validate({"value": 1, "children": [{"value": -5}]}, SCHEMAS[1])        # exclusiveMinimum, via $ref
     assert validate({"kind": "fixed", "n": [1, 2.0]}, SCHEMAS[2]) is None
+
+
+def test_can_constrain():
+    from types import SimpleNamespace
+
+    from engine.constrain import can_constrain
+
+    for name in ("smollm2", "gemma3"):
+        assert can_constrain(Tokenizer.from_metadata(load_tokenizer_meta(DATA / f"tokenizer-meta.{name}.json.gz")))
+    words = [b"", b"{", b"}", b'"', b"ab"]
+    assert not can_constrain(SimpleNamespace(n_vocab=len(words), token_bytes=words.__getitem__))

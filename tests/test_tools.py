@@ -124,7 +124,7 @@ def test_parser_streams_text_and_calls():
     out += parser.finish()
     assert "".join(e for e in out if isinstance(e, str)) == "Checking."
     assert [e for e in out if not isinstance(e, str)] == [
-        ParsedCall("add", '{"a":1,"b":2}'), ParsedCall("get_time", "{}")]
+        ParsedCall(0, "add", '{"a":1,"b":2}'), ParsedCall(1, "get_time", "{}")]
     assert parse("a < b, <tool_ is text") == ["a < b, <tool_ is text"] or \
         "".join(parse("a < b, <tool_ is text")) == "a < b, <tool_ is text"
 
@@ -163,3 +163,32 @@ def test_native_format_detection(smollm2):
     assert uses_native_format(fallback)                 # our fallbacks write <tool_call>
     prompt = fallback.render(HISTORY, tools=TOOLS)
     assert OPENER in prompt and "<tool_response>" in prompt and "get_weather" in prompt
+
+
+def test_output_plan(smollm2):
+    from types import SimpleNamespace
+
+    from engine.tools import plan_output
+
+    tok, _ = smollm2
+    meta = load_tokenizer_meta(DATA / "tokenizer-meta.smollm2.json.gz")
+    smol = SimpleNamespace(tokenizer=tok, chat_template=ChatTemplate(meta["tokenizer.chat_template"]))
+    native = SimpleNamespace(tokenizer=tok, chat_template=ChatTemplate(None, vocab=("<|im_start|>", "<|im_end|>")))
+
+    def request(**kw):
+        return SimpleNamespace(**{"messages": HISTORY, "tools": None, "tool_choice": "auto", "json_schema": None, **kw})
+
+    plan = plan_output(smol, request(tools=TOOLS))
+    assert plan.tool_calls and plan.template_tools is None and plan.messages == render_generic(HISTORY, TOOLS)
+    plan = plan_output(native, request(tools=TOOLS, tool_choice="required"))
+    assert plan.tool_calls and plan.template_tools == TOOLS and plan.messages is HISTORY
+    assert not plan.constraint.complete()               # "required": a call must come
+    plan = plan_output(smol, request(tools=TOOLS, tool_choice="none"))
+    assert "# Tools" not in plan.messages[0]["content"] and plan.constraint.complete()
+    plan = plan_output(smol, request(json_schema={"type": "boolean"}))
+    assert not plan.tool_calls and plan.messages is HISTORY and plan.constraint is not None
+    assert plan_output(smol, request()).constraint is None
+    with pytest.raises(SchemaError):
+        plan_output(smol, request(tools=TOOLS, json_schema={"type": "boolean"}))
+    with pytest.raises(SchemaError):
+        plan_output(smol, request(json_schema={"type": "string", "format": "email"}))
