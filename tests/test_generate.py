@@ -1,0 +1,170 @@
+"""Generation and chat on a tiny model: tokens, text, stop sequences, limits, cancellation."""
+
+import numpy as np
+import pytest
+import trio
+
+from engine import (ChatRequest, ContextLengthExceeded, EngineError, Finished, ReasoningDelta,
+                    SamplingParams, TextDelta, load_model)
+from engine.chat import ReasoningSplitter
+from engine.generate import StopFilter
+from engine.tiny import write_tiny_chat_model
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(write_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "chat.gguf"))
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    return model.tokenize("Once upon a time")
+
+
+async def collect(generation):
+    return [token async for token in generation]
+
+
+async def test_greedy_generation_follows_the_argmax(model, prompt):
+    generation = model.generate(prompt, max_tokens=8, sampling=GREEDY)
+    tokens = await collect(generation)
+    assert len(tokens) == 8 and generation.finish_reason == "length"
+    ids = list(prompt)
+    for token in tokens:
+        assert token.id == int(np.argmax(model.logits(ids)[-1]))
+        ids.append(token.id)
+    assert "".join(t.text for t in tokens) == model.detokenize([t.id for t in tokens])
+
+
+async def test_seeded_generation_repeats(model, prompt):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    first = await collect(model.generate(prompt, max_tokens=6, sampling=params))
+    second = await collect(model.generate(prompt, max_tokens=6, sampling=params))
+    assert first == second
+
+
+async def test_stop_sequence_is_never_emitted(model, prompt):
+    free = await collect(model.generate(prompt, max_tokens=12, sampling=GREEDY))
+    text = "".join(t.text for t in free)
+    stop = text[len(text) // 2: len(text) // 2 + 3]           # likely spans a token boundary
+    generation = model.generate(prompt, max_tokens=12, sampling=GREEDY, stop=("zzzz-never", stop))
+    tokens = await collect(generation)
+    out = "".join(t.text for t in tokens)
+    assert out == text[: text.index(stop)]
+    assert generation.finish_reason == "stop"
+
+
+def test_stop_filter_holds_back_possible_starts():
+    f = StopFilter(("END",))
+    assert f.feed("abc E") == "abc "
+    assert f.feed("N") == ""
+    assert f.feed("x") == "ENx"
+    assert f.feed("yEN") == "y"
+    assert f.feed("Dtail") == "" and f.stopped and f.rest == "tail"
+
+
+async def test_max_tokens_and_the_context_window(tmp_path, prompt):
+    small = load_model(write_tiny_chat_model(tmp_path / "m.gguf"), n_ctx=len(prompt) + 3)
+    generation = small.generate(prompt, max_tokens=50, sampling=GREEDY)
+    assert len(await collect(generation)) == 3 and generation.finish_reason == "length"
+    with pytest.raises(ContextLengthExceeded):
+        small.generate(prompt + prompt, max_tokens=1)
+
+
+async def assert_no_more_steps(model):
+    """At most the step already running when the consumer left may finish, then nothing."""
+    steps = model.steps
+    await trio.sleep(0.3)
+    assert model.steps <= steps + 1
+    steps = model.steps
+    await trio.sleep(0.3)
+    assert model.steps == steps
+
+
+async def test_leaving_the_loop_stops_the_steps(model, prompt):
+    generation = model.generate(prompt, max_tokens=100, sampling=GREEDY)
+    async for _ in generation:
+        break
+    await generation.aclose()
+    await assert_no_more_steps(model)
+
+
+async def test_cancellation_stops_the_steps(model, prompt):
+    seen = 0
+    with trio.move_on_after(30) as scope:
+        async for _ in model.generate(prompt, max_tokens=100, sampling=GREEDY):
+            seen += 1
+            if seen == 2:
+                scope.cancel()
+    assert scope.cancelled_caught and seen == 2
+    await assert_no_more_steps(model)
+
+
+class OnlyTokens:
+    """A constraint that forces a fixed token sequence, then is done."""
+
+    def __init__(self, ids, n_vocab):
+        self.ids, self.n_vocab, self.pos, self.masks = list(ids), n_vocab, 0, 0
+
+    def allows(self, token_id):
+        return token_id == self.ids[self.pos]
+
+    def mask(self):
+        self.masks += 1
+        m = np.zeros(self.n_vocab, bool)
+        m[self.ids[self.pos]] = True
+        return m
+
+    def advance(self, token_id):
+        assert token_id == self.ids[self.pos]
+        self.pos += 1
+
+    def is_done(self):
+        return self.pos == len(self.ids)
+
+
+async def test_constraint_masks_only_when_needed(model, prompt):
+    forced = model.tokenize(" hello world", add_special=False)
+    for params in (GREEDY, SamplingParams(temperature=1.0, seed=3)):
+        constraint = OnlyTokens(forced, model.info.n_vocab)
+        generation = model.generate(prompt, max_tokens=20, sampling=params, constraint=constraint)
+        tokens = await collect(generation)
+        assert [t.id for t in tokens] == forced and generation.finish_reason == "stop"
+        assert "".join(t.text for t in tokens) == " hello world"
+        assert 1 <= constraint.masks <= len(forced)
+
+
+async def test_chat_events(model):
+    request = ChatRequest([{"role": "user", "content": "Hi"}], max_tokens=5, sampling=GREEDY)
+    prepared = model.prepare_chat(request)
+    assert prepared.prompt_ids[:1] == model.tokenize("<|im_start|>", parse_special=True)
+    events = [ev async for ev in model.generate_chat(prepared)]
+    assert all(isinstance(ev, TextDelta) for ev in events[:-1])
+    assert events[-1] == Finished("length", prepared.input_tokens, 5, 0)
+
+
+def test_chat_checks_the_context_window(tmp_path):
+    small = load_model(write_tiny_chat_model(tmp_path / "m.gguf"), n_ctx=40)
+    messages = [{"role": "user", "content": "Hi"}]
+    n_input = small.prepare_chat(ChatRequest(messages)).input_tokens
+    with pytest.raises(ContextLengthExceeded):
+        small.prepare_chat(ChatRequest(messages, max_tokens=40 - n_input + 1))
+    with pytest.raises(ContextLengthExceeded):
+        small.prepare_chat(ChatRequest([{"role": "user", "content": "word " * 40}]))
+    assert small.prepare_chat(ChatRequest(messages)).max_tokens == 40 - n_input
+
+
+def test_tools_are_refused_until_supported(model):
+    with pytest.raises(EngineError, match="tool"):
+        model.prepare_chat(ChatRequest([{"role": "user", "content": "Hi"}],
+                                       tools=[{"name": "f", "description": "", "parameters": {}}]))
+
+
+def test_reasoning_splitter():
+    s = ReasoningSplitter(in_reasoning=False)
+    events = s.feed("Hello <thi") + s.feed("nk>pondering</th") + s.feed("ink> answer") + s.flush()
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    thought = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    assert text == "Hello  answer" and thought == "pondering"
