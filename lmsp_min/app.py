@@ -153,7 +153,22 @@ class Generation:
 
     def events(self):
         """The LMSP events of this response (start it once)."""
-        return self.run.events(self.model.generate_chat(self.prepared))
+        return self.run.events(_engine_events(self.model, self.prepared))
+
+
+async def _engine_events(model, prepared):
+    """The engine's chat events, asked for only when the first one is wanted.
+
+    So that an engine refusing to start (a full queue) fails inside the event
+    generator, where it becomes a failed response, like any generation failure.
+    """
+    chat = model.generate_chat(prepared)
+    try:
+        async for event in chat:
+            yield event
+    finally:
+        if hasattr(chat, "aclose"):
+            await chat.aclose()
 
 
 async def prepare_generation(body: dict, principal: str, service) -> Generation:
@@ -228,6 +243,7 @@ async def _respond(body: dict, request: Request, service):
     generation = await prepare_generation(body, request.principal, service)
     if generation.request.stream:
         return StreamingResponse(_sse(generation, request, service))
+    request.cancel_on_disconnect()  # nobody left to read the response: stop generating
     async with aclosing(generation.events()) as events:
         async for event in events:
             if event.is_final:

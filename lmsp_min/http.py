@@ -6,9 +6,12 @@ examples/trio-server.py:
 
 - One reader task per connection moves bytes from the socket into a small
   bounded channel. It is always reading, so a client that goes away (EOF) is
-  noticed while a response is still being generated, and the request being
-  served is cancelled at once: a stream or a synchronous request stops within
-  one decoding step. (A half-closed socket counts as gone, as in nginx.)
+  noticed while a response is still being generated. A request that asked for
+  it (`request.cancel_on_disconnect()`, done before generating) and every
+  streamed response are then cancelled at once: a stream or a synchronous
+  request stops within one decoding step. A half-closed socket counts as gone
+  for those, as in nginx; quick requests are still answered to a client that
+  only shut its sending side.
 - Requests on a keep-alive connection are answered one after another, in
   order; pipelined requests simply wait in h11's buffer.
 - Limits are explicit (`Limits`): header size (431), body size (413), number
@@ -123,10 +126,14 @@ class Request:
         self._connection = connection
         self._body: bytes | None = None
 
-    @property
-    def disconnected(self) -> trio.Event:
-        """Set when the client's side of the connection is gone."""
-        return self._connection.peer_closed
+    def cancel_on_disconnect(self) -> None:
+        """From now on, the client going away cancels this request's handler.
+
+        Call it before long work done only for this client (generation):
+        nobody is left to read the result. If the client is already gone, the
+        handler is cancelled at its next checkpoint.
+        """
+        self._connection.watch_disconnect()
 
     async def body(self) -> bytes:
         """The whole request body, at most `Limits.max_body_bytes` (else 413)."""
@@ -182,6 +189,7 @@ class _Connection:
         # pipelining client can make us buffer while a response is generated.
         self._incoming_send, self._incoming = trio.open_memory_channel[bytes](4)
         self._request_scope: trio.CancelScope | None = None
+        self._cancel_on_disconnect = False  # for the request being served
         self._sent_100_continue = False
         self._content_length: int | None = None  # of the request being served
         self._body_abandoned = False
@@ -198,7 +206,7 @@ class _Connection:
                     data = b""
                 if not data:
                     self.peer_closed.set()
-                    if self._request_scope is not None:
+                    if self._request_scope is not None and self._cancel_on_disconnect:
                         self._request_scope.cancel()
                     return
                 await self._incoming_send.send(data)
@@ -241,8 +249,6 @@ class _Connection:
             if event is None:
                 return
             await self._serve_request(event)
-            if self.peer_closed.is_set() and self.h11.their_state is not h11.DONE:
-                return
             if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
                 return  # MUST_CLOSE, or a body we chose not to read: close
             self.h11.start_next_cycle()
@@ -317,8 +323,7 @@ class _Connection:
         status = 0
         with trio.CancelScope() as scope:
             self._request_scope = scope
-            if self.peer_closed.is_set():
-                scope.cancel()
+            self._cancel_on_disconnect = False
             try:
                 response = await self.handler(request)
             except Problem as problem:
@@ -336,6 +341,12 @@ class _Connection:
         outcome = " (client disconnected)" if scope.cancelled_caught else ""
         note = f" {request.log_note}" if request.log_note else ""
         self.log(f"{request.method} {request.path} {status} {duration:.1f}ms{note}{outcome}")
+
+    def watch_disconnect(self) -> None:
+        """Cancel the current request when the client goes away (now, if it already has)."""
+        self._cancel_on_disconnect = True
+        if self.peer_closed.is_set() and self._request_scope is not None:
+            self._request_scope.cancel()
 
     async def _finish_request_body(self) -> bool:
         """Before answering: read what is left of the request, if that is cheap.
@@ -392,6 +403,7 @@ class _Connection:
         await self._send(h11.EndOfMessage())
 
     async def _send_streaming(self, response: StreamingResponse) -> None:
+        self.watch_disconnect()  # a stream nobody reads is not worth producing
         extra = [("Cache-Control", "no-cache"), *response.headers]
         await self._send(await self._head(response.status, response.content_type, extra, None))
         async with aclosing(aiter(response.chunks)) as chunks:

@@ -1,0 +1,97 @@
+"""Auth (D7): bearer tokens, scopes per route, loopback-only without tokens."""
+
+import json
+
+import pytest
+
+from lmsp_min.auth import Auth, is_loopback
+from lmsp_min.service import serve
+from server_harness import make_service, start_server, tiny_path  # noqa: F401
+
+TINY_ID = "tiny:chat-q8_0"
+ADMIN = "s3cret-admin-token"
+READER = "s3cret-reader-token"
+
+
+@pytest.fixture
+def tokens_file(tmp_path):
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps([
+        {"token": ADMIN, "principal": "alice",
+         "scopes": ["models:read", "responses:write", "responses:read", "tasks:write", "tasks:read"]},
+        {"token": READER, "principal": "bob", "scopes": ["models:read"]},
+    ]))
+    return path
+
+
+@pytest.fixture
+async def guarded(nursery, tiny_path, tokens_file):
+    lines = []
+    service = await make_service([tiny_path], tokens_file=tokens_file, log=lines.append)
+    server = await start_server(nursery, service)
+    server.lines = lines
+    return server
+
+
+def _bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_missing_or_unknown_token_is_401_with_challenge(guarded):
+    for headers in ({}, _bearer("wrong"), {"Authorization": "Basic YWxpY2U6eA=="}, {"Authorization": "Bearer"}):
+        reply = await guarded.request("GET", "/lmsp/v1/models", headers=headers)
+        assert reply.status == 401
+        assert reply.headers["www-authenticate"].startswith("Bearer")
+        assert reply.headers["content-type"] == "application/problem+json"
+        assert reply.json()["code"] == "unauthorized"
+
+
+async def test_scopes_per_route(guarded):
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 1}
+    assert (await guarded.request("GET", "/lmsp/v1/models", headers=_bearer(READER))).status == 200
+    assert (await guarded.request("GET", f"/lmsp/v1/models/{TINY_ID}", headers=_bearer(READER))).status == 200
+    refused = await guarded.responses(body, headers=_bearer(READER))
+    assert refused.status == 403 and refused.json()["code"] == "insufficient_scope"
+    allowed = await guarded.responses(body, headers=_bearer(ADMIN))
+    assert allowed.status == 200
+
+
+async def test_tokens_never_reach_the_log(guarded):
+    await guarded.request("GET", "/lmsp/v1/models", headers=_bearer(ADMIN))
+    await guarded.request("GET", "/lmsp/v1/models", headers=_bearer("a-wrong-guess"))
+    assert guarded.lines and not any(ADMIN in line or "a-wrong-guess" in line for line in guarded.lines)
+    assert ADMIN not in repr(guarded.service.auth.tokens)
+
+
+async def test_without_tokens_everyone_is_local_on_loopback(nursery, tiny_path):
+    service = await make_service([tiny_path])
+    server = await start_server(nursery, service)
+    assert (await server.request("GET", "/lmsp/v1/models")).status == 200
+    assert Auth().authenticate(None, "responses:write") == "local"
+
+
+async def test_non_loopback_without_tokens_is_refused(tiny_path):
+    service = await make_service([tiny_path])
+    with pytest.raises(ValueError, match="loopback"):
+        await serve(service, "0.0.0.0", 0)
+
+
+def test_loopback_addresses():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("example.com")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "not valid JSON"),
+    ("[]", "non-empty JSON list"),
+    ('[{"token": "t", "principal": "p", "scopes": ["root"]}]', "unknown scope"),
+    ('[{"token": "", "principal": "p", "scopes": []}]', "'token'"),
+    ('[{"token": "t", "principal": "p", "scopes": []}, {"token": "t", "principal": "q", "scopes": []}]',
+     "twice"),
+])
+def test_bad_tokens_files_are_refused_without_quoting_tokens(tmp_path, content, message):
+    path = tmp_path / "tokens.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as info:
+        Auth.from_file(path)
+    assert '"t"' not in str(info.value)

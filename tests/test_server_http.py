@@ -1,0 +1,235 @@
+"""The HTTP/1.1 layer over real sockets: framing, keep-alive, pipelining, limits, timeouts."""
+
+import json
+
+import trio
+
+from lmsp_min.http import Limits
+from server_harness import make_service, parse_sse, server, start_server, tiny_path  # noqa: F401
+
+MODELS = "/lmsp/v1/models"
+
+
+def _problem(reply, status: int, code: str) -> dict:
+    assert reply.status == status, reply.body
+    assert reply.headers["content-type"] == "application/problem+json"
+    doc = reply.json()
+    assert doc["code"] == code and doc["status"] == status
+    assert doc["type"] == f"urn:lmsp:error:{code}"
+    assert doc["title"] and doc["detail"]
+    return doc
+
+
+async def test_every_response_has_version_date_and_length(server):
+    reply = await server.request("GET", MODELS)
+    assert reply.status == 200
+    assert reply.headers["lmsp-version"] == "1.0"
+    assert reply.headers["date"].endswith(" GMT")
+    assert int(reply.headers["content-length"]) == len(reply.body)
+    error = await server.request("GET", "/nowhere")
+    assert error.headers["lmsp-version"] == "1.0" and "date" in error.headers
+    assert int(error.headers["content-length"]) == len(error.body)
+
+
+async def test_keep_alive_serves_many_requests_on_one_connection(server):
+    async with server.connection() as client:
+        for _ in range(3):
+            await client.send("GET", MODELS)
+            reply = await client.read_reply()
+            assert reply.status == 200
+        await client.send("GET", "/nowhere")
+        assert (await client.read_reply()).status == 404
+        await client.send("GET", MODELS)
+        assert (await client.read_reply()).status == 200
+
+
+async def test_pipelined_requests_are_answered_in_order(server):
+    model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
+    body = json.dumps({"model": model_id, "input": [{"role": "user", "content": "hi"}],
+                       "max_output_tokens": 2, "temperature": 0}).encode()
+    post = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    get = b"GET /lmsp/v1/models/" + model_id.encode() + b" HTTP/1.1\r\nHost: t\r\n\r\n"
+    missing = b"GET /nowhere HTTP/1.1\r\nHost: t\r\n\r\n"
+    async with server.connection() as client:
+        await client.stream.send_all(post + get + missing + post)
+        replies = []
+        for method in ("POST", "GET", "GET", "POST"):
+            client.expect_reply_to(method)
+            replies.append(await client.read_reply())
+    assert [r.status for r in replies] == [200, 200, 404, 200]
+    assert replies[0].json()["object"] == "response"
+    assert replies[1].json()["id"] == model_id
+    assert replies[3].json()["object"] == "response"
+    assert replies[0].json()["id"] != replies[3].json()["id"]
+
+
+async def test_chunked_request_body(server):
+    model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
+    body = json.dumps({"model": model_id, "input": [{"role": "user", "content": "hi"}],
+                       "max_output_tokens": 1}).encode()
+    head = b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n" \
+           b"Transfer-Encoding: chunked\r\n\r\n"
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:10], body[10:]))
+    async with server.connection() as client:
+        await client.stream.send_all(head + chunks + b"0\r\n\r\n")
+        client.expect_reply_to("POST")
+        reply = await client.read_reply()
+    assert reply.status == 200 and reply.json()["usage"]["output_tokens"] == 1
+
+
+async def test_expect_100_continue(server):
+    model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
+    body = json.dumps({"model": model_id, "input": [{"role": "user", "content": "hi"}],
+                       "max_output_tokens": 1}).encode()
+    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+    async with server.connection() as client:
+        await client.stream.send_all(head)
+        interim = await client.stream.receive_some(65536)
+        assert interim.startswith(b"HTTP/1.1 100 ")
+        await client.stream.send_all(body)
+        client.expect_reply_to("POST")
+        assert (await client.read_reply()).status == 200
+
+
+async def test_rejected_before_the_body_a_100_continue_client_uploads_nothing(server):
+    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: text/plain\r\n"
+            b"Expect: 100-continue\r\nContent-Length: 100\r\n\r\n")
+    async with server.connection() as client:
+        await client.stream.send_all(head)
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 415 ") and b"100 Continue" not in data
+    assert b"connection: close" in data.lower()
+
+
+async def test_body_over_the_limit_is_413_by_content_length(server):
+    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (4 * 1024 * 1024 + 1))
+    async with server.connection() as client:
+        await client.stream.send_all(head + b"{")
+        data = await client.read_until_closed()
+    status, _, rest = data.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 413 ")
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["code"] == "request_too_large"
+
+
+async def test_chunked_body_over_the_limit_is_413(nursery, tiny_path):
+    service = await make_service([tiny_path], limits=Limits(max_body_bytes=1000))
+    server = await start_server(nursery, service)
+    head = b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n" \
+           b"Transfer-Encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n%s\r\n" % (600, b" " * 600)
+    async with server.connection() as client:
+        await client.stream.send_all(head + chunk + chunk)
+        client.expect_reply_to("POST")
+        _problem(await client.read_reply(), 413, "request_too_large")
+        assert await client.read_until_closed() == b""
+
+
+async def test_malformed_request_gets_400_and_close(server):
+    async with server.connection() as client:
+        await client.stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 400 ")
+    body = json.loads(data.partition(b"\r\n\r\n")[2])
+    assert body["code"] == "invalid_request" and body["status"] == 400
+
+
+async def test_bad_content_length_gets_400_and_close(server):
+    async with server.connection() as client:
+        await client.stream.send_all(b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\n"
+                                     b"Content-Length: nope\r\n\r\n")
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_oversized_headers_get_431_and_close(server):
+    async with server.connection() as client:
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\nX-Big: "
+                                     + b"a" * (64 * 1024) + b"\r\n\r\n")
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 431 ")
+    assert json.loads(data.partition(b"\r\n\r\n")[2])["code"] == "request_too_large"
+
+
+async def test_slow_headers_time_out_with_408(nursery, tiny_path):
+    limits = Limits(header_timeout=0.3, idle_timeout=5)
+    server = await start_server(nursery, await make_service([tiny_path], limits=limits))
+    async with server.connection() as client:
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHo")
+        with trio.fail_after(3):
+            data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 408 ")
+
+
+async def test_idle_keep_alive_connection_is_closed(nursery, tiny_path):
+    limits = Limits(idle_timeout=0.3)
+    server = await start_server(nursery, await make_service([tiny_path], limits=limits))
+    async with server.connection() as client:
+        await client.send("GET", MODELS)
+        assert (await client.read_reply()).status == 200
+        with trio.fail_after(3):
+            assert await client.read_until_closed() == b""
+
+
+async def test_slow_body_times_out_with_408(nursery, tiny_path):
+    limits = Limits(body_timeout=0.3)
+    server = await start_server(nursery, await make_service([tiny_path], limits=limits))
+    async with server.connection() as client:
+        await client.stream.send_all(b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\n"
+                                     b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+        with trio.fail_after(3):
+            data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 408 ")
+
+
+async def test_connections_over_the_limit_get_429(nursery, tiny_path):
+    server = await start_server(nursery, await make_service([tiny_path], limits=Limits(max_connections=2)))
+    async with server.connection() as first, server.connection() as second:
+        for client in (first, second):  # both are being served
+            await client.send("GET", MODELS)
+            assert (await client.read_reply()).status == 200
+        async with server.connection() as third:
+            data = await third.read_until_closed()
+        assert data.startswith(b"HTTP/1.1 429 ") and b"retry-after: 1" in data.lower()
+    reply = await server.request("GET", MODELS)  # the others have gone: room again
+    assert reply.status == 200
+
+
+async def test_unexpected_exception_is_500_internal_error_and_the_server_goes_on(server):
+    async def broken(request, service):
+        raise RuntimeError("secret /home/path details")
+
+    server.service.router.add("GET", "/lmsp/v1/broken", "models:read", broken)
+    reply = await server.request("GET", "/lmsp/v1/broken")
+    doc = _problem(reply, 500, "internal_error")
+    assert "secret" not in doc["detail"] and "/home" not in doc["detail"]
+    assert (await server.request("GET", MODELS)).status == 200
+
+
+async def test_stream_is_chunked_and_flushed_per_event(server):
+    model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
+    async with server.connection() as client:
+        await client.send("POST", "/lmsp/v1/responses", json_body={
+            "model": model_id, "input": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_output_tokens": 3})
+        head = await client.read_head()
+        assert head.status == 200
+        assert head.headers["content-type"] == "text/event-stream"
+        assert head.headers["transfer-encoding"] == "chunked"
+        assert head.headers["lmsp-version"] == "1.0"
+        chunks = [chunk async for chunk in client.read_chunks()]
+    # never two events in one chunk: each was written as soon as it existed
+    assert all(chunk.count(b"\nevent: ") <= 1 for chunk in chunks)
+    events = parse_sse(b"".join(chunks))
+    assert len(chunks) >= len(events) and events[-1].event == "response.incomplete"
+
+
+async def test_a_half_closed_client_still_gets_quick_answers(server):
+    async with server.connection() as client:
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
+                                     b"GET /nowhere HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        await client.stream.send_eof()
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 404 " in data

@@ -1,0 +1,131 @@
+"""Models (D2): ids from file names, model objects from GGUF headers, lazy shared loading."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import trio
+
+from lmsp_min.registry import ModelEntry, Registry, model_id_for, read_gguf_header
+from lmsp_min.service import Service, ServiceConfig
+from server_harness import server, start_server, tiny_path  # noqa: F401
+
+TINY_ID = "tiny:chat-q8_0"
+MODEL_FIELDS = {"id", "object", "created_at", "owned_by", "capabilities", "context_window",
+                "architecture", "quantization", "parameters", "size_bytes"}
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2:135m-instruct-q4_1"),
+    ("gemma-3-270m-q4_k_m.gguf", "gemma3:270m-q4_k_m"),
+    ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "llama3.2:1b-instruct-q4_k_m"),
+    ("qwen2.5-0.5b-instruct-q8_0.gguf", "qwen2.5:0.5b-instruct-q8_0"),
+    ("Qwen3-0.6B-Q8_0.gguf", "qwen3:0.6b-q8_0"),
+    ("model.gguf", "model"),
+    ("my model (v2).gguf", "my:model-v2"),
+])
+def test_model_ids_from_file_names(name, expected):
+    assert model_id_for(Path(name)) == expected
+
+
+async def test_header_agrees_with_the_engine(server, tiny_path):
+    header = read_gguf_header(tiny_path)
+    assert header.metadata["general.architecture"] == "llama"
+    assert header.metadata["tokenizer.ggml.tokens"] == 49152  # arrays are skipped: their length
+    info = server.service.registry.get(TINY_ID).model.info
+    assert header.n_parameters == info.n_params
+    entry = ModelEntry.from_file(tiny_path)
+    assert (entry.quantization, entry.context_window) == (info.quantization, info.context_length)
+
+
+async def test_list_and_get(server):
+    reply = await server.request("GET", "/lmsp/v1/models")
+    assert reply.status == 200 and reply.headers["content-type"] == "application/json"
+    listing = reply.json()
+    assert listing["object"] == "list" and len(listing["data"]) == 1
+    model = listing["data"][0]
+    assert set(model) == MODEL_FIELDS
+    assert model["id"] == TINY_ID and model["object"] == "model" and model["owned_by"] == "local"
+    assert model["architecture"] == "llama" and model["quantization"] == "Q8_0"
+    assert model["context_window"] == 512
+    assert model["size_bytes"] == server.service.registry.get(TINY_ID).path.stat().st_size
+    assert "streaming" in model["capabilities"]
+    assert "conversations" not in model["capabilities"]  # this service stores nothing
+    one = await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")
+    assert one.status == 200 and one.json() == model
+    encoded = await server.request("GET", "/lmsp/v1/models/tiny%3Achat-q8_0")
+    assert encoded.status == 200 and encoded.json()["id"] == TINY_ID
+
+
+async def test_unknown_model_is_404_model_not_found(server):
+    reply = await server.request("GET", "/lmsp/v1/models/nope:1b")
+    assert reply.status == 404 and reply.json()["code"] == "model_not_found"
+
+
+async def test_listing_does_not_load_models(nursery, tmp_path, tiny_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(tiny_path, models / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    (models / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # truncated: skipped
+    (models / "notes.txt").write_text("not a model")
+    lines = []
+    service = await Service.open(ServiceConfig(models_dir=models), log=lines.append)
+    server = await start_server(nursery, service)
+    reply = await server.request("GET", "/lmsp/v1/models")
+    assert [m["id"] for m in reply.json()["data"]] == ["smollm2:135m-instruct-q4_1"]
+    assert all(entry.model is None for entry in service.registry)
+    assert any("broken.gguf" in line for line in lines)
+
+
+async def test_a_bad_model_path_is_refused_at_start(tmp_path):
+    with pytest.raises(ValueError, match="cannot serve"):
+        await Registry.scan([tmp_path / "missing.gguf"], None)
+
+
+async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
+    import engine.model
+
+    calls = []
+
+    class Loaded:
+        class info:
+            capabilities = ("tools",)
+            context_length = 256
+
+    def slow_load(path):
+        calls.append(path)
+        import time
+
+        time.sleep(0.2)
+        return Loaded()
+
+    monkeypatch.setattr(engine.model, "load_model", slow_load)
+    entry = ModelEntry.from_file(tiny_path)
+    results = []
+
+    async def first_use():
+        results.append(await entry.load())
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(first_use)
+    assert len(calls) == 1 and len({id(r) for r in results}) == 1
+    assert entry.capabilities == ("tools",) and entry.context_window == 256
+
+
+async def test_a_model_that_fails_to_load_is_503(monkeypatch, nursery, tiny_path):
+    import engine.model
+    from engine.errors import ModelFileError
+
+    def broken(path):
+        raise ModelFileError(f"{path}: tensor data lies past the end of the file")
+
+    monkeypatch.setattr(engine.model, "load_model", broken)
+    lines = []
+    service = await Service.open(ServiceConfig(model_paths=[tiny_path]), log=lines.append)
+    server = await start_server(nursery, service)
+    reply = await server.responses({"model": TINY_ID, "input": [{"role": "user", "content": "hi"}]})
+    assert reply.status == 503
+    doc = reply.json()
+    assert doc["code"] == "model_unavailable" and str(tiny_path.parent) not in doc["detail"]
+    assert any("failed to load" in line for line in lines)  # the reason is in the log

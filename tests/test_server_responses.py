@@ -1,0 +1,228 @@
+"""POST /lmsp/v1/responses end to end: sync objects, event streams, stop sequences, cancellation."""
+
+import threading
+
+import pytest
+import trio
+
+from server_harness import Server, make_service, parse_sse, server, start_server, tiny_path  # noqa: F401
+
+TINY_ID = "tiny:chat-q8_0"
+
+
+def request(text: str = "Tell me a story.", **fields) -> dict:
+    return {"model": TINY_ID, "input": [{"type": "message", "role": "user",
+                                        "content": [{"type": "input_text", "text": text}]}],
+            "temperature": 0, **fields}
+
+
+def message_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+
+
+async def stream(server: Server, body: dict):
+    reply = await server.responses({**body, "stream": True})
+    assert reply.status == 200 and reply.headers["content-type"] == "text/event-stream"
+    return parse_sse(reply.body)
+
+
+def check_stream(events) -> str:
+    """The rules of 6.3 / 6.4 / D4; returns the streamed message text."""
+    assert [e.id for e in events] == list(range(1, len(events) + 1))
+    assert events[0].event == "response.created" and events[0].data["status"] == "in_progress"
+    final = events[-1]
+    assert final.event in ("response.completed", "response.incomplete")
+    assert not any(e.event in ("response.completed", "response.incomplete", "response.failed",
+                               "response.cancelled", "error") for e in events[:-1])
+    response_id = events[0].data["response_id"]
+    assert response_id.startswith("resp_") and all(e.data["response_id"] == response_id for e in events)
+    open_items = {}
+    texts = {}
+    for e in events[1:-1]:
+        if e.event == "response.output_item.added":
+            item = e.data["item"]
+            open_items[item["id"]] = e.data["output_index"]
+            if item["type"] == "message":
+                assert item["content"] == [] and item["role"] == "assistant"
+                texts[item["id"]] = ""
+        elif e.event == "response.output_text.delta":
+            assert e.data["item_id"] in open_items and e.data["delta"]
+            e.data["delta"].encode("utf-8")  # a complete string: no lone surrogate
+            texts[e.data["item_id"]] += e.data["delta"]
+        elif e.event == "response.output_item.done":
+            item = e.data["item"]
+            assert open_items.pop(item["id"]) == e.data["output_index"]
+            if item["type"] == "message":
+                assert item["content"][0]["text"] == texts[item["id"]]
+    assert not open_items
+    usage = final.data["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    return "".join(texts.values())
+
+
+async def test_sync_response_object(server):
+    reply = await server.responses(request(max_output_tokens=5))
+    assert reply.status == 200 and reply.headers["content-type"] == "application/json"
+    response = reply.json()
+    assert set(response) == {"id", "object", "created_at", "status", "model", "output", "usage", "error",
+                             "incomplete_details"}
+    assert response["id"].startswith("resp_") and response["object"] == "response"
+    assert response["model"] == TINY_ID and isinstance(response["created_at"], int)
+    assert response["status"] in ("completed", "incomplete") and response["error"] is None
+    (item,) = response["output"]
+    assert set(item) == {"id", "type", "role", "content"} and item["id"].startswith("msg_")
+    assert item["content"][0]["type"] == "output_text"
+    usage = response["usage"]
+    assert 0 < usage["output_tokens"] <= 5 and usage["input_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+async def test_max_output_tokens_gives_incomplete(server):
+    response = (await server.responses(request(max_output_tokens=3))).json()
+    if response["usage"]["output_tokens"] < 3:
+        pytest.skip("the tiny model ended its turn before the limit")
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+async def test_stream_events_and_the_sync_response_agree(server):
+    body = request(max_output_tokens=12)
+    events = await stream(server, body)
+    streamed = check_stream(events)
+    response = (await server.responses(body)).json()  # greedy: the same text
+    assert streamed == message_text(response)
+    assert events[-1].data["usage"] == response["usage"]
+    assert events[-1].event == f"response.{response['status']}"
+
+
+async def test_greedy_is_deterministic_and_ids_are_unique(server):
+    first = (await server.responses(request(max_output_tokens=8))).json()
+    second = (await server.responses(request(max_output_tokens=8))).json()
+    assert message_text(first) == message_text(second)
+    assert first["id"] != second["id"] and first["output"][0]["id"] != second["output"][0]["id"]
+
+
+async def test_seeded_sampling_is_reproducible(server):
+    body = request(max_output_tokens=8, temperature=1.0, extensions={"lmsp-min": {"seed": 1234}})
+    first = (await server.responses(body)).json()
+    second = (await server.responses(body)).json()
+    assert message_text(first) == message_text(second)
+
+
+async def test_stop_sequences_never_leak(server):
+    full = message_text((await server.responses(request(max_output_tokens=24))).json())
+    if len(full) < 8:
+        pytest.skip("the tiny model said too little")
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    body = request(max_output_tokens=24, extensions={"lmsp-min": {"stop": [stop]}})
+    stopped = message_text((await server.responses(body)).json())
+    assert stop not in stopped and full.startswith(stopped)
+    assert stopped == full[:full.index(stop)]
+    events = await stream(server, body)
+    assert check_stream(events) == stopped
+    assert events[-1].event == "response.completed"
+
+
+async def test_plain_string_content_is_accepted(server):
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2}
+    assert (await server.responses(body)).status == 200
+
+
+async def test_tool_history_is_rendered(server):
+    body = request(max_output_tokens=2, input=[
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature_c":17}'},
+    ])
+    assert (await server.responses(body)).status == 200
+
+
+async def test_streaming_generation_failure_ends_with_response_failed(server, monkeypatch):
+    from engine.chat import TextDelta
+
+    model = server.service.registry.get(TINY_ID).model
+
+    async def breaks_midway(prepared):
+        yield TextDelta("partial")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model, "generate_chat", breaks_midway)
+    reply = await server.responses({**request(), "stream": True})
+    assert reply.status == 200
+    events = parse_sse(reply.body)
+    assert [e.id for e in events] == list(range(1, len(events) + 1))
+    assert events[-1].event == "response.failed"
+    assert events[-1].data["status"] == "failed" and events[-1].data["error"]["code"] == "generation_failed"
+
+
+# -- cancellation: counted in engine steps, not timed ------------------------------------------
+
+
+async def _wait_for(condition) -> None:
+    with trio.fail_after(20):
+        while not condition():
+            await trio.sleep(0.005)
+
+
+def _handled(server) -> int:
+    return sum("POST /lmsp/v1/responses" in line for line in server.service.log_lines)
+
+
+def _engine_idle() -> bool:
+    """The scheduler's worker thread has ended: no generation is running."""
+    return not any(thread.name == "lmsp-scheduler" for thread in threading.enumerate())
+
+
+async def test_stream_client_disconnect_stops_generation(server):
+    model = server.service.registry.get(TINY_ID).model
+    done_before = _handled(server)
+    steps_before = model.steps
+    async with server.connection() as client:
+        await client.send("POST", "/lmsp/v1/responses",
+                          json_body=request(max_output_tokens=400, stream=True))
+        head = await client.read_head()
+        assert head.status == 200
+        seen = b""
+        async for chunk in client.read_chunks():
+            seen += chunk
+            if b"response.output_text.delta" in seen:
+                break
+    await _wait_for(lambda: _handled(server) > done_before)  # the handler has been cancelled
+    assert "client disconnected" in server.service.log_lines[-1]
+    steps_at_cancel = model.steps
+    await _wait_for(_engine_idle)
+    assert model.steps - steps_at_cancel <= 2  # the step in flight, at most one more
+    assert model.steps - steps_before < 400
+
+
+async def test_sync_client_disconnect_stops_generation(server):
+    model = server.service.registry.get(TINY_ID).model
+    done_before = _handled(server)
+    steps_before = model.steps
+    async with server.connection() as client:
+        await client.send("POST", "/lmsp/v1/responses", json_body=request(max_output_tokens=400))
+        await _wait_for(lambda: model.steps > steps_before + 2)  # generating now
+    await _wait_for(lambda: _handled(server) > done_before)
+    assert "client disconnected" in server.service.log_lines[-1]
+    steps_at_cancel = model.steps
+    await _wait_for(_engine_idle)
+    assert model.steps - steps_at_cancel <= 2
+    assert model.steps - steps_before < 400
+
+
+# -- the real model --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_smollm2_answers(nursery, smollm2_path):
+    server = await start_server(nursery, await make_service([smollm2_path]))
+    model_id = (await server.request("GET", "/lmsp/v1/models")).json()["data"][0]["id"]
+    assert model_id == "smollm2:135m-instruct-q4_1"
+    body = {"model": model_id, "temperature": 0, "max_output_tokens": 24, "input": [
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "What is the capital of France?"}]}]}
+    response = (await server.responses(body)).json()
+    assert "Paris" in message_text(response)
+    events = await stream(server, body)
+    assert check_stream(events) == message_text(response)
