@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 import weakref
 from fractions import Fraction
 from typing import Iterable, Sequence
@@ -772,9 +773,12 @@ class GrammarConstraint:
 # The vocabulary, indexed for masks
 # ---------------------------------------------------------------------------------------------
 
+_NOT_PLAIN = re.compile(rb'[\x00-\x1f"\\]')  # control bytes, quote, backslash
+
+
 def _plain_chars(data: bytes) -> int:
     """Characters of `data` if it may appear as-is inside a JSON string, else -1."""
-    if any(b < 0x20 or b == QUOTE or b == BACKSLASH for b in data):
+    if _NOT_PLAIN.search(data):
         return -1
     try:
         return len(data.decode("utf-8"))
@@ -810,8 +814,7 @@ class TokenIndex:
             lo = hi
         # inside a JSON string: plain tokens and their length in characters
         self.nchars = np.full(self.n_vocab, -1, dtype=np.int32)  # (n_vocab,)
-        for i in ids:
-            self.nchars[i] = _plain_chars(self.token_bytes[i])
+        self.nchars[self.sorted_ids] = [_plain_chars(data) for data in self.sorted_bytes]
         self.plain = self.nchars >= 0                            # (n_vocab,)
         self.string_specials = np.flatnonzero(self.normal & ~self.plain)
         self._without: dict = {}
