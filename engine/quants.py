@@ -8,8 +8,11 @@ group of `g` consecutive values of a row. So at load time each format is unpacke
 ONCE into one uniform representation:
 
     codes  int8     (out, in)        the integer codes
-    scales float32  (out, in // g)   one per group: ggml's d (K-quants: d * sub-block scale)
-    mins   float32  (out, in // g)   formats with an offset only (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
+    scales float32  (in // g, out)   one per group: ggml's d (K-quants: d * sub-block scale)
+    mins   float32  (in // g, out)   formats with an offset only (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
+
+(scales and mins are stored group-major: the decode kernel reduces over groups with
+long contiguous rows.)
 
 and a single pair of kernels serves every format. Resident bytes per weight:
 
@@ -25,8 +28,8 @@ no float32 copy of a quantized matrix is ever kept.
 The kernels, for `y = x @ W.T` with x float32 (n, in):
 - small n (decode): W's codes are converted to float32 one cache-sized tile of rows
   at a time, then BLAS computes the per-group partial dot products
-  P[r, k] = codes[r, group k] . x[group k], and y[r] = sum_k scales[r, k] * P[r, k]
-  (+ sum_k mins[r, k] * sum(x[group k])): no pass multiplies the weights by scales.
+  P[k, r] = codes[r, group k] . x[group k], and y[r] = sum_k scales[k, r] * P[k, r]
+  (+ sum_k mins[k, r] * sum(x[group k])): no pass multiplies the weights by scales.
 - large n (prefill): each tile is dequantized (codes * scales) into a float32 buffer
   and multiplied with BLAS, so the dequantization cost is shared by all n rows of x;
   the min term is mins @ the per-group sums of x.
@@ -51,9 +54,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from engine.errors import UnsupportedModelError
 from engine.gguf_file import Tensor
 
-# Decode tiles hold about this many float32 values (1 MiB): small enough to stay in a
+# Decode tiles hold about this many float32 values (512 KiB): small enough to stay in a
 # core's L2 cache while BLAS reads them back.
-TILE_VALUES = 1 << 18
+TILE_VALUES = 1 << 17
 # Prefill tiles are larger: BLAS blocks a GEMM for the caches itself, and each tile is
 # one GEMM that BLAS spreads over the cores.
 PREFILL_TILE_VALUES = 1 << 20
@@ -224,21 +227,21 @@ class QuantWeight(Weight):
 
     def __init__(self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None):
         self.codes = codes  # (out, in) int8
-        self.scales = scales  # (out, in // g) float32
-        self.mins = mins  # (out, in // g) float32, or None
+        self.scales = scales  # (in // g, out) float32
+        self.mins = mins  # (in // g, out) float32, or None
         self.shape = (int(codes.shape[0]), int(codes.shape[1]))
-        self.group = self.shape[1] // scales.shape[1]
+        self.group = self.shape[1] // scales.shape[0]
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
     def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
-        w = out.reshape(out.shape[0], self.scales.shape[1], self.group)  # (rows, groups, g)
+        w = out.reshape(out.shape[0], self.scales.shape[0], self.group)  # (rows, groups, g)
         np.copyto(out, self.codes[rows])
-        np.multiply(w, self.scales[rows, :, None], out=w)
+        np.multiply(w, self.scales[:, rows].T[:, :, None], out=w)
         if self.mins is not None:
-            np.add(w, self.mins[rows, :, None], out=w)
+            np.add(w, self.mins[:, rows].T[:, :, None], out=w)
 
     def _decode_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
         n, n_in = x.shape
@@ -257,15 +260,17 @@ class QuantWeight(Weight):
             p = pbuf[: n_groups * rows * n].reshape(n_groups, rows, n)
             # p[k, r, :] = codes[r, group k] . x[:, group k]
             np.matmul(w.reshape(rows, n_groups, g).transpose(1, 0, 2), xg, out=p)
-            # y[:, r] = sum_k scales[r, k] * p[k, r, :]
+            # y[:, r] = sum_k scales[k, r] * p[k, r, :]
             if n == 1:
-                np.vecdot(p[:, :, 0].T, self.scales[t0:t1], out=y[0, t0:t1])
+                p1 = p[:, :, 0]  # (groups, rows)
+                np.multiply(p1, self.scales[:, t0:t1], out=p1)
+                np.add.reduce(p1, axis=0, out=y[0, t0:t1])
             else:
-                y[:, t0:t1] = np.einsum("krn,rk->nr", p, self.scales[t0:t1])
+                y[:, t0:t1] = np.einsum("krn,kr->nr", p, self.scales[:, t0:t1])
         if self.mins is not None:
-            # y[:, r] += sum_k mins[r, k] * sum(x[:, group k])
+            # y[:, r] += sum_k mins[k, r] * sum(x[:, group k])
             x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)
-            y[:, r0:r1] += x_sums @ self.mins[r0:r1].T
+            y[:, r0:r1] += x_sums @ self.mins[:, r0:r1]
 
 
 # ---------------------------------------------------------------------------------------
@@ -460,14 +465,14 @@ def load_weight(tensor: Tensor) -> Weight:
     g = _GROUP.get(tensor.type, 32)
     raw = tensor.data.reshape(n_out, -1)
     codes = np.empty((n_out, n_in), np.int8)
-    scales = np.empty((n_out, n_in // g), np.float32)
-    mins = np.empty((n_out, n_in // g), np.float32) if tensor.type in _HAS_MIN else None
+    scales = np.empty((n_in // g, n_out), np.float32)
+    mins = np.empty((n_in // g, n_out), np.float32) if tensor.type in _HAS_MIN else None
     for r0 in range(0, n_out, _UNPACK_ROWS):
         r1 = min(r0 + _UNPACK_ROWS, n_out)
         c, s, m = unpack(raw[r0:r1])
-        codes[r0:r1], scales[r0:r1] = c, s
+        codes[r0:r1], scales[:, r0:r1] = c, s.T
         if mins is not None:
-            mins[r0:r1] = m
+            mins[:, r0:r1] = m.T
     return QuantWeight(codes, scales, mins)
 
 
@@ -483,16 +488,16 @@ def concat_weights(weights: Sequence[Weight]) -> Weight:
         with_mins = any(w.mins is not None for w in weights)
 
         def per_group(a: np.ndarray, w: QuantWeight) -> np.ndarray:
-            return np.repeat(a, w.group // g, axis=1)  # (out, in // g)
+            return np.repeat(a, w.group // g, axis=0)  # (in // g, out)
 
         codes = np.concatenate([w.codes for w in weights])
-        scales = np.concatenate([per_group(w.scales, w) for w in weights])
+        scales = np.concatenate([per_group(w.scales, w) for w in weights], axis=1)
         mins = None
         if with_mins:
             mins = np.concatenate([
-                per_group(w.mins, w) if w.mins is not None else np.zeros((w.shape[0], n_in // g), np.float32)
+                per_group(w.mins, w) if w.mins is not None else np.zeros((n_in // g, w.shape[0]), np.float32)
                 for w in weights
-            ])
+            ], axis=1)
         return QuantWeight(codes, scales, mins)
     kinds = {w.kind for w in weights if isinstance(w, DenseWeight)}
     if all(isinstance(w, DenseWeight) for w in weights) and len(kinds) == 1:
