@@ -14,6 +14,7 @@ disconnects only loses its own place.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -160,7 +161,10 @@ class Tasks:
             self._nursery = nursery
             task_status.started()
             while True:
-                await self.purge()
+                try:
+                    await self.purge()
+                except sqlite3.Error as exc:  # (a full disk, say) try again next time
+                    self._log(f"error: purging expired task events failed: {exc}")
                 await trio.sleep(min(60.0, max(0.5, self.event_retention / 4)))
 
     # -- starting and running -----------------------------------------------------
@@ -221,6 +225,9 @@ class Tasks:
             running.ended.set()
 
     # -- what routes ask ----------------------------------------------------------
+
+    def is_running(self, task_id: str) -> bool:
+        return task_id in self._running
 
     async def get(self, task_id: str, principal: str) -> TaskRow:
         row = await self.store.get_task(task_id, principal)

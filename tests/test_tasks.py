@@ -1,0 +1,234 @@
+"""Tasks (D3) over real sockets: create, follow, resume, cancel, expire, fan out, recover."""
+
+import json
+import random
+
+import pytest
+import trio
+
+from lmsp_min import tasks
+from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.tasks import Tasks
+from server_harness import SSE, make_service, parse_sse, start_server, tiny_path  # noqa: F401
+
+TASKS = "/lmsp/v1/tasks"
+FINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+
+
+def task_body(max_output_tokens: int = 8, **fields) -> dict:
+    return {"model": "tiny:chat-q8_0", "input": [{"role": "user", "content": "Tell me a story."}],
+            "max_output_tokens": max_output_tokens, "temperature": 0, **fields}
+
+
+@pytest.fixture
+async def server(nursery, tiny_path, tmp_path):
+    return await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
+
+
+async def create(server, body: dict, headers=None) -> dict:
+    reply = await server.request("POST", TASKS, json_body=body, headers=headers)
+    assert reply.status == 202, reply.body
+    task = reply.json()
+    assert reply.headers["location"] == f"{TASKS}/{task['id']}"
+    return task
+
+
+async def wait_final(server, task_id: str) -> dict:
+    while True:
+        task = (await server.request("GET", f"{TASKS}/{task_id}")).json()
+        if task["status"] in ("completed", "incomplete", "failed", "cancelled"):
+            return task
+        await trio.sleep(0.02)
+
+
+async def follow(client, task_id: str, headers=None, query: str = ""):
+    """The events of a task as they arrive on one connection; None for a keep-alive comment."""
+    await client.send("GET", f"{TASKS}/{task_id}/events{query}", headers=headers)
+    head = await client.read_head()
+    assert head.status == 200 and head.headers["content-type"] == "text/event-stream"
+    buffer = b""
+    async for chunk in client.read_chunks():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            block, buffer = buffer.split(b"\n\n", 1)
+            if block.startswith(b":"):
+                yield None
+            else:
+                yield parse_sse(block + b"\n\n")[0]
+
+
+async def all_events(server, task_id: str, **kwargs) -> list[SSE]:
+    async with server.connection() as client:
+        return [event async for event in follow(client, task_id, **kwargs) if event is not None]
+
+
+def text_of(events: list[SSE]) -> str:
+    return "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta")
+
+
+def message_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+
+
+async def test_a_task_runs_in_the_background_and_its_events_replay(server):
+    task = await create(server, task_body(stream=True))  # `stream` is ignored
+    assert task["object"] == "task" and task["status"] in ("queued", "in_progress")
+    assert task["response"] is None and task["response_id"].startswith("resp_")
+    events = await all_events(server, task["id"])
+    assert [e.id for e in events] == list(range(1, len(events) + 1))
+    assert events[0].event == "response.created" and events[-1].event in FINAL
+    assert all(e.data["response_id"] == task["response_id"] for e in events)
+    final = await wait_final(server, task["id"])
+    assert final["status"] == events[-1].data["status"]
+    assert final["response"]["id"] == task["response_id"]
+    assert final["response"]["usage"]["output_tokens"] <= 8
+    assert text_of(events) == message_text(final["response"])
+    # a finished task's events read again, the same
+    again = await all_events(server, task["id"])
+    assert [(e.id, e.event, e.data) for e in again] == [(e.id, e.event, e.data) for e in events]
+
+
+async def test_resume_point_after_beats_last_event_id(server):
+    task = await create(server, task_body())
+    events = await all_events(server, task["id"])
+    n = len(events)
+    by_header = await all_events(server, task["id"], headers={"Last-Event-ID": "2"})
+    assert [e.id for e in by_header] == list(range(3, n + 1))
+    by_query = await all_events(server, task["id"], query="?after=4")
+    assert [e.id for e in by_query] == list(range(5, n + 1))
+    both = await all_events(server, task["id"], query="?after=1", headers={"Last-Event-ID": "3"})
+    assert [e.id for e in both] == list(range(2, n + 1))
+    assert await all_events(server, task["id"], query=f"?after={n}") == []
+
+
+@pytest.mark.parametrize("query, headers, param", [
+    ("?after=-1", None, "after"), ("?after=abc", None, "after"), ("?after=", None, "after"),
+    ("?after=1.5", None, "after"), ("", {"Last-Event-ID": "x"}, "Last-Event-ID"),
+])
+async def test_a_bad_resume_point_is_400(server, query, headers, param):
+    task = await create(server, task_body(max_output_tokens=1))
+    reply = await server.request("GET", f"{TASKS}/{task['id']}/events{query}", headers=headers)
+    assert reply.status == 400 and reply.json()["code"] == "invalid_request"
+    assert reply.json()["param"] == param
+
+
+async def test_unknown_task_is_404(server):
+    for method, path in (("GET", "/task_nope"), ("GET", "/task_nope/events"), ("POST", "/task_nope/cancel")):
+        reply = await server.request(method, TASKS + path)
+        assert reply.status == 404 and reply.json()["code"] == "task_not_found"
+
+
+async def test_invalid_task_request_is_refused_before_any_task(server):
+    reply = await server.request("POST", TASKS, json_body={"model": "tiny:chat-q8_0", "input": [],
+                                                          "max_tokens": 3})
+    assert reply.status == 400 and reply.json()["param"] == "max_tokens"
+    reply = await server.request("POST", TASKS, json_body=task_body(model="nope"))
+    assert reply.status == 404 and reply.json()["code"] == "model_not_found"
+
+
+async def test_cancel_stops_a_running_task(server):
+    task = await create(server, task_body(max_output_tokens=400))
+    async with server.connection() as client:
+        events = follow(client, task["id"])
+        first = await events.__anext__()
+        assert first.event == "response.created"
+        reply = await server.request("POST", f"{TASKS}/{task['id']}/cancel")
+        assert reply.status == 200
+        cancelled = reply.json()
+        rest = [e async for e in events if e is not None]
+    assert cancelled["status"] == "cancelled" and cancelled["response"]["status"] == "cancelled"
+    assert rest[-1].event == "response.cancelled" and rest[-1].data["status"] == "cancelled"
+    assert cancelled["response"]["usage"] is None or cancelled["response"]["usage"]["output_tokens"] < 400
+    # cancelling a final task changes nothing
+    again = await server.request("POST", f"{TASKS}/{task['id']}/cancel")
+    assert again.json() == cancelled
+    done = await create(server, task_body(max_output_tokens=1))
+    final = await wait_final(server, done["id"])
+    assert (await server.request("POST", f"{TASKS}/{done['id']}/cancel")).json() == final
+
+
+async def test_keepalive_comments_while_idle(nursery, tiny_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.0)  # idle the moment nothing is new
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    task = await create(server, task_body(max_output_tokens=30))
+    async with server.connection() as client:
+        seen = [event async for event in follow(client, task["id"])]
+    assert None in seen and seen[-1].event in FINAL
+
+
+async def test_events_expire_after_the_retention_period(nursery, tiny_path, tmp_path):
+    service = await make_service([tiny_path], data_dir=tmp_path, event_retention=0.2)
+    server = await start_server(nursery, service)
+    task = await create(server, task_body(max_output_tokens=2))
+    assert (await all_events(server, task["id"]))[-1].event in FINAL
+    final = await wait_final(server, task["id"])
+    await trio.sleep(0.3)
+    reply = await server.request("GET", f"{TASKS}/{task['id']}/events")
+    assert reply.status == 410 and reply.json()["code"] == "event_history_expired"
+    # ...and the periodic purge deletes them; the task itself stays
+    await trio.sleep(0.6)
+    assert await service.store.read_events(task["id"], 0) == []
+    assert (await server.request("GET", f"{TASKS}/{task['id']}")).json() == final
+
+
+async def test_fan_out_with_drops_and_resumes(server):
+    """50 followers, each dropping its connection at random points and resuming
+    from its last id: every one reassembles exactly the final text."""
+    task = await create(server, task_body(max_output_tokens=60))
+    texts: dict[int, str] = {}
+    live_or_not = set()  # was the task running when a follower (re)connected?
+
+    async def follower(n: int) -> None:
+        rng = random.Random(n)
+        await trio.sleep(rng.random() * 0.05)
+        last, events = 0, []
+        use_query = rng.random() < 0.5
+        while not events or events[-1].event not in FINAL:
+            budget = rng.randint(1, 20)
+            headers = None if use_query or not last else {"Last-Event-ID": str(last)}
+            query = f"?after={last}" if use_query and last else ""
+            live_or_not.add(server.service.tasks.is_running(task["id"]))
+            async with server.connection() as client:
+                async for event in follow(client, task["id"], headers=headers, query=query):
+                    if event is None:
+                        continue
+                    assert event.id == last + 1
+                    events.append(event)
+                    last = event.id
+                    budget -= 1
+                    if budget == 0:
+                        break  # drop the connection mid-stream
+        texts[n] = text_of(events)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(50):
+            nursery.start_soon(follower, n)
+    final = await wait_final(server, task["id"])
+    assert len(texts) == 50 and set(texts.values()) == {message_text(final["response"])}
+    assert True in live_or_not  # followers joined the live broadcast, not only the replay
+
+
+async def test_recovery_fails_interrupted_tasks_and_keeps_their_events(tmp_path):
+    store = await Store.open(tmp_path)
+    await store.create_task("task_1", "alice", 1794200000, "tiny:chat-q8_0", "resp_1", "{}")
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+    done = dict(item, content=[{"type": "output_text", "text": "Hel"}])
+    await store.append_events("task_1", [
+        LoggedEvent(1, "response.created", '{"response_id":"resp_1","status":"in_progress"}'),
+        LoggedEvent(2, "response.output_item.added", json.dumps({"output_index": 0, "item": item})),
+        LoggedEvent(3, "response.output_item.done", json.dumps({"output_index": 0, "item": done})),
+    ])
+    await store.create_task("task_2", "alice", 1794200000, "tiny:chat-q8_0", "resp_2", "{}")
+    assert await Tasks(store).recover() == ["task_1", "task_2"]
+    row = await store.get_task("task_1", "alice")
+    response = row.object()["response"]
+    assert row.status == "failed" and response["status"] == "failed"
+    assert response["error"]["code"] == "generation_failed" and "stopped" in response["error"]["detail"]
+    assert response["output"] == [done] and response["model"] == "tiny:chat-q8_0"
+    events = await store.read_events("task_1", 0)
+    assert [e.seq for e in events] == [1, 2, 3, 4] and events[-1].event == "response.failed"
+    assert json.loads(events[-1].data)["error"] == response["error"]
+    assert [e.event for e in await store.read_events("task_2", 0)] == ["response.failed"]
+    assert await Tasks(store).recover() == []
+    store.close()

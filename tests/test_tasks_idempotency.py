@@ -1,0 +1,149 @@
+"""Idempotency keys (D8): replay, 409 while running, 422 on another body, per principal."""
+
+import pytest
+import trio
+
+from lmsp_min import idempotency
+from lmsp_min.http import Response, StreamingResponse
+from lmsp_min.problems import Problem
+from lmsp_min.store import Store
+from server_harness import make_service, parse_sse, start_server, tiny_path  # noqa: F401
+
+BODY = {"model": "tiny:chat-q8_0", "input": [{"role": "user", "content": "Hi."}],
+        "max_output_tokens": 4, "temperature": 0}
+
+
+def key(value: str) -> dict:
+    return {"Idempotency-Key": value}
+
+
+@pytest.fixture
+async def server(nursery, tiny_path, tmp_path):
+    return await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+
+
+async def test_a_repeated_sync_request_replays_the_same_json(server):
+    first = await server.responses(BODY, headers=key("k1"))
+    assert first.status == 200 and "idempotent-replayed" not in first.headers
+    again = await server.responses(BODY, headers=key("k1"))
+    assert again.status == 200 and again.body == first.body
+    assert again.headers["idempotent-replayed"] == "true"
+    # key order and whitespace do not make another body
+    reordered = dict(reversed(list(BODY.items())))
+    assert (await server.responses(reordered, headers=key("k1"))).body == first.body
+    # another key is another request
+    other = await server.responses(BODY, headers=key("k2"))
+    assert other.json()["id"] != first.json()["id"]
+
+
+async def test_the_same_key_with_another_body_is_422(server):
+    await server.responses(BODY, headers=key("k1"))
+    reply = await server.responses({**BODY, "max_output_tokens": 5}, headers=key("k1"))
+    assert reply.status == 422 and reply.json()["code"] == "idempotency_key_reused"
+    reply = await server.request("POST", "/lmsp/v1/tasks", json_body=BODY, headers=key("k1"))
+    assert reply.status == 422  # the same key on the other route
+
+
+async def test_a_failed_request_does_not_use_up_its_key(server):
+    reply = await server.responses({**BODY, "model": "nope"}, headers=key("k1"))
+    assert reply.status == 404
+    reply = await server.responses({**BODY, "model": "nope"}, headers=key("k1"))
+    assert reply.status == 404 and "idempotent-replayed" not in reply.headers
+
+
+async def test_a_repeated_task_request_returns_the_same_task(server):
+    first = await server.request("POST", "/lmsp/v1/tasks", json_body=BODY, headers=key("t1"))
+    again = await server.request("POST", "/lmsp/v1/tasks", json_body=BODY, headers=key("t1"))
+    assert again.status == 202 and again.headers["idempotent-replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    assert again.headers["location"] == first.headers["location"]
+
+
+async def test_a_repeated_stream_replays_the_whole_stream(server):
+    async def stream() -> tuple[dict, bytes]:
+        async with server.connection() as client:
+            await client.send("POST", "/lmsp/v1/responses", json_body={**BODY, "stream": True},
+                              headers=key("s1"))
+            head = await client.read_head()
+            return head.headers, b"".join([chunk async for chunk in client.read_chunks()])
+
+    headers, first = await stream()
+    assert parse_sse(first)[-1].event in ("response.completed", "response.incomplete")
+    replay_headers, again = await stream()
+    assert again == first and replay_headers["idempotent-replayed"] == "true"
+    assert replay_headers["content-type"] == "text/event-stream"
+
+
+async def test_keys_belong_to_their_principal(tmp_path):
+    store = await Store.open(tmp_path)
+    runs = []
+
+    async def run():
+        runs.append(1)
+        return Response(200, b'{"n":%d}' % len(runs))
+
+    for principal in ("alice", "bob"):
+        reply = await idempotency.run_once(store, FakeRequest("k", principal), "R", {}, run)
+        assert reply.body == b'{"n":%d}' % len(runs)
+    assert len(runs) == 2
+    store.close()
+
+
+class FakeRequest:
+    def __init__(self, key: str | None, principal: str = "alice"):
+        self.headers = {} if key is None else {"idempotency-key": key}
+        self.principal = principal
+
+
+async def test_a_repeat_while_the_first_runs_is_409(tmp_path):
+    store = await Store.open(tmp_path)
+    release = trio.Event()
+
+    async def slow():
+        await release.wait()
+        return Response(200, b"{}")
+
+    async def first():
+        assert (await idempotency.run_once(store, FakeRequest("k"), "R", {"a": 1}, slow)).body == b"{}"
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await trio.sleep(0.05)
+        for body, code in (({"a": 1}, "idempotency_conflict"), ({"a": 2}, "idempotency_key_reused")):
+            with pytest.raises(Problem) as raised:
+                await idempotency.run_once(store, FakeRequest("k"), "R", body, slow)
+            assert raised.value.code == code
+        release.set()
+    replay = await idempotency.run_once(store, FakeRequest("k"), "R", {"a": 1}, slow)
+    assert replay.headers == [("Idempotent-Replayed", "true")]
+    store.close()
+
+
+async def test_an_interrupted_stream_releases_its_key(tmp_path):
+    store = await Store.open(tmp_path)
+
+    async def chunks():
+        yield b"id: 1\nevent: response.created\ndata: {}\n\n"
+        yield b"id: 2\nevent: response.output_text.delta\ndata: {}\n\n"
+
+    reply = await idempotency.run_once(store, FakeRequest("k"), "R", {}, _stream(chunks))
+    async for _ in reply.chunks:
+        break  # the client went away after one event
+    await reply.chunks.aclose()
+    assert await store.claim_idempotency_key("alice", "k", "whatever") is None
+    store.close()
+
+
+@pytest.mark.parametrize("header", ["", "x" * 256, "tab\there", "caf\u00e9"])
+async def test_a_malformed_key_is_400(tmp_path, header):
+    store = await Store.open(tmp_path)
+    with pytest.raises(Problem) as raised:
+        await idempotency.run_once(store, FakeRequest(header), "R", {}, _stream(None))
+    assert raised.value.code == "invalid_request" and raised.value.param == "Idempotency-Key"
+    store.close()
+
+
+def _stream(chunks):
+    async def run():
+        return StreamingResponse(chunks())
+    return run
