@@ -119,7 +119,7 @@ async def generate_chat(model, prepared: PreparedChat):
     finally:
         await generation.aclose()
     yield Finished(generation.finish_reason or "stop", prepared.input_tokens,
-                   generation.n_generated, cached_tokens=0)
+                   generation.n_generated, cached_tokens=generation.cached_tokens)
 
 
 class ReasoningSplitter:

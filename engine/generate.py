@@ -3,8 +3,10 @@
 `model.generate(prompt_ids, max_tokens=..., sampling=..., stop=..., constraint=...)`
 returns a `Generation`: `async for token in generation` yields `Token(id, text)`.
 
-- Each forward step runs in a worker thread (`trio.to_thread.run_sync`), never on
-  the trio loop; the model's lock lets one forward run at a time.
+- The model's scheduler (engine/scheduler.py) runs the forward steps in its worker
+  thread, never on the trio loop, batched with the model's other generations;
+  prompt tokens an earlier sequence already ran come from its prefix cache
+  (`cached_tokens`).
 - Between steps the generator is at an `await`: a consumer that stops iterating
   (`aclose()`, leaving the `async for`) or is cancelled ends it there, and no
   further step runs. A step already running finishes first (numpy cannot be
@@ -22,10 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import trio
-
 from .errors import ContextLengthExceeded
-from .model import PREFILL_CHUNK
 from .sampling import Constraint, Sampler, SamplingParams
 from .tokenizer import IncrementalDecoder
 
@@ -87,6 +86,7 @@ class Generation:
         self.stop = tuple(stop)
         self.finish_reason: str | None = None
         self.n_generated = 0
+        self.cached_tokens = 0  # prompt tokens reused from the prefix cache, known at the first token
         self._tokens = self._run()
 
     def __aiter__(self) -> Generation:
@@ -103,32 +103,31 @@ class Generation:
         eos_ids = model.tokenizer.eos_ids
         decoder = IncrementalDecoder(model.tokenizer)
         stops = StopFilter(self.stop)
-        seq = model.new_sequence(self.prompt_ids, capacity=len(self.prompt_ids) + self.max_tokens)
-        while seq.n_pending > PREFILL_CHUNK:  # long prompts: one chunk per step
-            await trio.to_thread.run_sync(model.step, [seq])
-        while True:
-            token = await trio.to_thread.run_sync(_next_token, model, seq, sampler)
-            if token in eos_ids:
-                self.finish_reason = "stop"
-                break
-            seq.append(token)
-            self.n_generated += 1
-            text = stops.feed(decoder.feed(token))
-            if stops.stopped:
-                self.finish_reason = "stop"
-                yield Token(token, text)
-                return
-            done = sampler.constraint is not None and sampler.constraint.is_done()
-            if done or self.n_generated >= self.max_tokens:
-                self.finish_reason = "stop" if done else "length"
-                text += stops.feed(decoder.flush())
+        complete = sampler.constraint.is_done if sampler.constraint is not None else None
+        with model.scheduler.submit(self.prompt_ids, pick=sampler.pick, max_tokens=self.max_tokens,
+                                    stop_ids=frozenset(eos_ids), stop_when=complete) as steps:
+            async for token, ending in steps:
+                self.cached_tokens = steps.cached_tokens
+                if token in eos_ids:
+                    self.finish_reason = "stop"
+                    break
+                self.n_generated += 1
+                text = stops.feed(decoder.feed(token))
                 if stops.stopped:
                     self.finish_reason = "stop"
-                else:
-                    text += stops.flush()
+                    yield Token(token, text)
+                    return
+                done = ending == "stop"  # the constraint is complete (judged when the token was picked)
+                if done or self.n_generated >= self.max_tokens:
+                    self.finish_reason = "stop" if done else "length"
+                    text += stops.feed(decoder.flush())
+                    if stops.stopped:
+                        self.finish_reason = "stop"
+                    else:
+                        text += stops.flush()
+                    yield Token(token, text)
+                    return
                 yield Token(token, text)
-                return
-            yield Token(token, text)
         tail = stops.feed(decoder.flush())
         tail += "" if stops.stopped else stops.flush()
         if tail:
@@ -140,8 +139,3 @@ def generate(model, prompt_ids, *, max_tokens: int, sampling: SamplingParams | N
     return Generation(model, prompt_ids, max_tokens=max_tokens, sampling=sampling,
                       stop=tuple(stop), constraint=constraint)
 
-
-def _next_token(model, seq, sampler: Sampler) -> int:
-    """Worker thread: run the pending token(s) and pick the next one."""
-    logits = model.step([seq])[0]                                  # (1, V)
-    return sampler.pick(logits[0])

@@ -26,6 +26,7 @@ from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, Sequence
 from .quants import concat_weights, load_weight
+from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512  # tokens of one sequence per forward step while prefilling
@@ -81,6 +82,7 @@ class Model:
         )
         self.steps = 0                       # forward steps run so far (tests watch it)
         self._forward_lock = threading.Lock()  # one forward at a time over the shared weights
+        self.scheduler = Scheduler(self)       # batches the forward steps of concurrent generations
         self.info = self._make_info()
 
     # --- the public API ---------------------------------------------------------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import trio
@@ -41,15 +41,24 @@ from .prefix_cache import PrefixCache
 Pick = Callable[[np.ndarray], int]  # logits (V,) float32 -> the next token id; runs in the worker thread
 
 
+class Step(NamedTuple):
+    """One generated token, and "stop" or "length" when it is the last one (else None)."""
+
+    token: int
+    finish_reason: str | None
+
+
 class Request:
     """One generation inside the scheduler: its prompt, how to pick tokens, where they go."""
 
     def __init__(self, prompt: list[int], pick: Pick, max_tokens: int, stop_ids: frozenset[int],
-                 send: trio.MemorySendChannel, trio_token: trio.lowlevel.TrioToken):
+                 stop_when: Callable[[], bool] | None, send: trio.MemorySendChannel,
+                 trio_token: trio.lowlevel.TrioToken):
         self.prompt = prompt
         self.pick = pick
         self.max_tokens = max_tokens
         self.stop_ids = stop_ids
+        self.stop_when = stop_when
         self.send = send
         self.trio_token = trio_token
         self.seq: Sequence | None = None
@@ -60,7 +69,7 @@ class Request:
 
 
 class Generation:
-    """The caller's side of a request: an async iterator of token ids.
+    """The caller's side of a request: an async iterator of `Step`s.
 
     Use it in a `with` block (or call `cancel()`): leaving early takes the request
     out of the batch at the next step.
@@ -84,7 +93,7 @@ class Generation:
     def __aiter__(self) -> Generation:
         return self
 
-    async def __anext__(self) -> int:
+    async def __anext__(self) -> Step:
         try:
             item = await self._receive.receive()
         except trio.EndOfChannel:
@@ -120,18 +129,23 @@ class Scheduler:
         self._worker: threading.Thread | None = None
 
     def submit(self, prompt: list[int], *, pick: Pick, max_tokens: int,
-               stop_ids: frozenset[int] = frozenset()) -> Generation:
+               stop_ids: frozenset[int] = frozenset(),
+               stop_when: Callable[[], bool] | None = None) -> Generation:
         """Queue a generation; call from a trio task. Raises QueueFull when the queue is full.
 
-        The generation ends after `max_tokens` tokens, after a token in `stop_ids`
-        (which is yielded), or when the context window is full.
+        The generation ends ("stop") after a token in `stop_ids` or a token after
+        which `stop_when()` is true (a complete constraint: asked in the worker
+        thread right after `pick`, which may advance it), or ("length") after
+        `max_tokens` tokens or when the context window is full. The last token's
+        `Step` carries that reason. The worker runs ahead of the reader, so state
+        that `pick` changes must be judged here, not by the reader.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if not prompt:
             raise ValueError("the prompt has no token")
         send, receive = trio.open_memory_channel(math.inf)
-        request = Request(list(prompt), pick, max_tokens, frozenset(stop_ids), send,
+        request = Request(list(prompt), pick, max_tokens, frozenset(stop_ids), stop_when, send,
                           trio.lowlevel.current_trio_token())
         with self._lock:
             if len(self._waiting) >= self.max_queue:
@@ -206,17 +220,18 @@ class Scheduler:
                 continue                 # mid-prompt: its logits are not wanted yet
             try:
                 token = int(request.pick(row[0]))
+                complete = request.stop_when is not None and request.stop_when()
             except Exception as exc:
                 _deliver(request, exc)
                 self._retire(request, active)
                 continue
             request.seq.append(token)
             request.generated += 1
-            _deliver(request, token)
-            if token in request.stop_ids:
+            if token in request.stop_ids or complete:
                 request.finish_reason = "stop"
             elif request.generated >= request.max_tokens or len(request.seq.tokens) >= self.model.n_ctx:
                 request.finish_reason = "length"
+            _deliver(request, Step(token, request.finish_reason))
             if request.finish_reason:
                 self._retire(request, active)
 
@@ -228,7 +243,7 @@ class Scheduler:
 
 
 def _deliver(request: Request, item) -> None:
-    """Hand a token, an exception, or None (end of stream) to the request's trio loop."""
+    """Hand a Step, an exception, or None (end of stream) to the request's trio loop."""
     try:
         request.trio_token.run_sync_soon(_send, request.send, item)
     except trio.RunFinishedError:        # the loop that asked is gone: nobody will read

@@ -39,7 +39,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 async def generate(scheduler: Scheduler, prompt_ids: list[int], n: int) -> tuple[list[int], int]:
     with scheduler.submit(prompt_ids, pick=greedy, max_tokens=n) as generation:
-        tokens = [t async for t in generation]
+        tokens = [step.token async for step in generation]
     return tokens, generation.cached_tokens
 
 
@@ -136,8 +136,8 @@ async def test_cancelled_request_leaves_the_batch(model):
 
 async def test_context_full_ends_with_length(model):
     with Scheduler(model).submit(prompt(model.n_ctx - 4, 3), pick=greedy, max_tokens=100) as generation:
-        tokens = [t async for t in generation]
-    assert len(tokens) == 4 and generation.finish_reason == "length"
+        steps = [step async for step in generation]
+    assert len(steps) == 4 and steps[-1].finish_reason == generation.finish_reason == "length"
 
 
 def test_prefix_cache_is_lru_bounded_in_bytes():
