@@ -11,7 +11,9 @@ mix with the next one's, and one that fails does not stop the others. A
 benchmark writes to FILE a list of rows (or `{"rows": [...]}`), each a JSON
 object with at least `name` and `value`, and optionally `unit` and whatever
 else it measured (shown as `key=value`). Whatever it prints goes to the
-terminal as it runs.
+terminal (stderr) as it runs; a benchmark that takes no `--json` has the lines
+it printed in the table instead. Arguments after `--` go to each benchmark run,
+so they are meant for one NAME at a time (`run.py tasks -- --events 2000`).
 
 The results of the whole run, with the machine they ran on, go to
 benchmarks/results/<date>-<time>.json (git-ignored).
@@ -38,24 +40,42 @@ def available() -> list[str]:
     return [name for name in BENCHMARKS if (HERE / f"{name}.py").is_file()]
 
 
+def accepts_json(name: str) -> bool:
+    """Whether benchmarks/NAME.py takes `--json FILE` (its --help says so)."""
+    help_text = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    return "--json" in help_text
+
+
 def run_one(name: str, extra: list[str]) -> dict:
-    """Run benchmarks/NAME.py in a child process; its rows, or why there are none."""
+    """Run benchmarks/NAME.py in a child process; its rows, or why there are none.
+
+    What the benchmark prints is passed through as it comes. A benchmark without
+    `--json` gets one row per line it printed, so the table still shows it.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        started = time.perf_counter()
-        command = [sys.executable, "-m", f"benchmarks.{name}", "--json", str(out), *extra]
+        command = [sys.executable, "-m", f"benchmarks.{name}", *extra]
+        if accepts_json(name):
+            command[3:3] = ["--json", str(out)]
         print(f"== {name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-        code = subprocess.call(command, cwd=ROOT)
-        seconds = time.perf_counter() - started
-        result = {"benchmark": name, "exit_code": code, "seconds": round(seconds, 1), "rows": []}
+        started = time.perf_counter()
+        printed = []
+        with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) as child:
+            for line in child.stdout:
+                sys.stderr.write(line)
+                printed.append(line.rstrip("\n"))
+        code = child.returncode
+        result = {"benchmark": name, "exit_code": code, "seconds": round(time.perf_counter() - started, 1), "rows": []}
         if out.is_file():
             try:
                 data = json.loads(out.read_text())
                 result["rows"] = data["rows"] if isinstance(data, dict) else list(data)
             except (ValueError, KeyError, TypeError) as e:
                 result["error"] = f"unreadable results: {e}"
-        elif code == 0:
-            result["error"] = "wrote no results"
+        else:
+            result["rows"] = [{"name": "(printed)", "value": line} for line in printed if line.strip()]
         if code != 0:
             result["error"] = f"exited with status {code}"
     return result
