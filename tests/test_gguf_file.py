@@ -64,6 +64,10 @@ def test_metadata_and_tensors(small_gguf):
                                   ref_quants.dequantize(ref_quants.quantize(WEIGHT, T.Q8_0), T.Q8_0))
     # views onto the memory map, not copies
     assert not proj.data.flags.owndata and not proj.data.flags.writeable
+    base = proj.data
+    while base.base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    assert isinstance(base, np.memmap)
 
 
 def test_missing_file(tmp_path):
