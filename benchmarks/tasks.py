@@ -7,12 +7,16 @@
   commit). Also one transaction per event, awaited, as a floor.
 - replay, events/s and MB/s: a finished task's events read back from SQLite
   and encoded as SSE, as GET /tasks/{id}/events does for a finished task.
-- follow latency: events produced at a steady pace (like a model decoding at
-  `--rate` tokens/s); for each event, the time from its production to a
-  follower holding its SSE bytes, through append -> commit -> publish -> wake
-  -> encode, against the same event written straight to SSE (a direct stream).
-  The socket write after that is the same for both and not counted. The
-  difference is the price of a resumable, durable stream (aim: < 1 ms/event).
+- follow latency, in process: events produced at a steady pace (like a model
+  decoding at `--rate` tokens/s); for each event, the time from its production
+  to a follower holding its SSE bytes, through append -> commit -> publish ->
+  wake -> encode, against the same event written straight to SSE.
+- follow latency, over HTTP: the whole service on a loopback port with a
+  scripted model that emits its own clock as text at `--rate` tokens/s; a
+  client reads the deltas of a direct stream (POST /responses, stream: true)
+  and of a followed task (POST /tasks, GET /tasks/{id}/events) and measures,
+  per delta, the time from the model yielding it to the client reading it.
+  The difference is the price of a resumable, durable stream (aim: < 1 ms/event).
 
 Everything runs on a fresh database in a temporary directory on the same disk
 as the default data directory would be (the fsyncs of durable commits are real).
@@ -123,6 +127,95 @@ async def follow_latency(store: Store, n: int, rate: float) -> dict:
     }
 
 
+class ScriptedModel:
+    """Stands in for an engine model: `max_tokens` deltas at `rate` per second, each
+    holding the perf_counter() at which it was yielded."""
+
+    def __init__(self, rate: float):
+        self.period = 1.0 / rate
+
+    def prepare_chat(self, request):
+        request.input_tokens = 1
+        return request
+
+    async def generate_chat(self, prepared):
+        from engine.chat import Finished, TextDelta
+
+        for _ in range(prepared.max_tokens):
+            await trio.sleep(self.period)
+            yield TextDelta(f"{time.perf_counter()!r};")
+        yield Finished("length", 1, prepared.max_tokens, 0)
+
+
+async def http_deltas(port: int, method: str, path: str, body: dict | None) -> list[float]:
+    """Per text delta of the SSE body at `path`: now minus the clock the model put in it."""
+    import h11
+
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    conn = h11.Connection(h11.CLIENT)
+    data = json.dumps(body).encode() if body is not None else b""
+    headers = [("Host", "bench"), ("Content-Length", str(len(data)))]
+    if body is not None:
+        headers.append(("Content-Type", "application/json"))
+    await stream.send_all(conn.send(h11.Request(method=method, target=path, headers=headers))
+                          + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
+    latencies, buffer = [], b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+        elif type(event) is h11.Data:
+            now = time.perf_counter()
+            buffer += event.data
+            *blocks, buffer = buffer.split(b"\n\n")
+            for block in blocks:
+                if b"event: response.output_text.delta" in block:
+                    payload = json.loads(block.split(b"data: ", 1)[1])
+                    latencies.append(now - float(payload["delta"].rstrip(";")))
+        elif type(event) is h11.EndOfMessage:
+            await stream.aclose()
+            return latencies
+        elif type(event) is h11.Response and event.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {event.status_code}")
+
+
+async def follow_latency_http(n: int, rate: float, data_dir: str) -> dict:
+    from lmsp_min.registry import ModelEntry, Registry
+    from lmsp_min.service import Service, ServiceConfig, serve
+
+    entry = ModelEntry("bench:scripted", Path("scripted.gguf"), 0, 0, "scripted", "none", 1 << 20, 0, (),
+                       model=ScriptedModel(rate))
+    store = await Store.open(data_dir)
+    config = ServiceConfig(data_dir=Path(data_dir), access_log=False)
+    service = Service(Registry([entry]), store=store, config=config, log=lambda line: None)
+    service.tasks = Tasks(store, stores_responses=True)
+    body = {"model": "bench:scripted", "input": [{"role": "user", "content": "go"}], "max_output_tokens": n}
+    async with trio.open_nursery() as nursery:
+        (_, port), *_ = await nursery.start(serve, service, "127.0.0.1", 0)
+        direct = await http_deltas(port, "POST", "/lmsp/v1/responses", {**body, "stream": True})
+        task = await _post_task(port, body)
+        followed = await http_deltas(port, "GET", f"/lmsp/v1/tasks/{task}/events", None)
+        nursery.cancel_scope.cancel()
+    store.close()
+    ms = lambda values: [v * 1000 for v in values]  # noqa: E731
+    return {"direct_mean_ms": statistics.fmean(ms(direct)), "followed_mean_ms": statistics.fmean(ms(followed)),
+            "direct_p50_ms": statistics.median(ms(direct)), "followed_p50_ms": statistics.median(ms(followed))}
+
+
+async def _post_task(port: int, body: dict) -> str:
+    """POST /tasks with a one-shot stdlib client; the task id."""
+    import http.client
+
+    def post() -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        conn.request("POST", "/lmsp/v1/tasks", json.dumps(body), {"Content-Type": "application/json"})
+        task = json.loads(conn.getresponse().read())
+        conn.close()
+        return task["id"]
+
+    return await trio.to_thread.run_sync(post)
+
+
 async def main(n: int, rate: float) -> list[dict]:
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         store = await Store.open(tmp)
@@ -134,17 +227,22 @@ async def main(n: int, rate: float) -> list[dict]:
             follow = await follow_latency(store, min(n, 1000), rate)
         finally:
             store.close()
+    with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
+        over_http = await follow_latency_http(min(n, 500), rate, tmp)
     return [
         {"name": "task log write (group commit)", "value": round(write["events_per_s"]),
          "unit": "events/s", "events": n, "commits": write["commits"]},
         {"name": "task log write (one commit per event)", "value": round(single), "unit": "events/s"},
         {"name": "task log replay", "value": round(replay["events_per_s"]), "unit": "events/s",
          "mb_per_s": round(replay["mb_per_s"], 1)},
-        {"name": "follow vs direct stream, added latency", "value": round(follow["added_mean_ms"], 3),
+        {"name": "follow vs direct stream in process, added", "value": round(follow["added_mean_ms"], 3),
          "unit": "ms/event", "rate": rate,
          "followed_p50_ms": round(follow["followed_p50_ms"], 3),
          "followed_p99_ms": round(follow["followed_p99_ms"], 3),
          "direct_p50_ms": round(follow["direct_p50_ms"], 4)},
+        {"name": "follow vs direct stream over HTTP, added", "unit": "ms/event", "rate": rate,
+         "value": round(over_http["followed_mean_ms"] - over_http["direct_mean_ms"], 3),
+         **{key: round(value, 3) for key, value in over_http.items()}},
     ]
 
 
