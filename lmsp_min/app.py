@@ -35,6 +35,11 @@ from lmsp_min.validate import (
     validate_responses_request,
 )
 
+# Rendering and tokenizing a short input takes well under a millisecond, less
+# than handing it to a worker thread and back; longer inputs go to a thread so
+# that the event loop is never held for long.
+INLINE_PREPARE_CHARS = 1024
+
 # -- routing -----------------------------------------------------------------------------
 
 
@@ -195,7 +200,10 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
     messages = items_to_messages(items, first_index=-len(earlier))
     chat_request = _chat_request(request, messages)
     try:
-        prepared = await trio.to_thread.run_sync(model.prepare_chat, chat_request)
+        if _text_size(messages) <= INLINE_PREPARE_CHARS:
+            prepared = model.prepare_chat(chat_request)
+        else:
+            prepared = await trio.to_thread.run_sync(model.prepare_chat, chat_request)
     except ContextLengthExceeded as exc:
         raise Problem("context_length_exceeded", str(exc), param="input") from None
     except SchemaError as exc:
@@ -206,6 +214,11 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
                       param="input") from None
     run = ResponseRun(entry.id, input_tokens=prepared.input_tokens, log=service.log)
     return Generation(request, principal, items, model, prepared, run)
+
+
+def _text_size(messages: list[dict]) -> int:
+    return sum(len(m["content"]) + sum(len(str(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
+               for m in messages)
 
 
 def _chat_request(request: ResponsesRequest, messages: list[dict]):

@@ -1,0 +1,204 @@
+"""Server overhead: requests per second over keep-alive, and engine-token-to-socket time per SSE event.
+
+    python -m benchmarks.server [--requests 300] [--json FILE]
+
+Everything runs in one process on a tiny random-weight model (engine/tiny.py),
+so the figures are the server's own cost, not the model's:
+
+- `sync_1_token`: 1-token synchronous responses, one after another on one
+  keep-alive connection (a client in the same trio loop). `server overhead` is
+  that latency minus the engine's own time for the same request (prepare_chat
+  + generate_chat, called directly).
+- `stub_engine`: the same requests with an engine stand-in that answers at
+  once: HTTP parsing, validation, routing, events and JSON only. Its CPU time
+  (server and client together) is also given: on a busy machine the wall
+  time mostly measures waiting for a core.
+- `sse_event_latency`: for a streamed response, the time from the engine
+  yielding a text delta to the client receiving that event's bytes from the
+  socket (same clock, same process).
+
+Aims (issue 4): under 2 ms of overhead per request, under 0.2 ms per event.
+"""
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import h11
+import trio
+
+from lmsp_min.service import Service, ServiceConfig, serve
+
+MODEL_ID = "tiny:chat-q8_0"
+
+
+class Client:
+    """A keep-alive HTTP client over one socket (h11)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.conn = h11.Connection(h11.CLIENT)
+
+    async def post(self, path: str, body: bytes) -> None:
+        headers = [("Host", "bench"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        data = self.conn.send(h11.Request(method="POST", target=path, headers=headers))
+        data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        await self.stream.send_all(data)
+
+    async def events(self):
+        """(h11 event, arrival time) until the end of the response."""
+        while True:
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(await self.stream.receive_some(65536))
+                continue
+            yield event, time.perf_counter()
+            if type(event) is h11.EndOfMessage:
+                self.conn.start_next_cycle()
+                return
+
+
+def body_of(**fields) -> bytes:
+    return json.dumps({"model": MODEL_ID, "temperature": 0, "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello there!"}]}],
+        **fields}).encode()
+
+
+async def sync_latency(client: Client, n: int) -> float:
+    """Mean seconds per 1-token synchronous request."""
+    body = body_of(max_output_tokens=1)
+    started = time.perf_counter()
+    for _ in range(n):
+        await client.post("/lmsp/v1/responses", body)
+        async for event, _ in client.events():
+            if type(event) is h11.Response and event.status_code != 200:
+                raise RuntimeError(f"status {event.status_code}")
+    return (time.perf_counter() - started) / n
+
+
+async def engine_latency(model, n: int) -> float:
+    """Mean seconds the engine alone takes for the same 1-token request."""
+    from engine.chat import ChatRequest
+    from engine.sampling import SamplingParams
+
+    request = ChatRequest(messages=[{"role": "user", "content": "Hello there!"}], max_tokens=1,
+                          sampling=SamplingParams(temperature=0))
+    started = time.perf_counter()
+    for _ in range(n):
+        prepared = await trio.to_thread.run_sync(model.prepare_chat, request)
+        async for _ in model.generate_chat(prepared):
+            pass
+    return (time.perf_counter() - started) / n
+
+
+class StubEngine:
+    """An engine stand-in that answers at once: what is left is the server's cost."""
+
+    def __init__(self, model):
+        self.info = model.info
+        self.steps = 0
+
+    def prepare_chat(self, request):
+        class Prepared:
+            input_tokens = 3
+        return Prepared()
+
+    async def generate_chat(self, prepared):
+        from engine.chat import Finished, TextDelta
+
+        yield TextDelta("Hi")
+        yield Finished("length", 3, 1, 0)
+
+
+async def sse_latencies(client: Client, model, n_tokens: int) -> list[float]:
+    """Seconds from each engine text delta to its SSE event's arrival at the client."""
+    from engine.chat import TextDelta
+
+    yielded: list[float] = []
+    generate_chat = model.generate_chat
+
+    async def timed(prepared):
+        async for event in generate_chat(prepared):
+            if type(event) is TextDelta and event.text:
+                yielded.append(time.perf_counter())
+            yield event
+
+    model.generate_chat = timed
+    try:
+        await client.post("/lmsp/v1/responses", body_of(max_output_tokens=n_tokens, stream=True))
+        arrived = []
+        async for event, at in client.events():
+            if type(event) is h11.Data:
+                arrived += [at] * bytes(event.data).count(b"event: response.output_text.delta\n")
+    finally:
+        del model.generate_chat
+    if len(arrived) != len(yielded):
+        raise RuntimeError(f"{len(yielded)} deltas yielded but {len(arrived)} events received")
+    return [a - y for a, y in zip(arrived, yielded)]
+
+
+async def run(n_requests: int) -> list[dict]:
+    from engine.tiny import write_tiny_chat_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_chat_model(Path(tmp) / "tiny-chat-q8_0.gguf")
+        config = ServiceConfig(model_paths=[path], models_dir=None, access_log=False)
+        service = await Service.open(config, log=lambda line: None)
+        entry = service.registry.get(MODEL_ID)
+        model = await entry.load()
+        rows = []
+        async with trio.open_nursery() as nursery:
+            (host, port), *_ = await nursery.start(serve, service, "127.0.0.1", 0)
+            stream = await trio.open_tcp_stream(host, port)
+            client = Client(stream)
+            await sync_latency(client, 5)  # warm up: templates compiled, caches filled
+            await engine_latency(model, 5)
+            cpu = time.process_time()
+            total = await sync_latency(client, n_requests)
+            cpu_total = (time.process_time() - cpu) / n_requests
+            cpu = time.process_time()
+            engine = await engine_latency(model, n_requests)
+            cpu_engine = (time.process_time() - cpu) / n_requests
+            rows.append({"name": "sync_1_token", "value": round(1 / total, 1), "unit": "req/s",
+                         "latency_ms": round(total * 1000, 3), "engine_ms": round(engine * 1000, 3),
+                         "server_overhead_ms": round((total - engine) * 1000, 3),
+                         "server_overhead_cpu_ms": round((cpu_total - cpu_engine) * 1000, 3)})
+            entry.model = StubEngine(model)
+            await sync_latency(client, 5)
+            cpu = time.process_time()
+            stub = await sync_latency(client, n_requests)
+            cpu = (time.process_time() - cpu) / n_requests
+            entry.model = model
+            rows.append({"name": "stub_engine", "value": round(1 / stub, 1), "unit": "req/s",
+                         "server_overhead_ms": round(stub * 1000, 3),
+                         "cpu_ms_server_and_client": round(cpu * 1000, 3)})
+            latencies = []
+            for _ in range(5):
+                latencies += await sse_latencies(client, model, 64)
+            latencies.sort()
+            rows.append({"name": "sse_event_latency", "value": round(statistics.median(latencies) * 1000, 3),
+                         "unit": "ms (median)", "p90_ms": round(latencies[int(0.9 * len(latencies))] * 1000, 3),
+                         "events": len(latencies)})
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+        return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300, help="requests per measurement")
+    parser.add_argument("--json", type=Path, help="write the result rows to this file")
+    args = parser.parse_args(argv)
+    rows = trio.run(run, args.requests)
+    for row in rows:
+        extra = " ".join(f"{k}={v}" for k, v in row.items() if k not in ("name", "value", "unit"))
+        print(f"{row['name']:<20} {row['value']:>10} {row['unit']:<12} {extra}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
