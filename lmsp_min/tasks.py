@@ -289,15 +289,9 @@ class Tasks:
                 "generation_failed",
                 "the service stopped while this task was running; its events up to then are kept",
             )
-            output: dict[int, dict] = {}
-            for event in events:
-                if event.event == "response.output_item.done":
-                    data = json.loads(event.data)
-                    output[data["output_index"]] = data["item"]
             response = {
                 "id": row.response_id, "object": "response", "created_at": row.created_at,
-                "status": "failed", "model": row.model,
-                "output": [output[index] for index in sorted(output)],
+                "status": "failed", "model": row.model, "output": output_from_events(events),
                 "usage": None, "error": problem.to_dict(), "incomplete_details": None,
             }
             final = LoggedEvent(
@@ -316,3 +310,30 @@ class Tasks:
         from lmsp_min.idempotency import RECORD_TTL
 
         await self.store.purge(time.time(), self.event_retention, RECORD_TTL)
+
+
+def output_from_events(events: list[LoggedEvent]) -> list[dict]:
+    """The output items as a follower of these events knows them: complete items
+    as done, an item cut short with the text its deltas had brought."""
+    items: list[dict] = []
+    by_id: dict[str, dict] = {}
+    for event in events:
+        data = json.loads(event.data)
+        if event.event in ("response.output_item.added", "response.output_item.done"):
+            index = data["output_index"]
+            items[len(items):index + 1] = [{}] * (index + 1 - len(items))
+            items[index] = data["item"]
+            by_id[data["item"]["id"]] = data["item"]
+        elif event.event == "response.output_text.delta":
+            item = by_id[data["item_id"]]
+            if not item["content"]:
+                item["content"].append({"type": "output_text", "text": ""})
+            item["content"][0]["text"] += data["delta"]
+        elif event.event == "response.reasoning_summary_text.delta":
+            item = by_id[data["item_id"]]
+            if not item["summary"]:
+                item["summary"].append({"type": "summary_text", "text": ""})
+            item["summary"][0]["text"] += data["delta"]
+        elif event.event == "response.function_call_arguments.delta":
+            by_id[data["item_id"]]["arguments"] += data["delta"]
+    return items

@@ -136,5 +136,8 @@ def test_kill_9_mid_task_loses_nothing(long_model, tmp_path):
         assert events[-1][1] == "response.failed"
         assert events[-1][2]["error"] == task["response"]["error"]
         assert all(e[1] != "response.completed" for e in events)
+        # the failed response holds the text its followers had seen
+        deltas = "".join(e[2]["delta"] for e in events if e[1] == "response.output_text.delta")
+        assert task["response"]["output"][0]["content"][0]["text"] == deltas
     finally:
         server.kill()

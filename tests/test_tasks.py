@@ -220,7 +220,14 @@ async def test_recovery_fails_interrupted_tasks_and_keeps_their_events(tmp_path)
         LoggedEvent(3, "response.output_item.done", json.dumps({"output_index": 0, "item": done})),
     ])
     await store.create_task("task_2", "alice", 1794200000, "tiny:chat-q8_0", "resp_2", "{}")
-    assert await Tasks(store).recover() == ["task_1", "task_2"]
+    cut = dict(item, id="msg_2")
+    await store.append_events("task_2", [
+        LoggedEvent(1, "response.output_item.added", json.dumps({"output_index": 0, "item": cut})),
+        LoggedEvent(2, "response.output_text.delta", json.dumps({"item_id": "msg_2", "delta": "Wor"})),
+        LoggedEvent(3, "response.output_text.delta", json.dumps({"item_id": "msg_2", "delta": "ld"})),
+    ])
+    await store.create_task("task_3", "alice", 1794200000, "tiny:chat-q8_0", "resp_3", "{}")  # queued
+    assert await Tasks(store).recover() == ["task_1", "task_2", "task_3"]
     row = await store.get_task("task_1", "alice")
     response = row.object()["response"]
     assert row.status == "failed" and response["status"] == "failed"
@@ -229,6 +236,10 @@ async def test_recovery_fails_interrupted_tasks_and_keeps_their_events(tmp_path)
     events = await store.read_events("task_1", 0)
     assert [e.seq for e in events] == [1, 2, 3, 4] and events[-1].event == "response.failed"
     assert json.loads(events[-1].data)["error"] == response["error"]
-    assert [e.event for e in await store.read_events("task_2", 0)] == ["response.failed"]
+    # an item cut short keeps the text its deltas brought
+    assert (await store.get_task("task_2", None)).object()["response"]["output"] == [
+        dict(cut, content=[{"type": "output_text", "text": "World"}])]
+    assert (await store.read_events("task_2", 0))[-1].seq == 4
+    assert [e.event for e in await store.read_events("task_3", 0)] == ["response.failed"]
     assert await Tasks(store).recover() == []
     store.close()
