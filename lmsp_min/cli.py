@@ -160,7 +160,9 @@ def cmd_run(args) -> int:
 
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"{model.info.name} ({model.info.quantization}). /clear forgets the conversation, /bye ends it.")
+        info = model.info
+        print(f"{path.name}: {info.architecture} {info.quantization}, {info.context_length} tokens of context.")
+        print("/clear forgets the conversation, /bye (or Ctrl-D) ends it, Ctrl-C stops an answer.")
     while True:
         try:
             line = input(">>> " if interactive else "")
@@ -212,9 +214,14 @@ def _dim(text: str) -> str:
 # -- bench ----------------------------------------------------------------------
 
 
-def benchmarks_script() -> Path:
-    """benchmarks/run.py of the source checkout this package runs from."""
-    return Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+def benchmarks_script() -> Path | None:
+    """benchmarks/run.py of the source checkout: the one this package runs from
+    (an editable install), else the one in the current directory."""
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        script = root / "benchmarks" / "run.py"
+        if script.is_file():
+            return script
+    return None
 
 
 def add_bench_parser(commands) -> None:
@@ -229,10 +236,10 @@ def add_bench_parser(commands) -> None:
 
 def cmd_bench(args) -> int:
     script = benchmarks_script()
-    if not script.is_file():
+    if script is None:
         raise CommandError(
             "the benchmarks live in the source checkout, not in the installed package: "
-            "clone the repository, `pip install -e .` there, then run `lmsp-min bench`"
+            "run `lmsp-min bench` from the top directory of a checkout"
         )
     return subprocess.call([sys.executable, str(script), *args.extra])
 

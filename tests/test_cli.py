@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,9 +79,13 @@ def test_bench_runs_the_checkout_script_with_its_arguments(tmp_path, monkeypatch
 
 
 def test_bench_without_a_checkout(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "benchmarks_script", lambda: tmp_path / "missing.py")
+    monkeypatch.setattr(cli, "benchmarks_script", lambda: None)
     assert cli.main(["bench"]) == 1
     assert "source checkout" in capsys.readouterr().err
+
+
+def test_bench_finds_the_checkout_it_runs_from():
+    assert cli.benchmarks_script() == Path(cli.__file__).resolve().parent.parent / "benchmarks" / "run.py"
 
 
 def test_unknown_arguments_are_rejected(capsys):
