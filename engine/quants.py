@@ -43,9 +43,9 @@ does; `gguf.quants.dequantize` is the reference the tests compare against.
 from __future__ import annotations
 
 import os
+import queue
 from abc import ABC, abstractmethod
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import numpy as np
@@ -75,54 +75,72 @@ def default_num_threads() -> int:
 
 
 _n_threads = default_num_threads()
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-_scratch = threading.local()
+_jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, r0, r1, done queue) for the workers
+_workers: list[threading.Thread] = []
+_workers_lock = threading.Lock()
+_local = threading.local()  # per thread: scratch buffers, the queue our jobs report to
 
 
 def set_num_threads(n: int) -> None:
-    """Use `n` threads (the caller's plus n - 1 pool workers) per matmul."""
-    global _n_threads, _pool
-    with _pool_lock:
-        _n_threads = max(1, int(n))
-        if _pool is not None:
-            _pool.shutdown(wait=False)
-            _pool = None
+    """Split each matmul over `n` threads: the caller's plus n - 1 workers."""
+    global _n_threads
+    _n_threads = max(1, int(n))
 
 
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_n_threads - 1, thread_name_prefix="lmsp-matmul")
-        return _pool
-
-
-def _buffer(name: str, size: int, dtype=np.float32) -> np.ndarray:
-    """A flat scratch array of at least `size` items, private to the calling thread."""
-    buffers = getattr(_scratch, "buffers", None)
-    if buffers is None:
-        buffers = _scratch.buffers = {}
-    buf = buffers.get(name)
-    if buf is None or buf.size < size or buf.dtype != dtype:
-        buf = buffers[name] = np.empty(max(size, TILE_VALUES), dtype)
-    return buf[:size]
+def _work() -> None:
+    """A worker thread: run row ranges for whichever thread asks, report to its queue."""
+    while True:
+        fn, r0, r1, done = _jobs.get()
+        try:
+            fn(r0, r1)
+        except BaseException as e:  # handed to the waiting caller, which raises it
+            done.put(e)
+        else:
+            done.put(None)
 
 
 def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -> None:
-    """Run fn(r0, r1) over contiguous row ranges covering [0, n_rows), one per thread."""
+    """Run fn(r0, r1) over contiguous row ranges covering [0, n_rows), one per thread.
+
+    The workers are daemon threads fed through one queue (cheaper per call than
+    concurrent.futures, which matters for ~100 small matmuls per decoded token).
+    """
     k = min(_n_threads, n_rows, max(1, n_values // PARALLEL_MIN_VALUES))
     if k == 1:
         fn(0, n_rows)
         return
+    if len(_workers) < k - 1:
+        with _workers_lock:
+            while len(_workers) < k - 1:
+                t = threading.Thread(target=_work, name="lmsp-matmul", daemon=True)
+                t.start()
+                _workers.append(t)
+    done = getattr(_local, "done", None)
+    if done is None:
+        done = _local.done = queue.SimpleQueue()
     bounds = [n_rows * i // k for i in range(k + 1)]
-    pool = _get_pool()
-    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, k)]
+    for i in range(1, k):
+        _jobs.put((fn, bounds[i], bounds[i + 1], done))
+    error = None
     try:
         fn(bounds[0], bounds[1])
-    finally:
-        for f in futures:
-            f.result()
+    except BaseException as e:
+        error = e
+    for _ in range(1, k):  # always wait: the workers write into the caller's arrays
+        error = done.get() or error
+    if error is not None:
+        raise error
+
+
+def _buffer(name: str, size: int, dtype=np.float32) -> np.ndarray:
+    """A flat scratch array of at least `size` items, private to the calling thread."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get(name)
+    if buf is None or buf.size < size or buf.dtype != dtype:
+        buf = buffers[name] = np.empty(max(size, TILE_VALUES), dtype)
+    return buf[:size]
 
 
 # ---------------------------------------------------------------------------------------
@@ -248,25 +266,24 @@ class QuantWeight(Weight):
         g = self.group
         n_groups = n_in // g
         xg = x.reshape(n, n_groups, g).transpose(1, 2, 0)  # (groups, g, n)
-        tile_rows = max(1, TILE_VALUES // n_in)
-        rows = min(tile_rows, r1 - r0)
-        buf = _buffer("tile", rows * n_in)
-        pbuf = _buffer("partial", n_groups * rows * n)
-        for t0 in range(r0, r1, tile_rows):
-            t1 = min(t0 + tile_rows, r1)
-            rows = t1 - t0
-            w = buf[: rows * n_in].reshape(rows, n_in)  # (rows, in): the codes as float32
-            np.copyto(w, self.codes[t0:t1])
-            p = pbuf[: n_groups * rows * n].reshape(n_groups, rows, n)
+        n_rows = r1 - r0
+        n_tiles = -(-n_rows * n_in // TILE_VALUES)
+        tile_rows = -(-n_rows // n_tiles)
+        buf = _buffer("tile", tile_rows * n_in)
+        p = _buffer("partial", n_groups * n_rows * n).reshape(n_groups, n_rows, n)
+        for t0 in range(0, n_rows, tile_rows):
+            t1 = min(t0 + tile_rows, n_rows)
+            w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in): the codes as float32
+            np.copyto(w, self.codes[r0 + t0 : r0 + t1])
             # p[k, r, :] = codes[r, group k] . x[:, group k]
-            np.matmul(w.reshape(rows, n_groups, g).transpose(1, 0, 2), xg, out=p)
-            # y[:, r] = sum_k scales[k, r] * p[k, r, :]
-            if n == 1:
-                p1 = p[:, :, 0]  # (groups, rows)
-                np.multiply(p1, self.scales[:, t0:t1], out=p1)
-                np.add.reduce(p1, axis=0, out=y[0, t0:t1])
-            else:
-                y[:, t0:t1] = np.einsum("krn,kr->nr", p, self.scales[:, t0:t1])
+            np.matmul(w.reshape(t1 - t0, n_groups, g).transpose(1, 0, 2), xg, out=p[:, t0:t1])
+        # y[:, r] = sum_k scales[k, r] * p[k, r, :]
+        if n == 1:
+            p1 = p[:, :, 0]  # (groups, rows)
+            np.multiply(p1, self.scales[:, r0:r1], out=p1)
+            np.add.reduce(p1, axis=0, out=y[0, r0:r1])
+        else:
+            y[:, r0:r1] = np.einsum("krn,kr->nr", p, self.scales[:, r0:r1])
         if self.mins is not None:
             # y[:, r] += sum_k mins[k, r] * sum(x[:, group k])
             x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)
@@ -277,7 +294,8 @@ class QuantWeight(Weight):
 # Unpacking the ggml block formats
 #
 # Each unpacker takes the raw bytes of some rows, uint8 (rows, bytes_per_row), and
-# returns (codes int8 (rows, in), scales float32 (rows, in // g), mins float32 or None).
+# returns (codes int8 (rows, in), scales float32 (rows, in // g), mins float32 or None);
+# load_weight stores scales and mins transposed.
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
