@@ -26,8 +26,9 @@ from lmsp_min.events import SSE_KEEPALIVE, new_id
 from lmsp_min.problems import Problem
 from lmsp_min.store import LoggedEvent, Store, TaskRow
 
-# D3: "at least every 15 seconds" while a stream is idle.
-KEEPALIVE_INTERVAL = 15.0
+# D3: "at least every 15 seconds" while a stream is idle; 10 leaves room for a
+# busy loop and a slow network.
+KEEPALIVE_INTERVAL = 10.0
 
 
 class LiveLog:
@@ -85,8 +86,8 @@ class LiveLog:
         self._publish([final])
 
     def abandon(self) -> None:
-        """The runner died without a final event (the database failed): release
-        followers so that no stream hangs."""
+        """The runner is gone (with or without a final event): release followers so
+        that no stream hangs."""
         self.done = True
         self._published.set()
 
@@ -213,16 +214,29 @@ class Tasks:
                 if generation.request.store and self.stores_responses:
                     stored = (running.principal, generation.input_items)
                 await log.finish(run.status, _json(run.response_object()), final, stored)
-        except BaseException as exc:
-            # The service is stopping (the task is failed at the next start) or the
-            # database failed: release followers either way.
-            log.abandon()
-            if not isinstance(exc, trio.Cancelled):
-                self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
-            raise
+        except Exception as exc:
+            # A bug or a failing database: the task fails, the service goes on.
+            self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
+            await self._fail(running)
         finally:
+            # Also when the service stops (Cancelled): the task is failed at the next
+            # start; its followers are released now.
+            log.abandon()
             del self._running[running.task_id]
             running.ended.set()
+
+    async def _fail(self, running: _Running) -> None:
+        """End a task whose runner broke `failed` (internal_error), if the database lets us.
+        Its final event follows the last committed one (uncommitted ones were never seen)."""
+        run = running.generation.run
+        problem = Problem("internal_error", "the task stopped on an unexpected error")
+        run.status, run.error = "failed", problem.to_dict()
+        final = LoggedEvent(len(running.log.events) + 1, "response.failed",
+                            _json({"response_id": run.id, "status": "failed", "error": run.error}))
+        try:
+            await self.store.finish_task(running.task_id, "failed", _json(run.response_object()), [final])
+        except Exception as exc:
+            self._log(f"error: task {running.task_id} could not be marked failed: {exc}")
 
     # -- what routes ask ----------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 import json
 import random
+import sqlite3
 
 import pytest
 import trio
@@ -243,3 +244,19 @@ async def test_recovery_fails_interrupted_tasks_and_keeps_their_events(tmp_path)
     assert [e.event for e in await store.read_events("task_3", 0)] == ["response.failed"]
     assert await Tasks(store).recover() == []
     store.close()
+
+
+async def test_a_broken_task_fails_alone_and_the_service_goes_on(server, monkeypatch):
+    async def disk_full(task_id, events):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(server.service.store, "append_events", disk_full)
+    task = await create(server, task_body(max_output_tokens=5))
+    final = await wait_final(server, task["id"])
+    assert final["status"] == "failed" and final["response"]["error"]["code"] == "internal_error"
+    assert "disk" not in final["response"]["error"]["detail"]  # no internals in a detail
+    events = await all_events(server, task["id"])
+    assert [(e.id, e.event) for e in events] == [(1, "response.failed")]
+    monkeypatch.undo()
+    assert (await wait_final(server, (await create(server, task_body(max_output_tokens=2)))["id"]))[
+        "status"] in ("completed", "incomplete")
