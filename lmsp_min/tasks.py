@@ -180,13 +180,16 @@ class Tasks:
         run = generation.run
         running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))
         self._running[task_id] = running
-        try:
-            await self.store.create_task(task_id, generation.principal, run.created_at, run.model_id,
-                                         run.id, _json(body))
-        except BaseException:
-            del self._running[task_id]
-            raise
-        self._nursery.start_soon(self._run, running)
+        # Shielded: once the row exists the task must run, even if the client that
+        # asked for it has just gone away.
+        with trio.CancelScope(shield=True):
+            try:
+                await self.store.create_task(task_id, generation.principal, run.created_at,
+                                             run.model_id, run.id, _json(body))
+            except BaseException:
+                del self._running[task_id]
+                raise
+            self._nursery.start_soon(self._run, running)
         return TaskRow(task_id, generation.principal, run.created_at, run.model_id, run.id, "queued",
                        _json(body), None, None, False)
 
