@@ -231,11 +231,14 @@ def add_bench_parser(commands) -> None:
         description="Run benchmarks/run.py of the source checkout; the arguments after `bench` go to it.",
         add_help=False,  # `lmsp-min bench --help` shows benchmarks/run.py's own help
     )
-    p.set_defaults(func=cmd_bench, passes_extra_args=True)
+    p.set_defaults(func=cmd_bench, passes_extra_args=True, print_help=p.print_help)
 
 
 def cmd_bench(args) -> int:
     script = benchmarks_script()
+    if script is None and {"-h", "--help"} & set(args.extra):
+        args.print_help()
+        return 0
     if script is None:
         raise CommandError(
             "the benchmarks live in the source checkout, not in the installed package: "

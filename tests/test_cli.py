@@ -82,6 +82,8 @@ def test_bench_without_a_checkout(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "benchmarks_script", lambda: None)
     assert cli.main(["bench"]) == 1
     assert "source checkout" in capsys.readouterr().err
+    assert cli.main(["bench", "--help"]) == 0
+    assert "usage: lmsp-min bench" in capsys.readouterr().out
 
 
 def test_bench_finds_the_checkout_it_runs_from():
