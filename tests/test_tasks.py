@@ -260,3 +260,17 @@ async def test_a_broken_task_fails_alone_and_the_service_goes_on(server, monkeyp
     monkeypatch.undo()
     assert (await wait_final(server, (await create(server, task_body(max_output_tokens=2)))["id"]))[
         "status"] in ("completed", "incomplete")
+
+
+@pytest.mark.slow
+async def test_a_smollm2_task_says_what_a_direct_request_says(nursery, smollm2_path, tmp_path):
+    server = await start_server(nursery, await make_service([smollm2_path], data_dir=tmp_path))
+    model = (await server.request("GET", "/lmsp/v1/models")).json()["data"][0]["id"]
+    body = {"model": model, "input": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_output_tokens": 24, "temperature": 0}
+    task = await create(server, body)
+    events = await all_events(server, task["id"])
+    final = await wait_final(server, task["id"])
+    direct = (await server.responses(body)).json()
+    assert text_of(events) == message_text(final["response"]) == message_text(direct)
+    assert "Paris" in text_of(events)
