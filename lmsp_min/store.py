@@ -96,6 +96,7 @@ MIGRATIONS: list[list[str]] = [
             created_at REAL NOT NULL,
             PRIMARY KEY (principal, key)
         ) WITHOUT ROWID""",
+        "CREATE INDEX idempotency_by_age ON idempotency (created_at)",
     ],
 ]
 

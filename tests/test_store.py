@@ -38,6 +38,21 @@ def test_schema_is_versioned_and_wal(tmp_path):
     Store.open_sync(tmp_path).close()  # opening again migrates nothing and keeps data
 
 
+async def test_a_later_migration_is_applied_once_and_keeps_the_data(tmp_path, monkeypatch):
+    s = await Store.open(tmp_path)
+    await s.put_response("resp_1", "alice", [], response_body("resp_1"))
+    s.close()
+    monkeypatch.setattr("lmsp_min.store.MIGRATIONS", [*MIGRATIONS, ["ALTER TABLE responses ADD COLUMN note TEXT"]])
+    for _ in range(2):  # the second opening finds nothing to do
+        s = await Store.open(tmp_path)
+        assert (await s.get_response("resp_1", "alice")).body == response_body("resp_1")
+        s.close()
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) + 1
+    assert "note" in [row[1] for row in conn.execute("PRAGMA table_info(responses)")]
+    conn.close()
+
+
 def test_newer_schema_is_refused(tmp_path):
     Store.open_sync(tmp_path).close()
     conn = sqlite3.connect(tmp_path / DB_NAME)
