@@ -398,3 +398,23 @@ def test_real_server_task_stream_resumes_through_cut_connections(live_server):
         assert text and text == output_text(final["response"])
     finally:
         proxy.close()
+
+
+def test_real_server_stored_responses_idempotency_and_cancel(live_server):
+    client = Client(f"http://127.0.0.1:{live_server}")
+    first = client.create_response(TINY, "Hi", max_output_tokens=4, temperature=0, store=True, idempotency_key="k-1")
+    again = client.create_response(TINY, "Hi", max_output_tokens=4, temperature=0, store=True, idempotency_key="k-1")
+    assert again == first  # replayed, not generated twice
+    assert client.get_response(first["id"])["output"] == first["output"]
+    client.delete_response(first["id"])
+    with pytest.raises(LMSPError) as e:
+        client.get_response(first["id"])
+    assert e.value.code == "response_not_found"
+
+    task = client.create_task(TINY, "Tell me a very long story.", max_output_tokens=400)
+    cancelled = client.cancel_task(task["id"])
+    assert cancelled["id"] == task["id"]
+    final = client.wait_task(task["id"], poll=0.05)
+    assert final["status"] in ("cancelled", "completed", "incomplete")
+    events = list(client.follow_task(task["id"]))
+    assert events[-1].event == f"response.{final['status']}"
