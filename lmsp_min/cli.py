@@ -142,7 +142,7 @@ def cmd_run(args) -> int:
 
     import trio
 
-    from engine import ChatRequest, SamplingParams, load_model
+    from engine import ChatRequest, ContextLengthExceeded, SamplingParams, load_model
 
     model = load_model(path, n_ctx=args.ctx)
     sampling = SamplingParams(
@@ -180,6 +180,9 @@ def cmd_run(args) -> int:
             text = answer(turn)
         except KeyboardInterrupt:
             print("\n(stopped; that answer is not kept)", file=sys.stderr)
+            continue
+        except ContextLengthExceeded as e:
+            print(f"({e}; /clear starts a new conversation)", file=sys.stderr)
             continue
         history = turn + [{"role": "assistant", "content": text}]
     return 0

@@ -156,3 +156,12 @@ def test_run_the_default_model(smollm2_path, capsys):
     prompt = "What is the capital of France? Answer in one word."
     assert cli.main(["run", str(smollm2_path), prompt, "--temperature", "0", "--max-tokens", "16"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_chat_goes_on_when_the_conversation_outgrows_the_window(tiny_chat, load_once, monkeypatch, capsys):
+    long_line = "word " * 600  # more tokens than the tiny model's 512-token window
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{long_line}\nHi\n"))
+    assert cli.main(["run", str(tiny_chat), "--temperature", "0", "--max-tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "/clear starts a new conversation" in captured.err
+    assert captured.out.strip()  # the second line was still answered
