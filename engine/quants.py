@@ -42,6 +42,8 @@ does; `gguf.quants.dequantize` is the reference the tests compare against.
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import os
 import queue
 from abc import ABC, abstractmethod
@@ -57,8 +59,7 @@ from engine.gguf_file import Tensor
 # Decode tiles hold about this many float32 values (512 KiB): small enough to stay in a
 # core's L2 cache while BLAS reads them back.
 TILE_VALUES = 1 << 17
-# Prefill tiles are larger: BLAS blocks a GEMM for the caches itself, and each tile is
-# one GEMM that BLAS spreads over the cores.
+# Prefill tiles are larger: BLAS blocks a GEMM for the caches itself.
 PREFILL_TILE_VALUES = 1 << 20
 # Below this many rows of x the decode kernel is used, above it the dequantize-and-GEMM one.
 DECODE_MAX_ROWS = 4
@@ -74,6 +75,26 @@ def default_num_threads() -> int:
     return os.cpu_count() or 1
 
 
+def _single_threaded_blas() -> None:
+    """Make numpy's OpenBLAS run every call on the calling thread alone.
+
+    We split each matmul over threads ourselves, and those threads wait for work
+    by blocking. OpenBLAS's own threads spin while they wait: on a busy machine a
+    spinning thread holds the core the working one needs (a prefill GEMM ran 5x
+    slower with 2 OpenBLAS threads than with 1, 12 processes on 2 cores), and our
+    threads times its threads would oversubscribe the cores anyway.
+    """
+    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")
+    for path in glob.glob(libs):
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            if hasattr(lib, name):
+                getattr(lib, name)(1)
+                break
+
+
+_single_threaded_blas()
 _n_threads = default_num_threads()
 _jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, r0, r1, done queue) for the workers
 _workers: list[threading.Thread] = []
@@ -179,8 +200,9 @@ class Weight(ABC):
         self._tiled_matmul(x, y, r0, r1, TILE_VALUES)
 
     def _prefill(self, x: np.ndarray, y: np.ndarray) -> None:
-        """y = x @ W.T for many rows of x: big tiles, and BLAS spreads each GEMM over the cores."""
-        self._tiled_matmul(x, y, 0, self.shape[0], PREFILL_TILE_VALUES)
+        """y = x @ W.T for many rows of x: big tiles, rows split over the threads."""
+        _parallel_rows(lambda r0, r1: self._tiled_matmul(x, y, r0, r1, PREFILL_TILE_VALUES),
+                       self.shape[0], self.shape[0] * self.shape[1])
 
     def _tiled_matmul(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int, tile_values: int) -> None:
         n_in = self.shape[1]
