@@ -25,7 +25,7 @@ from urllib.parse import unquote
 import trio
 
 from lmsp_min import idempotency
-from lmsp_min.events import ResponseRun
+from lmsp_min.events import SSE_KEEPALIVE, ResponseRun
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.problems import Problem
 from lmsp_min.validate import (
@@ -255,7 +255,8 @@ async def create_response(request: Request, service):
 async def _respond(body: dict, request: Request, service):
     generation = await prepare_generation(body, request.principal, service)
     if generation.request.stream:
-        return StreamingResponse(_sse(generation, request, service))
+        return StreamingResponse(_sse(generation, request, service), idle_chunk=SSE_KEEPALIVE,
+                                 idle_interval=service.config.limits.stream_keepalive)
     request.cancel_on_disconnect()  # nobody left to read the response: stop generating
     async with aclosing(generation.events()) as events:
         async for event in events:

@@ -61,6 +61,7 @@ class Limits:
     idle_timeout: float = 15.0  # keep-alive: wait this long for a next request
     header_timeout: float = 10.0  # from a request's first byte to the end of its headers
     body_timeout: float = 30.0  # to receive a whole request body
+    stream_keepalive: float = 15.0  # longest silence in an event stream (D3): then an SSE comment
 
 
 @dataclass
@@ -79,12 +80,17 @@ class StreamingResponse:
 
     Each chunk of `chunks` is written to the socket as soon as the iterator
     yields it. The iterator is closed (aclose) when the client goes away.
+    With `idle_chunk` (an SSE comment), that chunk is written whenever
+    `idle_interval` seconds pass without one, so that clients and proxies do
+    not take a long silence (a long prompt, a queue) for a dead connection.
     """
 
     chunks: AsyncIterable[bytes]
     status: int = 200
     content_type: str = "text/event-stream"
     headers: list[tuple[str, str]] = field(default_factory=list)
+    idle_chunk: bytes | None = None
+    idle_interval: float = 15.0
 
 
 def json_response(obj, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
@@ -406,17 +412,60 @@ class _Connection:
         self.watch_disconnect()  # a stream nobody reads is not worth producing
         extra = [("Cache-Control", "no-cache"), *response.headers]
         await self._send(await self._head(response.status, response.content_type, extra, None))
-        async with aclosing(aiter(response.chunks)) as chunks:
-            try:
-                async for chunk in chunks:
-                    await self._send(h11.Data(data=chunk))
-            except Exception:
-                # The body is half sent: we cannot report the error in-band any
-                # more, so the connection ends without its final chunk and the
-                # client sees a truncated stream rather than a clean end.
-                self.log("error: a response stream failed:\n" + traceback.format_exc())
-                raise _ClientGone() from None
+        try:
+            if response.idle_chunk is None:
+                await self._write_chunks(response.chunks)
+            else:
+                await self._write_chunks_or_idle(response)
+        except _ClientGone:
+            raise
+        except Exception:
+            # The body is half sent: we cannot report the error in-band any
+            # more, so the connection ends without its final chunk and the
+            # client sees a truncated stream rather than a clean end.
+            self.log("error: a response stream failed:\n" + traceback.format_exc())
+            raise _ClientGone() from None
         await self._send(h11.EndOfMessage())
+
+    async def _write_chunks(self, source: AsyncIterable[bytes]) -> None:
+        async with aclosing(aiter(source)) as chunks:
+            async for chunk in chunks:
+                await self._send(h11.Data(data=chunk))
+
+    async def _write_chunks_or_idle(self, response: StreamingResponse) -> None:
+        """Write chunks as they come; after `idle_interval` seconds without one, the idle chunk.
+
+        The chunks are produced in a task of their own, so that waiting for the
+        next one can time out without interrupting whatever produces it. The
+        channel has no buffer: the producer still waits for each write.
+        """
+        send, receive = trio.open_memory_channel[bytes](0)
+        failures: list[Exception] = []
+
+        async def produce() -> None:
+            async with send:
+                try:
+                    await self._pass_on(response.chunks, send)
+                except Exception as exc:  # re-raised by the writer, below
+                    failures.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            while True:
+                with trio.move_on_after(response.idle_interval) as idle:
+                    try:
+                        chunk = await receive.receive()
+                    except trio.EndOfChannel:
+                        if failures:
+                            raise failures[0] from None
+                        return
+                await self._send(h11.Data(data=response.idle_chunk if idle.cancelled_caught else chunk))
+
+    @staticmethod
+    async def _pass_on(source: AsyncIterable[bytes], send: trio.MemorySendChannel) -> None:
+        async with aclosing(aiter(source)) as chunks:
+            async for chunk in chunks:
+                await send.send(chunk)
 
     async def _refuse(self, problem: Problem) -> None:
         """Answer with a problem and close: the request could not even be read."""
@@ -475,6 +524,8 @@ async def serve_http(
         active += 1
         try:
             await _Connection(stream, handler, limits, log).serve()
+        except Exception:  # a bug in this module must cost one connection, not the server
+            log("error: a connection failed:\n" + traceback.format_exc())
         finally:
             active -= 1
 

@@ -5,6 +5,7 @@ import threading
 import pytest
 import trio
 
+from lmsp_min.http import Limits
 from server_harness import Server, make_service, parse_sse, server, start_server, tiny_path  # noqa: F401
 
 TINY_ID = "tiny:chat-q8_0"
@@ -226,3 +227,22 @@ async def test_smollm2_answers(nursery, smollm2_path):
     assert "Paris" in message_text(response)
     events = await stream(server, body)
     assert check_stream(events) == message_text(response)
+
+
+async def test_a_silent_stream_gets_keep_alive_comments(nursery, tiny_path, monkeypatch):
+    from engine.chat import Finished, TextDelta
+
+    service = await make_service([tiny_path], limits=Limits(stream_keepalive=0.05))
+    server = await start_server(nursery, service)
+    model = service.registry.get(TINY_ID).model
+
+    async def slow_start(prepared):
+        await trio.sleep(0.3)  # a long prompt, a queue: nothing to send for a while
+        yield TextDelta("late")
+        yield Finished("stop", prepared.input_tokens, 1)
+
+    monkeypatch.setattr(model, "generate_chat", slow_start)
+    reply = await server.responses({**request(), "stream": True})
+    assert b"\n\n: keep-alive\n\n" in reply.body
+    events = parse_sse(reply.body)
+    assert check_stream(events) == "late"
