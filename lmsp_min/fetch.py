@@ -112,11 +112,14 @@ def pull(name_or_path: str | os.PathLike, *, log: TextIO | None = None) -> Path:
     """
     log = sys.stderr if log is None else log
     name = str(name_or_path)
-    if name in KNOWN_MODELS:
-        return _pull_known(KNOWN_MODELS[name], log)
     path = Path(name).expanduser()
-    if path.is_file():
-        return _import_local(path, log)
+    try:
+        if name in KNOWN_MODELS:
+            return _pull_known(KNOWN_MODELS[name], log)
+        if path.is_file():
+            return _import_local(path, log)
+    except OSError as e:  # the store is not writable, the disk is full...
+        raise FetchError(f"cannot write to the model store {models_dir()}: {e.strerror or e}") from None
     if path.suffix == ".gguf" or os.sep in name:
         raise FetchError(f"no such model file: {name}")
     known = ", ".join(KNOWN_MODELS)

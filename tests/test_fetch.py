@@ -199,6 +199,16 @@ def test_offline_says_how_to_pass_a_model_path(store, monkeypatch):
     assert not (store / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
 
 
+def test_an_unwritable_store_is_a_fetch_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "home"
+    blocker.write_text("a file where the store's parent should be")
+    monkeypatch.setenv("LMSP_HOME", str(blocker))
+    source = tmp_path / "mine.gguf"
+    source.write_bytes(gguf_bytes(100))
+    with pytest.raises(fetch.FetchError, match="cannot write to the model store"):
+        fetch.pull(source, log=io.StringIO())
+
+
 def test_progress_bar_on_a_terminal(store, index, two_part_model):
     class Terminal(io.StringIO):
         def isatty(self):
