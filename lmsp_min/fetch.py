@@ -158,9 +158,13 @@ def _pull_known(model: KnownModel, log: TextIO) -> Path:
 
 
 def _import_local(path: Path, log: TextIO) -> Path:
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise FetchError(f"{path} is not a GGUF file")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise FetchError(f"cannot read {path}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise FetchError(f"{path} is not a GGUF file")
     store = models_dir()
     target = store / path.name
     if target.exists() and target.samefile(path):
