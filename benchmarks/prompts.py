@@ -28,7 +28,7 @@ def prefill_ids(tokenize: Callable[[str], list[int]], n: int = N_PREFILL) -> lis
     return ids[:n]
 
 
-def conversation(n_rounds: int = 4) -> list[dict]:
+def conversation(n_rounds: int = 5) -> list[dict]:
     """A multi-turn chat of about 1,000 tokens that ends with a user turn.
 
     Each round quotes one paragraph of the text and answers with the next, so the

@@ -9,10 +9,13 @@ the common prefix are prefilled.
 Entries are whole finished sequences (prompt and generated tokens). The cache is
 bounded in bytes of K/V storage and evicts the least recently used entry first.
 An entry that is a prefix of a newer one is dropped: the newer one covers it.
+The scheduler's worker thread uses it while callers may `clear()` it: a lock
+keeps each operation whole.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -31,6 +34,7 @@ class PrefixCache:
         # id -> (tokens (L,) int64 of the cached positions, the sequence holding them)
         self._entries: OrderedDict[int, tuple[np.ndarray, Sequence]] = OrderedDict()
         self._next_id = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,6 +46,10 @@ class PrefixCache:
         sequence and how many prompt tokens came from the cache. At least the
         last prompt token is left to compute: its logits give the first output token.
         """
+        with self._lock:
+            return self._start(prompt, new_sequence)
+
+    def _start(self, prompt: list[int], new_sequence) -> tuple[Sequence, int]:
         prompt_arr = np.asarray(prompt, np.int64)                  # (P,)
         best_id, best_n = None, 0
         for entry_id, (tokens, _) in self._entries.items():
@@ -60,6 +68,10 @@ class PrefixCache:
 
     def store(self, seq: Sequence) -> None:
         """Keep a finished sequence's cache (taking ownership of it) for later prefixes."""
+        with self._lock:
+            self._store(seq)
+
+    def _store(self, seq: Sequence) -> None:
         n = seq.cache.length
         if n == 0 or seq.cache.nbytes > self.max_bytes:
             return
@@ -78,8 +90,9 @@ class PrefixCache:
             self._drop(next(iter(self._entries)))                  # least recently used first
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
 
     def _drop(self, entry_id: int) -> None:
         _, seq = self._entries.pop(entry_id)

@@ -231,15 +231,22 @@ class Scheduler:
                 request.finish_reason = "stop"
             elif request.generated >= request.max_tokens or len(request.seq.tokens) >= self.model.n_ctx:
                 request.finish_reason = "length"
-            _deliver(request, Step(token, request.finish_reason))
             if request.finish_reason:
-                self._retire(request, active)
+                self._retire(request, active, Step(token, request.finish_reason))
+            else:
+                _deliver(request, Step(token, None))
 
-    def _retire(self, request: Request, active: list[Request]) -> None:
-        """Take a request out of the batch, end its stream, keep its cache for later prefixes."""
+    def _retire(self, request: Request, active: list[Request], last: Step | None = None) -> None:
+        """Take a request out of the batch, keep its cache for later prefixes, end its stream.
+
+        The cache is stored before the last step is delivered: a reader that has
+        its last token can count on the next request finding it.
+        """
         active.remove(request)
-        _deliver(request, None)
         self.prefix_cache.store(request.seq)
+        if last is not None:
+            _deliver(request, last)
+        _deliver(request, None)
 
 
 def _deliver(request: Request, item) -> None:
