@@ -84,20 +84,18 @@ async def run_once(
     if key is None or store is None:  # (a Service built without a store honours no keys)
         return await run()
     principal = request.principal
-    print_ = fingerprint(route, body)
-    record = await store.claim_idempotency_key(principal, key, print_)
+    digest = fingerprint(route, body)
+    record = await store.claim_idempotency_key(principal, key, digest)
     if record is not None:
-        if record.fingerprint != print_:
+        if record.fingerprint != digest:
             raise Problem(
                 "idempotency_key_reused",
                 "this Idempotency-Key was already used with a different request",
-                param="Idempotency-Key",
             )
         if record.state == "running":
             raise Problem(
                 "idempotency_conflict",
                 "a request with this Idempotency-Key is still being processed",
-                param="Idempotency-Key",
             )
         if record.task_id is not None and replay_task is not None:
             response = await replay_task(record.task_id)
