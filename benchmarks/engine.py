@@ -1,0 +1,113 @@
+"""The engine alone on both real models: load time, prefill and decode speed, memory.
+
+    python -m benchmarks.engine                      # both models
+    python -m benchmarks.engine --models smollm2:135m-instruct-q4_1 --json out.json
+
+For each model, in a child process of its own (so memory figures are its own):
+- load: `load_model(path)` wall time (header parse, weights unpacked once);
+- prefill: tok/s of one forward step over the 512-token prompt of
+  benchmarks/prompts.py (after a short warm-up step);
+- decode: tok/s of 128 greedy tokens after that prompt, one `model.step` per
+  token (the raw engine, without the scheduler or trio);
+- memory: resident set size after loading, the weights' share of it (RSS after
+  load minus RSS before), and the peak RSS of the whole run, against the file size.
+Timings on a shared machine are noisy; run it when the machine is quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from benchmarks import prompts
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(name: str) -> dict:
+    """All the figures of one model (run in its own process)."""
+    from engine import load_model
+
+    path = prompts.model_path(name)
+    before = rss_bytes()
+    started = time.perf_counter()
+    model = load_model(path)
+    load_s = time.perf_counter() - started
+    after_load = rss_bytes()
+
+    ids = prompts.prefill_ids(model.tokenize, prompts.N_PREFILL)
+    model.step([model.new_sequence(ids[:32])])                    # warm-up
+    seq = model.new_sequence(ids, capacity=len(ids) + prompts.N_DECODE)
+    started = time.perf_counter()
+    logits = model.step([seq])[0]                                 # (1, V): the whole prompt in one step
+    prefill_s = time.perf_counter() - started
+
+    started = time.perf_counter()
+    for _ in range(prompts.N_DECODE):
+        seq.append(int(np.argmax(logits[0])))
+        logits = model.step([seq])[0]
+    decode_s = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "model": name,
+        "file_mb": round(path.stat().st_size / 2**20, 1),
+        "load_s": round(load_s, 2),
+        "prefill_tok_s": round(len(ids) / prefill_s, 1),
+        "decode_tok_s": round(prompts.N_DECODE / decode_s, 1),
+        "rss_after_load_mb": round(after_load / 2**20, 1),
+        "weights_rss_mb": round((after_load - before) / 2**20, 1),
+        "peak_rss_mb": round(peak / 2**20, 1),
+    }
+
+
+def rows(result: dict) -> list[dict]:
+    model = result["model"]
+    return [
+        {"name": "load", "value": result["load_s"], "unit": "s", "model": model},
+        {"name": "prefill (512)", "value": result["prefill_tok_s"], "unit": "tok/s", "model": model},
+        {"name": "decode (128)", "value": result["decode_tok_s"], "unit": "tok/s", "model": model},
+        {"name": "weights RSS", "value": result["weights_rss_mb"], "unit": "MiB", "model": model,
+         "file_mb": result["file_mb"]},
+        {"name": "peak RSS", "value": result["peak_rss_mb"], "unit": "MiB", "model": model},
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks.engine", description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="*", default=list(prompts.MODELS), help="model names")
+    parser.add_argument("--json", type=str, help="write the result rows to this file")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # child process: measure this model, print JSON
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(args.one)))
+        return 0
+    results = []
+    for name in args.models:
+        child = subprocess.run([sys.executable, "-m", "benchmarks.engine", "--one", name],
+                               capture_output=True, text=True)
+        if child.returncode != 0:
+            sys.stderr.write(child.stderr)
+            return child.returncode
+        result = json.loads(child.stdout.strip().splitlines()[-1])
+        results.append(result)
+        print(f"{name}: load {result['load_s']} s, prefill {result['prefill_tok_s']} tok/s, "
+              f"decode {result['decode_tok_s']} tok/s, weights RSS {result['weights_rss_mb']} MiB "
+              f"(file {result['file_mb']} MiB), peak RSS {result['peak_rss_mb']} MiB", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([row for result in results for row in rows(result)], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
