@@ -227,3 +227,50 @@ def test_can_constrain():
         assert can_constrain(Tokenizer.from_metadata(load_tokenizer_meta(DATA / f"tokenizer-meta.{name}.json.gz")))
     words = [b"", b"{", b"}", b'"', b"ab"]
     assert not can_constrain(SimpleNamespace(n_vocab=len(words), token_bytes=words.__getitem__))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from engine.model import load_model
+    from engine.tiny import write_tiny_chat_model
+
+    return load_model(write_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "chat.gguf"))
+
+
+async def generate_text(model, constraint, seed, max_tokens=300):
+    """A tiny random-weight model's seeded sample under `constraint`: (text, finish reason)."""
+    from engine.sampling import SamplingParams
+
+    ids = model.tokenize(model.apply_chat_template([{"role": "user", "content": "Answer in JSON."}]),
+                         parse_special=True)
+    generation = model.generate(ids, max_tokens=max_tokens, sampling=SamplingParams(temperature=1.0, seed=seed),
+                                constraint=constraint)
+    text = "".join([token.text async for token in generation])
+    return text, generation.finish_reason
+
+
+async def run_concurrently(make_run, n, at_once=8):
+    """n seeded generations, `at_once` at a time (the model batches their steps); results by seed."""
+    import trio
+
+    results = {}
+    limiter = trio.CapacityLimiter(at_once)
+
+    async def one(seed):
+        async with limiter:
+            results[seed] = await make_run(seed)
+
+    async with trio.open_nursery() as nursery:
+        for seed in range(n):
+            nursery.start_soon(one, seed)
+    return results
+
+
+async def test_tiny_model_writes_valid_json_in_50_of_50_runs(tiny):
+    index = TokenIndex.of(tiny.tokenizer)
+    schema = SCHEMAS.__getitem__
+    results = await run_concurrently(
+        lambda seed: generate_text(tiny, json_constraint(schema(seed % len(SCHEMAS)), index), seed), 50)
+    for seed, (text, reason) in results.items():
+        assert reason == "stop", (seed, text)
+        assert validate(json.loads(text), schema(seed % len(SCHEMAS))) is None, (seed, text)

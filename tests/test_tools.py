@@ -13,7 +13,7 @@ from engine.tokenizer import Tokenizer
 from engine.tools import (CLOSER, MAX_CALLS, OPENER, ParsedCall, ToolCallParser, render_generic,
                           tool_constraint, uses_native_format)
 from tests.conftest import DATA
-from tests.test_constrain import random_run
+from tests.test_constrain import random_run, tiny  # noqa: F401 (fixture)
 
 TOOLS = [
     {"name": "get_weather", "description": "Get the current weather for a city.",
@@ -192,3 +192,31 @@ def test_output_plan(smollm2):
         plan_output(smol, request(tools=TOOLS, json_schema={"type": "boolean"}))
     with pytest.raises(SchemaError):
         plan_output(smol, request(json_schema={"type": "string", "format": "email"}))
+
+
+# short calls: the tiny model's steps are the cost of this test, not the constraint's
+TINY_TOOLS = [
+    {"name": "set_light", "parameters": {"type": "object", "properties": {
+        "on": {"type": "boolean"}, "level": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["on"]}},
+    {"name": "pick", "parameters": {"type": "object", "properties": {
+        "color": {"enum": ["red", "blue"]}, "note": {"type": "string", "maxLength": 3}}, "required": ["color"]}},
+]
+
+
+async def test_tiny_model_makes_valid_calls_in_50_of_50_runs(tiny):
+    from tests.test_constrain import generate_text, run_concurrently
+
+    index = TokenIndex.of(tiny.tokenizer)
+
+    def choice_of(seed):
+        return "required" if seed % 2 else {"type": "function", "name": TINY_TOOLS[seed % 4 // 2]["name"]}
+
+    results = await run_concurrently(
+        lambda seed: generate_text(tiny, tool_constraint(TINY_TOOLS, choice_of(seed), index), seed, 400), 50)
+    for seed, (text, reason) in results.items():
+        choice = choice_of(seed)
+        assert reason == "stop", (seed, text)
+        calls = check_calls(parse(text), TINY_TOOLS)
+        assert 1 <= len(calls) <= MAX_CALLS
+        if isinstance(choice, dict):
+            assert {c.name for c in calls} == {choice["name"]}
