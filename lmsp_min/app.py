@@ -206,14 +206,22 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
             prepared = await trio.to_thread.run_sync(model.prepare_chat, chat_request)
     except ContextLengthExceeded as exc:
         raise Problem("context_length_exceeded", str(exc), param="input") from None
-    except SchemaError as exc:
+    except SchemaError as exc:  # D5: a keyword we cannot enforce is refused, by name
         param = "response_format.json_schema.schema" if request.json_schema is not None else "tools"
-        raise Problem("invalid_request", f"the schema cannot be enforced: {exc}", param=param) from None
+        detail = f"the schema cannot be enforced: {exc}"
+        if exc.keyword and exc.keyword not in detail:
+            detail += f" (keyword '{exc.keyword}')"
+        raise Problem("invalid_request", detail, param=param + _dotted(exc.path)) from None
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
     run = ResponseRun(entry.id, input_tokens=prepared.input_tokens, log=service.log)
     return Generation(request, principal, items, model, prepared, run)
+
+
+def _dotted(pointer: str) -> str:
+    """A JSON pointer inside a schema ("/properties/x") as a param suffix (".properties.x")."""
+    return "".join(f".{part}" for part in pointer.split("/") if part)
 
 
 def _text_size(messages: list[dict]) -> int:

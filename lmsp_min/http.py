@@ -93,14 +93,22 @@ class StreamingResponse:
     idle_interval: float = 15.0
 
 
+def json_bytes(obj) -> bytes:
+    """Compact JSON in UTF-8 (\\u escapes only for what UTF-8 cannot carry: lone surrogates)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, separators=(",", ":")).encode("ascii")
+
+
 def json_response(obj, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
-    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    return Response(status, body, "application/json", headers or [])
+    return Response(status, json_bytes(obj), "application/json", headers or [])
 
 
 def problem_response(problem: Problem) -> Response:
-    body = json.dumps(problem.to_dict(), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    return Response(problem.status, body, "application/problem+json", list(problem.headers))
+    return Response(problem.status, json_bytes(problem.to_dict()), "application/problem+json",
+                    list(problem.headers))
 
 
 class Request:

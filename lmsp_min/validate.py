@@ -89,6 +89,12 @@ def parse_json_body(body: bytes) -> dict:
         raise Problem("invalid_request", detail) from None
     if not isinstance(value, dict):
         raise Problem("invalid_request", "the request body must be a JSON object")
+    if "\\u" in text:  # only a \u escape can smuggle in a lone surrogate, which is not text
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise Problem("invalid_request", "the request body holds a lone UTF-16 surrogate "
+                          "(a \\uD800-\\uDFFF escape that is not half of a pair)") from None
     return value
 
 

@@ -42,7 +42,9 @@ async def post_raw(server, payload: bytes, content_type: str | None = "applicati
 # -- 400 invalid_request ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("payload", [b"{", b"", b"[1, 2]", b'"text"', b"\xff\xfe", b'{"model": NaN}'])
+@pytest.mark.parametrize("payload", [b"{", b"", b"[1, 2]", b'"text"', b"\xff\xfe", b'{"model": NaN}',
+                                     b'{"model": "m", "input": [{"role": "user", "content": "\\ud800"}]}',
+                                     b"[" * 100_000])
 async def test_malformed_json(server, payload):
     assert_problem(await post_raw(server, payload), 400, "invalid_request")
 
