@@ -190,6 +190,8 @@ class Weight(ABC):
             raise ValueError(f"matmul of a {self.shape} weight with x of shape {x.shape}")
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.empty((x.shape[0], n_out), np.float32)
+        if y.size == 0:
+            return y
         if x.shape[0] <= DECODE_MAX_ROWS:
             _parallel_rows(lambda r0, r1: self._decode_rows(x, y, r0, r1), n_out, n_out * n_in)
         else:
@@ -290,24 +292,29 @@ class QuantWeight(Weight):
         g = self.group
         n_groups = n_in // g
         xg = x.reshape(n, n_groups, g).transpose(1, 2, 0)  # (groups, g, n)
-        n_rows = r1 - r0
-        n_tiles = -(-n_rows * n_in // TILE_VALUES)
-        tile_rows = -(-n_rows // n_tiles)
+        n_tiles = -(-(r1 - r0) * n_in // TILE_VALUES)
+        tile_rows = -(-(r1 - r0) // n_tiles)  # equal tiles of about TILE_VALUES
+        # partial sums of a span of tiles are reduced together (fewer, longer numpy calls)
+        span_rows = max(1, TILE_VALUES // (n_groups * n * tile_rows)) * tile_rows
         buf = _buffer("tile", tile_rows * n_in)
-        p = _buffer("partial", n_groups * n_rows * n).reshape(n_groups, n_rows, n)
-        for t0 in range(0, n_rows, tile_rows):
-            t1 = min(t0 + tile_rows, n_rows)
-            w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in): the codes as float32
-            np.copyto(w, self.codes[r0 + t0 : r0 + t1])
-            # p[k, r, :] = codes[r, group k] . x[:, group k]
-            np.matmul(w.reshape(t1 - t0, n_groups, g).transpose(1, 0, 2), xg, out=p[:, t0:t1])
-        # y[:, r] = sum_k scales[k, r] * p[k, r, :]
-        if n == 1:
-            p1 = p[:, :, 0]  # (groups, rows)
-            np.multiply(p1, self.scales[:, r0:r1], out=p1)
-            np.add.reduce(p1, axis=0, out=y[0, r0:r1])
-        else:
-            y[:, r0:r1] = np.einsum("krn,kr->nr", p, self.scales[:, r0:r1])
+        pbuf = _buffer("partial", n_groups * min(span_rows, r1 - r0) * n)
+        for s0 in range(r0, r1, span_rows):
+            s1 = min(s0 + span_rows, r1)
+            p = pbuf[: n_groups * (s1 - s0) * n].reshape(n_groups, s1 - s0, n)
+            for t0 in range(s0, s1, tile_rows):
+                t1 = min(t0 + tile_rows, s1)
+                w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in): codes as float32
+                np.copyto(w, self.codes[t0:t1])
+                # p[k, r, :] = codes[r, group k] . x[:, group k]
+                np.matmul(w.reshape(t1 - t0, n_groups, g).transpose(1, 0, 2), xg,
+                          out=p[:, t0 - s0 : t1 - s0])
+            # y[:, r] = sum_k scales[k, r] * p[k, r, :]
+            if n == 1:
+                p1 = p[:, :, 0]  # (groups, rows)
+                np.multiply(p1, self.scales[:, s0:s1], out=p1)
+                np.add.reduce(p1, axis=0, out=y[0, s0:s1])
+            else:
+                y[:, s0:s1] = np.einsum("krn,kr->nr", p, self.scales[:, s0:s1])
         if self.mins is not None:
             # y[:, r] += sum_k mins[k, r] * sum(x[:, group k])
             x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)

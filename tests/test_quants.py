@@ -70,7 +70,7 @@ def test_dequantize_matches_gguf_on_quantized_data(qtype):
     np.testing.assert_array_equal(weight.dequantize(), ref_quants.dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 40])
+@pytest.mark.parametrize("n", [1, 2, 7, quants.DECODE_MAX_ROWS, quants.DECODE_MAX_ROWS + 1])
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_matmul_matches_reference(qtype, n):
     weight, reference = weight_and_reference(qtype)
@@ -150,6 +150,12 @@ def test_concat_weights_needs_the_same_input_size():
     b, _ = weight_and_reference(T.Q8_0, n_in=256)
     with pytest.raises(ValueError):
         concat_weights([a, b])
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.F16, T.F32], ids=lambda t: t.name)
+def test_matmul_of_no_rows(qtype):
+    weight, _ = weight_and_reference(qtype)
+    assert weight.matmul(np.zeros((0, N_IN), np.float32)).shape == (0, N_OUT)
 
 
 def test_matmul_checks_the_input_shape():
