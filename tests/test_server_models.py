@@ -69,7 +69,7 @@ async def test_listing_does_not_load_models(nursery, tmp_path, tiny_path):
     (models / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # truncated: skipped
     (models / "notes.txt").write_text("not a model")
     lines = []
-    service = await Service.open(ServiceConfig(models_dir=models), log=lines.append)
+    service = await Service.open(ServiceConfig(models_dir=models, store=False), log=lines.append)
     server = await start_server(nursery, service)
     reply = await server.request("GET", "/lmsp/v1/models")
     assert [m["id"] for m in reply.json()["data"]] == ["smollm2:135m-instruct-q4_1"]
@@ -122,7 +122,7 @@ async def test_a_model_that_fails_to_load_is_503(monkeypatch, nursery, tiny_path
 
     monkeypatch.setattr(engine.model, "load_model", broken)
     lines = []
-    service = await Service.open(ServiceConfig(model_paths=[tiny_path]), log=lines.append)
+    service = await Service.open(ServiceConfig(model_paths=[tiny_path], store=False), log=lines.append)
     server = await start_server(nursery, service)
     reply = await server.responses({"model": TINY_ID, "input": [{"role": "user", "content": "hi"}]})
     assert reply.status == 503
