@@ -21,6 +21,15 @@ Durability. The promise is: nothing a client was told is stored is ever lost.
 `--no-store` runs the same code on a throw-away database in a temporary
 directory, removed at shutdown: tasks still work, nothing outlives the process.
 
+Owners. Several processes may share a data directory (SQLite allows it), so
+"the process that was running this task died" must mean exactly that, not "a
+process started". Each Store is an owner with a random id and holds an
+exclusive `flock` on its own file `owners/<id>.lock` while it is open; the
+kernel drops the lock when the process dies, however it dies (kill -9
+included). Tasks and idempotency claims record their owner; at start-up only
+those of owners whose lock can be taken are recovered. (Without `fcntl`, on
+Windows, every other owner counts as dead: one process per data directory.)
+
 The schema is versioned with `PRAGMA user_version`: `MIGRATIONS[i]` takes a
 database from version i to i + 1, so a later release appends to the list.
 """
@@ -28,6 +37,7 @@ database from version i to i + 1, so a later release appends to the list.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
 import tempfile
@@ -38,7 +48,13 @@ from typing import Any, Callable
 
 import trio
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 DB_NAME = "lmsp-min.sqlite3"
+OWNERS_DIR = "owners"
 
 MIGRATIONS: list[list[str]] = [
     # version 1
@@ -55,12 +71,14 @@ MIGRATIONS: list[list[str]] = [
             input TEXT NOT NULL,
             body TEXT NOT NULL
         )""",
-        # A task: `model` the id of the model it runs; `request` the request body; `response` the final
+        # A task: `owner` the Store (process) running it; `model` the id of the
+        # model it runs; `request` the request body; `response` the final
         # response object once the task is final; `ended_at` starts the event
         # retention clock; `events_expired` is set when its events were purged.
         """CREATE TABLE tasks (
             id TEXT PRIMARY KEY,
             principal TEXT NOT NULL,
+            owner TEXT NOT NULL,
             created_at INTEGER NOT NULL,
             model TEXT NOT NULL,
             response_id TEXT NOT NULL,
@@ -82,13 +100,14 @@ MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (task_id, seq)
         ) WITHOUT ROWID""",
         # An Idempotency-Key: `fingerprint` identifies route + body; while `state` is
-        # 'running' repeats get 409; once 'done', `status`/`content_type`/`body` are
+        # 'running' (in process `owner`) repeats get 409; once 'done', `status`/`content_type`/`body` are
         # the exact result to replay, or `task_id` the task to return again.
         """CREATE TABLE idempotency (
             principal TEXT NOT NULL,
             key TEXT NOT NULL,
             fingerprint TEXT NOT NULL,
             state TEXT NOT NULL,
+            owner TEXT NOT NULL,
             status INTEGER,
             content_type TEXT,
             body BLOB,
@@ -123,6 +142,7 @@ class StoredResponse:
 class TaskRow:
     id: str
     principal: str
+    owner: str  # the Store that runs (or ran) it
     created_at: int
     model: str
     response_id: str
@@ -197,6 +217,12 @@ class Store:
     def __init__(self, path: Path, temporary_dir: Path | None = None, readers: int = 2):
         self.path = path
         self._temporary_dir = temporary_dir
+        self._owners = path.parent / OWNERS_DIR
+        self._owners.mkdir(exist_ok=True)
+        self.owner = os.urandom(8).hex()
+        self._owner_lock = open(self._owners / f"{self.owner}.lock", "w")
+        if fcntl is not None:
+            fcntl.flock(self._owner_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._writer = _connect(str(path))
         self._writer.execute("PRAGMA journal_mode = WAL")
         self._writer.execute("PRAGMA synchronous = FULL")
@@ -234,8 +260,27 @@ class Store:
         self._all_readers.clear()
         self._idle_readers.clear()
         self._writer.close()
+        self._owner_lock.close()
+        (self._owners / f"{self.owner}.lock").unlink(missing_ok=True)
         if self._temporary_dir is not None:
             shutil.rmtree(self._temporary_dir, ignore_errors=True)
+
+    def _is_dead(self, owner: str) -> bool:
+        """Whether the process of `owner` is gone (its lock file can be locked, or is
+        missing); the file of a dead owner is removed."""
+        if owner == self.owner:
+            return False
+        path = self._owners / f"{owner}.lock"
+        if fcntl is not None:
+            try:
+                with open(path, "a") as file:
+                    fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except FileNotFoundError:
+                return True
+            except BlockingIOError:
+                return False
+        path.unlink(missing_ok=True)
+        return True
 
     # -- running statements in worker threads ---------------------------------------
 
@@ -318,9 +363,9 @@ class Store:
     ) -> None:
         await self._write(
             lambda conn: conn.execute(
-                "INSERT INTO tasks (id, principal, created_at, model, response_id, status, request)"
-                " VALUES (?, ?, ?, ?, ?, 'queued', ?)",
-                (task_id, principal, created_at, model, response_id, request),
+                "INSERT INTO tasks (id, principal, owner, created_at, model, response_id, status,"
+                " request) VALUES (?, ?, ?, ?, ?, ?, 'queued', ?)",
+                (task_id, principal, self.owner, created_at, model, response_id, request),
             )
         )
 
@@ -342,13 +387,18 @@ class Store:
         response: str,
         final_events: list[LoggedEvent],
         stored: tuple[str, list] | None = None,
-    ) -> None:
+    ) -> bool:
         """End a task in one durable transaction: its last events, its final
         status and response, and (`stored` = (principal, input items)) the stored
-        response when the task's request asked for `store: true`."""
+        response when the task's request asked for `store: true`.
+        False (nothing written) if the task had already ended: two processes
+        recovering the same dead owner's tasks end each only once."""
         assert status in FINAL_STATUSES, status
 
-        def finish(conn: sqlite3.Connection) -> None:
+        def finish(conn: sqlite3.Connection) -> bool:
+            (current,) = conn.execute("SELECT status FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            if current in FINAL_STATUSES:
+                return False
             now = time.time()
             _insert_events(conn, task_id, final_events, now)
             conn.execute(
@@ -361,8 +411,9 @@ class Store:
                     conn, body["id"], stored[0], body["created_at"], body["model"],
                     body["status"], json.dumps(stored[1]), response,
                 )
+            return True
 
-        await self._write(finish)
+        return await self._write(finish)
 
     async def get_task(self, task_id: str, principal: str | None) -> TaskRow | None:
         """The task, or None if unknown or (principal given) owned by another principal."""
@@ -383,11 +434,13 @@ class Store:
         """Tasks left queued or in progress by a process that died, with their logs."""
 
         def select(conn: sqlite3.Connection) -> list[tuple[TaskRow, list[LoggedEvent]]]:
-            ids = conn.execute(
-                "SELECT id FROM tasks WHERE status IN ('queued', 'in_progress') ORDER BY created_at"
+            rows = conn.execute(
+                "SELECT id, owner FROM tasks WHERE status IN ('queued', 'in_progress')"
+                " ORDER BY created_at"
             ).fetchall()
+            dead = {owner for owner in {owner for _, owner in rows} if self._is_dead(owner)}
             result = []
-            for (task_id,) in ids:
+            for task_id in [task_id for task_id, owner in rows if owner in dead]:
                 events = conn.execute(
                     "SELECT seq, event, data FROM task_events WHERE task_id = ? ORDER BY seq",
                     (task_id,),
@@ -440,9 +493,9 @@ class Store:
             if row is not None:
                 return IdempotencyRecord(*row)
             conn.execute(
-                "INSERT INTO idempotency (principal, key, fingerprint, state, created_at)"
-                " VALUES (?, ?, ?, 'running', ?)",
-                (principal, key, fingerprint, time.time()),
+                "INSERT INTO idempotency (principal, key, fingerprint, state, owner, created_at)"
+                " VALUES (?, ?, ?, 'running', ?, ?)",
+                (principal, key, fingerprint, self.owner, time.time()),
             )
             return None
 
@@ -479,11 +532,19 @@ class Store:
             durable=False,
         )
 
-    async def release_all_running_keys(self) -> int:
-        """At start-up: claims of requests that died with the previous process."""
-        return await self._write(
-            lambda conn: conn.execute("DELETE FROM idempotency WHERE state = 'running'").rowcount
-        )
+    async def release_keys_of_dead_owners(self) -> int:
+        """At start-up: claims of requests that died with their process."""
+
+        def release(conn: sqlite3.Connection) -> int:
+            owners = conn.execute("SELECT DISTINCT owner FROM idempotency WHERE state = 'running'")
+            dead = [owner for (owner,) in owners.fetchall() if self._is_dead(owner)]
+            return sum(
+                conn.execute("DELETE FROM idempotency WHERE state = 'running' AND owner = ?",
+                             (owner,)).rowcount
+                for owner in dead
+            )
+
+        return await self._write(release)
 
 
 def _insert_response(
@@ -508,10 +569,10 @@ def _insert_events(
 
 def _select_task(conn: sqlite3.Connection, task_id: str, principal: str | None) -> TaskRow | None:
     row = conn.execute(
-        "SELECT id, principal, created_at, model, response_id, status, request, response,"
+        "SELECT id, principal, owner, created_at, model, response_id, status, request, response,"
         " ended_at, events_expired FROM tasks WHERE id = ?",
         (task_id,),
     ).fetchone()
     if row is None or (principal is not None and row[1] != principal):
         return None
-    return TaskRow(*row[:9], bool(row[9]))
+    return TaskRow(*row[:10], bool(row[10]))

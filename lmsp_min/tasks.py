@@ -22,13 +22,15 @@ from typing import AsyncIterator
 
 import trio
 
-from lmsp_min.events import SSE_KEEPALIVE, new_id
+from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, new_id
 from lmsp_min.problems import Problem
-from lmsp_min.store import LoggedEvent, Store, TaskRow
+from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
 
 # D3: "at least every 15 seconds" while a stream is idle; 10 leaves room for a
 # busy loop and a slow network.
 KEEPALIVE_INTERVAL = 10.0
+# How often a follower polls the log of a task another process runs.
+POLL_INTERVAL = 0.05
 
 
 class LiveLog:
@@ -190,8 +192,8 @@ class Tasks:
                 del self._running[task_id]
                 raise
             self._nursery.start_soon(self._run, running)
-        return TaskRow(task_id, generation.principal, run.created_at, run.model_id, run.id, "queued",
-                       _json(body), None, None, False)
+        return TaskRow(task_id, generation.principal, self.store.owner, run.created_at, run.model_id,
+                       run.id, "queued", _json(body), None, None, False)
 
     async def _run(self, running: _Running) -> None:
         generation = running.generation
@@ -277,22 +279,38 @@ class Tasks:
         running = self._running.get(task_id)
         if running is not None:
             return self._follow(running.log, after)
-        return self._replay(task_id, after)
+        # Final, or ours but its runner is gone: what the log holds is all there is.
+        # Otherwise another process sharing the data directory runs it.
+        elsewhere = row.status not in FINAL_STATUSES and row.owner != self.store.owner
+        return self._from_database(task_id, after, follow=elsewhere)
 
     async def _follow(self, log: LiveLog, after: int) -> AsyncIterator[bytes]:
         async with aclosing(log.follow(after)) as events:
             async for event in events:
                 yield SSE_KEEPALIVE if event is None else sse(event)
 
-    async def _replay(self, task_id: str, after: int, batch: int = 512) -> AsyncIterator[bytes]:
-        """A finished task's events, from the database (the final one is there)."""
+    async def _from_database(self, task_id: str, after: int, *, follow: bool,
+                             batch: int = 512) -> AsyncIterator[bytes]:
+        """A task's logged events after `after`, read from the database. With
+        `follow` (another process runs the task) it polls for new ones until the
+        final event, and recovers the task if that process dies meanwhile."""
+        quiet = 0.0
         while True:
             events = await self.store.read_events(task_id, after, batch)
             if events:
                 yield b"".join(sse(event) for event in events)
-                after = events[-1].seq
+                after, quiet = events[-1].seq, 0.0
+                if events[-1].event in FINAL_EVENTS:
+                    return
             if len(events) < batch:
-                return
+                if not follow:
+                    return
+                await trio.sleep(POLL_INTERVAL)
+                quiet += POLL_INTERVAL
+                if quiet >= KEEPALIVE_INTERVAL:
+                    yield SSE_KEEPALIVE
+                    quiet = 0.0
+                    await self.recover()  # (its process may have died)
 
     # -- crash recovery and expiry ------------------------------------------------
 
@@ -317,10 +335,10 @@ class Tasks:
             )
             # Not kept as a stored response even with `store: true`: the effective
             # input died with the process; the task object keeps the response.
-            await self.store.finish_task(row.id, "failed", _json(response), [final])
-            recovered.append(row.id)
-            self._log(f"task {row.id} was interrupted by a restart: marked failed")
-        await self.store.release_all_running_keys()
+            if await self.store.finish_task(row.id, "failed", _json(response), [final]):
+                recovered.append(row.id)
+                self._log(f"task {row.id} was interrupted by the end of its process: marked failed")
+        await self.store.release_keys_of_dead_owners()
         return recovered
 
     async def purge(self) -> None:

@@ -107,7 +107,7 @@ async def test_task_lifecycle_and_event_log(store):
     assert await store.read_events("task_1", 0) == events
     assert await store.read_events("task_1", 3) == events[3:]
     assert await store.read_events("task_1", 1, limit=2) == events[1:3]
-    assert [t.id for t, _ in await store.interrupted_tasks()] == ["task_1"]
+    assert await store.interrupted_tasks() == []  # its owner (this store) is alive
 
     final = LoggedEvent(6, "response.completed", '{"status":"completed"}')
     body = response_body("resp_1")
@@ -146,7 +146,7 @@ async def test_idempotency_claim_complete_release(store):
     assert (await store.claim_idempotency_key("alice", "k", "fp1")).state == "done"
     await store.release_idempotency_key("bob", "k")
     assert await store.claim_idempotency_key("bob", "k", "fp1") is None
-    assert await store.release_all_running_keys() == 1
+    assert await store.release_keys_of_dead_owners() == 0  # this store is alive
     await store.purge(time.time() + 86401, 3600, 86400)
     assert await store.claim_idempotency_key("alice", "k", "fp1") is None
 
@@ -176,3 +176,21 @@ def test_an_unusable_data_dir_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(StoreError, match="cannot open the database"):
         Store.open_sync(tmp_path / "file" / "data")
+
+
+async def test_only_the_work_of_dead_owners_is_recovered(tmp_path):
+    """Two processes share a data directory: neither recovers the other's running
+    work while it lives; once one is gone (closed, or killed: its flock is
+    dropped either way), the other recovers its tasks and claims."""
+    first = await Store.open(tmp_path)
+    second = await Store.open(tmp_path)
+    await first.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
+    await first.claim_idempotency_key("alice", "k", "fp")
+    assert await second.interrupted_tasks() == []
+    assert await second.release_keys_of_dead_owners() == 0
+    first._owner_lock.close()  # what the kernel does when the process dies
+    assert [row.id for row, _ in await second.interrupted_tasks()] == ["task_1"]
+    assert await second.release_keys_of_dead_owners() == 1
+    assert list(second._owners.iterdir()) == [second._owners / f"{second.owner}.lock"]
+    first.close()
+    second.close()

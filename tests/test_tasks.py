@@ -228,6 +228,8 @@ async def test_recovery_fails_interrupted_tasks_and_keeps_their_events(tmp_path)
         LoggedEvent(3, "response.output_text.delta", json.dumps({"item_id": "msg_2", "delta": "ld"})),
     ])
     await store.create_task("task_3", "alice", 1794200000, "tiny:chat-q8_0", "resp_3", "{}")  # queued
+    store.close()  # the process that ran them is gone
+    store = await Store.open(tmp_path)
     assert await Tasks(store).recover() == ["task_1", "task_2", "task_3"]
     row = await store.get_task("task_1", "alice")
     response = row.object()["response"]
@@ -274,3 +276,28 @@ async def test_a_smollm2_task_says_what_a_direct_request_says(nursery, smollm2_p
     direct = (await server.responses(body)).json()
     assert text_of(events) == message_text(final["response"]) == message_text(direct)
     assert "Paris" in text_of(events)
+
+
+async def test_two_processes_share_a_data_directory(nursery, tiny_path, tmp_path, monkeypatch):
+    """A task one service runs is followed through another on the same data
+    directory (by polling its log); when the first dies, the second fails the
+    task and its followers get the final event."""
+    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.2)
+    first = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    task = await create(first, task_body(max_output_tokens=40))
+    events = await all_events(second, task["id"])
+    assert [e.id for e in events] == list(range(1, len(events) + 1)) and events[-1].event in FINAL
+    assert text_of(events) == message_text((await wait_final(second, task["id"]))["response"])
+
+    # a task whose process is alive but will die (its runner never started here)
+    store = first.service.store
+    await store.create_task("task_orphan", "local", 0, "tiny:chat-q8_0", "resp_orphan", "{}")
+    await store.append_events("task_orphan", [LoggedEvent(1, "response.created", "{}")])
+    async with second.connection() as client:
+        stream = follow(client, "task_orphan")
+        assert (await stream.__anext__()).id == 1
+        assert await stream.__anext__() is None  # keep-alive: it is still running elsewhere
+        store._owner_lock.close()  # the first process dies (the kernel drops its lock)
+        rest = [e async for e in stream if e is not None]
+    assert [(e.id, e.event) for e in rest] == [(2, "response.failed")]
