@@ -21,7 +21,7 @@ The architectures differ in small, named ways (see `Hyperparameters`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,14 @@ class Batch:
     spans: list[slice]               # rows of each sequence in the batch
     tokens: np.ndarray               # (n,) token ids
     positions: np.ndarray            # (n,) position of each token in its sequence
+    rope_cache: dict = field(default_factory=dict)  # (rope_dim, base) -> (cos, sin), shared by the layers
+
+    def rope_angles(self, rope_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin (n, rope_dim/2) of this batch's positions, computed once per step."""
+        key = (rope_dim, base)
+        if key not in self.rope_cache:
+            self.rope_cache[key] = rope_angles(self.positions, rope_dim, base)
+        return self.rope_cache[key]
 
 
 def make_batch(sequences: list[Sequence], max_tokens_each: int) -> Batch:
@@ -167,7 +175,7 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
         k = rms_norm(k, blk.k_norm, hp.norm_eps)               # (n, n_head_kv, hd)
     local = hp.local_layers[layer]
     base = hp.rope_base_local if local else hp.rope_base
-    cos, sin = rope_angles(batch.positions, hp.rope_dim, base)  # (n, rope_dim/2) each
+    cos, sin = batch.rope_angles(hp.rope_dim, base)            # (n, rope_dim/2) each
     q = rope(q, cos, sin, hp.rope_neox)                        # (n, n_head, hd)
     k = rope(k, cos, sin, hp.rope_neox)                        # (n, n_head_kv, hd)
     window = hp.sliding_window if local else 0
