@@ -18,8 +18,9 @@ Durability. The promise is: nothing a client was told is stored is ever lost.
   This keeps following a task cheap (an fsync is milliseconds; see
   benchmarks/tasks.py) without weakening any promise.
 
-`--no-store` runs the same code on a throw-away database in a temporary
-directory, removed at shutdown: tasks still work, nothing outlives the process.
+`--no-store` runs the same code on an in-memory database (one connection for
+reads and writes): tasks still work, nothing outlives the process, and nothing
+is left behind on disk however the process ends.
 
 Owners. Several processes may share a data directory (SQLite allows it), so
 "the process that was running this task died" must mean exactly that, not "a
@@ -38,9 +39,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sqlite3
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,33 +210,37 @@ class Store:
     """The database, with an async method per operation the service needs.
 
     Build it with `await Store.open(data_dir)` (or `Store.open_sync` outside trio);
-    `data_dir=None` is the throw-away database of `--no-store`.
+    `data_dir=None` is the in-memory database of `--no-store`.
     """
 
-    def __init__(self, path: Path, temporary_dir: Path | None = None, readers: int = 2):
-        self.path = path
-        self._temporary_dir = temporary_dir
-        self._owners = path.parent / OWNERS_DIR
-        self._owners.mkdir(exist_ok=True)
+    def __init__(self, path: Path | None, readers: int = 2):
+        self.path = path  # None: in memory
         self.owner = os.urandom(8).hex()
-        self._owner_lock = open(self._owners / f"{self.owner}.lock", "w")
-        if fcntl is not None:
-            fcntl.flock(self._owner_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._writer = _connect(str(path))
-        self._writer.execute("PRAGMA journal_mode = WAL")
-        self._writer.execute("PRAGMA synchronous = FULL")
         self._synchronous = "FULL"
-        _migrate(self._writer)
-        self._write_limiter = trio.CapacityLimiter(1)
-        self._read_limiter = trio.CapacityLimiter(readers)
         self._idle_readers: list[sqlite3.Connection] = []
         self._all_readers: list[sqlite3.Connection] = []
+        self._write_limiter = trio.CapacityLimiter(1)
+        if path is None:
+            self._owners = self._owner_lock = None
+            self._writer = _connect(":memory:")
+            self._read_limiter = self._write_limiter  # one connection does everything
+            self._idle_readers.append(self._writer)
+        else:
+            self._owners = path.parent / OWNERS_DIR
+            self._owners.mkdir(exist_ok=True)
+            self._owner_lock = open(self._owners / f"{self.owner}.lock", "w")
+            if fcntl is not None:
+                fcntl.flock(self._owner_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._writer = _connect(str(path))
+            self._writer.execute("PRAGMA journal_mode = WAL")
+            self._read_limiter = trio.CapacityLimiter(readers)
+        self._writer.execute("PRAGMA synchronous = FULL")
+        _migrate(self._writer)
 
     @classmethod
     def open_sync(cls, data_dir: Path | str | None) -> "Store":
         if data_dir is None:
-            temporary_dir = Path(tempfile.mkdtemp(prefix="lmsp-min-nostore-"))
-            return cls(temporary_dir / DB_NAME, temporary_dir)
+            return cls(None)
         data_dir = Path(data_dir)
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
@@ -251,8 +254,8 @@ class Store:
 
     @property
     def persistent(self) -> bool:
-        """False for the throw-away database of `--no-store`."""
-        return self._temporary_dir is None
+        """False for the in-memory database of `--no-store`."""
+        return self.path is not None
 
     def close(self) -> None:
         for conn in self._all_readers:
@@ -260,15 +263,14 @@ class Store:
         self._all_readers.clear()
         self._idle_readers.clear()
         self._writer.close()
-        self._owner_lock.close()
-        (self._owners / f"{self.owner}.lock").unlink(missing_ok=True)
-        if self._temporary_dir is not None:
-            shutil.rmtree(self._temporary_dir, ignore_errors=True)
+        if self._owner_lock is not None:
+            self._owner_lock.close()
+            (self._owners / f"{self.owner}.lock").unlink(missing_ok=True)
 
     def _is_dead(self, owner: str) -> bool:
         """Whether the process of `owner` is gone (its lock file can be locked, or is
         missing); the file of a dead owner is removed."""
-        if owner == self.owner:
+        if owner == self.owner or self._owners is None:
             return False
         path = self._owners / f"{owner}.lock"
         if fcntl is not None:
@@ -317,7 +319,7 @@ class Store:
         try:
             conn = self._idle_readers.pop()
         except IndexError:
-            conn = _connect(str(self.path))
+            conn = _connect(str(self.path))  # (never in memory: its one connection is idle)
             self._all_readers.append(conn)
         try:
             return fn(conn, *args)

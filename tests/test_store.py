@@ -62,11 +62,23 @@ def test_newer_schema_is_refused(tmp_path):
         Store.open_sync(tmp_path)
 
 
-def test_no_store_database_is_removed_at_close():
-    s = Store.open_sync(None)
-    assert not s.persistent and s.path.exists()
+async def test_no_store_database_lives_in_memory():
+    s = await Store.open(None)
+    assert not s.persistent and s.path is None
+    await s.put_response("resp_1", "alice", [], response_body("resp_1"))
+    await s.create_task("task_1", "alice", 0, "tiny:llama", "resp_2", "{}")
+    await s.append_events("task_1", [LoggedEvent(1, "response.created", "{}")])
+
+    async def read(n):
+        assert (await s.get_response("resp_1", "alice")).body == response_body("resp_1")
+        assert len(await s.read_events("task_1", 0)) >= 1
+
+    async with trio.open_nursery() as nursery:  # readers and writers share one connection
+        for n in range(5):
+            nursery.start_soon(read, n)
+            nursery.start_soon(s.append_events, "task_1", [LoggedEvent(n + 2, "e", "{}")])
+    assert await s.interrupted_tasks() == []
     s.close()
-    assert not s.path.parent.exists()
 
 
 async def test_responses_round_trip_exactly_and_per_principal(store):
