@@ -11,18 +11,23 @@ input and the requested output fit the context window (decision D4). Then
     ToolCallDelta / ToolCall     tool calls (see below)
     Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
 
-Tools and structured output (JSON Schema) need constrained decoding
-(engine/constrain.py, engine/tools.py); until that is wired in here, a request
-asking for them raises an EngineError in prepare_chat (see `_check_supported`).
+Tools and structured output are enforced while decoding (engine/tools.py,
+engine/constrain.py): prepare_chat renders the tools into the prompt and compiles
+the constraint (a schema it cannot enforce raises SchemaError there), and
+generate_chat splits the output into TextDelta and ToolCall events; a call cut
+off by max_tokens is dropped (Finished "length"), never given out half-made.
+With `json_schema` the message text is one JSON document valid for the schema.
+Stop sequences do not apply to constrained output: they could cut a document.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import ContextLengthExceeded, EngineError
+from .errors import ContextLengthExceeded
 from .generate import StopFilter
 from .sampling import SamplingParams
+from .tools import ToolCallParser, plan_output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -45,6 +50,8 @@ class PreparedChat:
     prompt_ids: list[int]
     max_tokens: int           # resolved: never past the context window
     starts_in_reasoning: bool  # the template's generation prompt opened a <think> block
+    constraint: object = None  # engine/constrain.py GrammarConstraint for tools / json_schema
+    tool_calls: bool = False   # split the output into text and tool calls
 
     @property
     def input_tokens(self) -> int:
@@ -85,8 +92,8 @@ class Finished:
 
 def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     """Render, tokenize and check a chat request; raises before any generation starts."""
-    _check_supported(request)
-    prompt = model.apply_chat_template(request.messages, add_generation_prompt=True)
+    plan = plan_output(model, request)
+    prompt = model.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.template_tools)
     prompt_ids = model.tokenize(prompt, add_special=model.add_bos, parse_special=True)
     n_ctx = model.n_ctx
     if request.max_tokens is not None and request.max_tokens < 1:
@@ -96,24 +103,33 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     max_tokens = request.max_tokens if request.max_tokens is not None else n_ctx - len(prompt_ids)
     reasoning = "reasoning" in model.info.capabilities
     starts_in_reasoning = reasoning and prompt.rstrip().endswith(THINK_OPEN)
-    return PreparedChat(request, prompt, prompt_ids, max_tokens, starts_in_reasoning)
+    return PreparedChat(request, prompt, prompt_ids, max_tokens, starts_in_reasoning,
+                        plan.constraint, plan.tool_calls)
 
 
 async def generate_chat(model, prepared: PreparedChat):
     """The events of one chat completion (see the module docstring)."""
     request = prepared.request
-    generation = model.generate(prepared.prompt_ids, max_tokens=prepared.max_tokens,
-                                sampling=request.sampling, stop=request.stop)
+    constraint = prepared.constraint
+    generation = model.generate(prepared.prompt_ids, max_tokens=prepared.max_tokens, sampling=request.sampling,
+                                stop=() if constraint is not None else request.stop, constraint=constraint)
     splitter = ReasoningSplitter(prepared.starts_in_reasoning) if "reasoning" in model.info.capabilities else None
+    calls = ToolCallParser() if prepared.tool_calls else None
     try:
         async for token in generation:
-            if splitter is None:
+            if calls is not None:
+                for event in _tool_events(calls.feed(token.text)):
+                    yield event
+            elif splitter is None:
                 if token.text:
                     yield TextDelta(token.text)
             else:
                 for event in splitter.feed(token.text):
                     yield event
-        if splitter is not None:
+        if calls is not None:
+            for event in _tool_events(calls.finish(complete=generation.finish_reason == "stop")):
+                yield event
+        elif splitter is not None:
             for event in splitter.flush():
                 yield event
     finally:
@@ -158,9 +174,6 @@ class ReasoningSplitter:
             events.append(ReasoningDelta(text) if self.in_reasoning else TextDelta(text))
 
 
-def _check_supported(request: ChatRequest) -> None:
-    """Tool calling and structured output are the constrained-decoding hook points."""
-    if request.tools and request.tool_choice != "none":
-        raise EngineError("tool calling is not supported by this engine yet")
-    if request.json_schema is not None:
-        raise EngineError("structured output (json_schema) is not supported by this engine yet")
+def _tool_events(parts: list) -> list[TextDelta | ToolCall]:
+    """ToolCallParser output (text, parsed calls) -> chat events."""
+    return [TextDelta(p) if isinstance(p, str) else ToolCall(p.index, p.name, p.arguments) for p in parts if p]

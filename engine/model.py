@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 from . import architectures
 from .architectures import Block, Hyperparameters, Weights
 from .chat_template import ChatTemplate
+from .constrain import can_constrain
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, Sequence
@@ -155,6 +156,8 @@ class Model:
         except ValueError:
             quantization = "unknown"
         capabilities = ("reasoning",) if self.template_source and "<think>" in self.template_source else ()
+        if can_constrain(self.tokenizer):  # constrained decoding works in this vocabulary
+            capabilities += ("tools", "structured_output")
         return ModelInfo(
             path=str(file.path),
             name=file.get("general.name") or file.path.stem,

@@ -99,18 +99,19 @@ def render_generic(messages: list[dict], tools: list[dict] | None) -> list[dict]
 
 
 def check_tools(tools: list[dict], tool_choice) -> list[dict]:
-    """The tools a call may use under `tool_choice`; SchemaError for a bad tool or choice."""
+    """The tools a call may use under `tool_choice`; SchemaError for a bad tool or choice.
+
+    SchemaError paths are relative to the `tools` list ("/0/parameters/...")."""
     names = [t["name"] for t in tools]
     if len(set(names)) != len(names):
-        raise SchemaError("tool names must be unique", "tools", "name")
+        raise SchemaError("tool names must be unique", "", "name")
     if isinstance(tool_choice, dict):
         chosen = [t for t in tools if t["name"] == tool_choice.get("name")]
         if not chosen:
-            raise SchemaError(f"tool_choice names {tool_choice.get('name')!r}, which is not a listed tool",
-                              "tool_choice", "name")
+            raise SchemaError(f"tool_choice names {tool_choice.get('name')!r}, which is not a listed tool")
         return chosen
     if tool_choice not in ("auto", "none", "required"):
-        raise SchemaError(f"unknown tool_choice {tool_choice!r}", "tool_choice")
+        raise SchemaError(f"unknown tool_choice {tool_choice!r}")
     return tools
 
 
@@ -122,7 +123,7 @@ def _call_object(tools: list[dict]):
         try:
             args = compile_schema(params)
         except SchemaError as e:
-            raise SchemaError(f"tool {tool['name']!r}: {e}", f"tools/{i}/parameters{e.path}", e.keyword) from e
+            raise SchemaError(f"tool {tool['name']!r}: {e}", f"/{i}/parameters{e.path}", e.keyword) from e
         name = Literal([_compact(tool["name"]).encode()])
         options.append(Object(["name", "arguments"], [name, args], ["name", "arguments"]))
     return AnyOf(options)

@@ -274,3 +274,25 @@ async def test_tiny_model_writes_valid_json_in_50_of_50_runs(tiny):
     for seed, (text, reason) in results.items():
         assert reason == "stop", (seed, text)
         assert validate(json.loads(text), schema(seed % len(SCHEMAS))) is None, (seed, text)
+
+
+async def chat_events(model, request):
+    return [event async for event in model.generate_chat(model.prepare_chat(request))]
+
+
+async def test_chat_json_schema(tiny):
+    from engine.chat import ChatRequest, Finished, TextDelta
+    from engine.sampling import SamplingParams
+
+    assert {"tools", "structured_output"} <= set(tiny.info.capabilities)
+    messages = [{"role": "user", "content": "A person, as JSON."}]
+    for seed in range(3):
+        request = ChatRequest(messages, sampling=SamplingParams(seed=seed), json_schema=SCHEMAS[0], stop=('"',))
+        events = await chat_events(tiny, request)
+        assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        assert validate(json.loads(text), SCHEMAS[0]) is None     # stop sequences do not cut it
+    events = await chat_events(tiny, ChatRequest(messages, max_tokens=3, json_schema=SCHEMAS[0]))
+    assert events[-1].reason == "length"
+    with pytest.raises(SchemaError):
+        tiny.prepare_chat(ChatRequest(messages, json_schema={"type": "string", "pattern": "a"}))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import trio
 
-from engine import (ChatRequest, ContextLengthExceeded, EngineError, Finished, ReasoningDelta,
+from engine import (ChatRequest, ContextLengthExceeded, Finished, ReasoningDelta,
                     SamplingParams, TextDelta, load_model)
 from engine.chat import ReasoningSplitter
 from engine.generate import StopFilter
@@ -156,10 +156,10 @@ def test_chat_checks_the_context_window(tmp_path):
     assert small.prepare_chat(ChatRequest(messages)).max_tokens == 40 - n_input
 
 
-def test_tools_are_refused_until_supported(model):
-    with pytest.raises(EngineError, match="tool"):
-        model.prepare_chat(ChatRequest([{"role": "user", "content": "Hi"}],
-                                       tools=[{"name": "f", "description": "", "parameters": {}}]))
+def test_tools_are_prepared_with_a_constraint(model):
+    prepared = model.prepare_chat(ChatRequest([{"role": "user", "content": "Hi"}],
+                                              tools=[{"name": "f", "description": "", "parameters": {}}]))
+    assert prepared.tool_calls and prepared.constraint is not None
 
 
 def test_reasoning_splitter():

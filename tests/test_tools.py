@@ -111,7 +111,7 @@ def test_unknown_named_tool_and_bad_parameters_are_rejected(smollm2):
     bad = [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "format": "uri"}}}}]
     with pytest.raises(SchemaError) as e:
         tool_constraint(bad, "auto", index)
-    assert e.value.keyword == "format" and e.value.path == "tools/0/parameters/properties/x/format"
+    assert e.value.keyword == "format" and e.value.path == "/0/parameters/properties/x/format"
 
 
 def test_parser_streams_text_and_calls():
@@ -220,3 +220,26 @@ async def test_tiny_model_makes_valid_calls_in_50_of_50_runs(tiny):
         assert 1 <= len(calls) <= MAX_CALLS
         if isinstance(choice, dict):
             assert {c.name for c in calls} == {choice["name"]}
+
+
+async def test_chat_tool_calls(tiny):
+    from engine.chat import ChatRequest, Finished, TextDelta, ToolCall
+    from engine.sampling import SamplingParams
+    from tests.test_constrain import chat_events
+
+    messages = [{"role": "user", "content": "Lights on."}]
+    for seed in range(3):
+        request = ChatRequest(messages, sampling=SamplingParams(seed=seed), tools=TINY_TOOLS, tool_choice="required")
+        events = await chat_events(tiny, request)
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        assert [c.index for c in calls] == list(range(len(calls))) and calls
+        check_calls([ParsedCall(c.index, c.name, c.arguments) for c in calls], TINY_TOOLS)
+        assert not [e for e in events if isinstance(e, TextDelta)]
+        assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
+    # cut off by max_tokens: no half-made call, and the response is incomplete
+    events = await chat_events(tiny, ChatRequest(messages, max_tokens=4, tools=TINY_TOOLS, tool_choice="required"))
+    assert events[-1].reason == "length" and not [e for e in events if isinstance(e, ToolCall)]
+    # "none": the prompt does not list the tools and no call comes
+    request = ChatRequest(messages, max_tokens=20, tools=TINY_TOOLS, tool_choice="none")
+    assert "set_light" not in tiny.prepare_chat(request).prompt
+    assert not [e for e in await chat_events(tiny, request) if isinstance(e, ToolCall)]
