@@ -43,6 +43,12 @@ FILE_TYPES = {
     22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
     28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
 }
+# The engine's capabilities are known for sure once a model is loaded (ModelInfo);
+# until then they are predicted from the header with the engine's rules: a template
+# that thinks in <think> tags makes a reasoning model, and constrained decoding
+# (tools, structured output) needs every printable ASCII byte as a token, which
+# byte-level BPE ("gpt2") and SentencePiece with byte fallback ("llama") vocabularies have.
+BYTE_COMPLETE_TOKENIZERS = ("gpt2", "llama")
 # Capability names in the order model objects list them.
 CAPABILITY_ORDER = ("streaming", "tools", "structured_output", "reasoning", "conversations", "tasks")
 
@@ -185,6 +191,9 @@ class ModelEntry:
             raise GGUFHeaderError("the metadata has no general.architecture")
         stat = path.stat()
         template = meta.get("tokenizer.chat_template")
+        capabilities = ("reasoning",) if isinstance(template, str) and "<think>" in template else ()
+        if meta.get("tokenizer.ggml.model") in BYTE_COMPLETE_TOKENIZERS:
+            capabilities += ("tools", "structured_output")
         return cls(
             id=model_id_for(path),
             path=path,
@@ -194,10 +203,7 @@ class ModelEntry:
             quantization=FILE_TYPES.get(meta.get("general.file_type"), "unknown"),
             context_window=int(meta.get(f"{architecture}.context_length", 0)),
             parameters=header.n_parameters,
-            # The engine's rule (engine/model.py ModelInfo): a template that thinks in
-            # <think> tags makes a reasoning model. Replaced by the engine's own
-            # answer once the model is loaded.
-            capabilities=("reasoning",) if isinstance(template, str) and "<think>" in template else (),
+            capabilities=capabilities,
         )
 
     def model_object(self, service_capabilities: tuple[str, ...]) -> dict:

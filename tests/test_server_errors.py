@@ -124,16 +124,16 @@ async def test_unknown_extension_keys_are_ignored(server):
 # -- 400 unsupported_capability, context_length_exceeded, unsupported_version ---------------
 
 
-async def test_tools_need_the_tools_capability(server):
-    if "tools" in server.service.registry.get(TINY_ID).capabilities:
-        pytest.skip("the tiny model has the tools capability")
+async def test_tools_need_the_tools_capability(server, monkeypatch):
+    monkeypatch.setattr(server.service.registry.get(TINY_ID), "capabilities", ("structured_output",))
     tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
     assert_problem(await server.responses(body(tools=tools)), 400, "unsupported_capability", "tools")
+    listed = (await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")).json()["capabilities"]
+    assert "tools" not in listed  # what is refused is what the listing says
 
 
-async def test_structured_output_needs_its_capability(server):
-    if "structured_output" in server.service.registry.get(TINY_ID).capabilities:
-        pytest.skip("the tiny model has the structured_output capability")
+async def test_structured_output_needs_its_capability(server, monkeypatch):
+    monkeypatch.setattr(server.service.registry.get(TINY_ID), "capabilities", ("tools",))
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     assert_problem(await server.responses(body(response_format=fmt)), 400, "unsupported_capability",
                    "response_format")

@@ -38,6 +38,11 @@ async def test_header_agrees_with_the_engine(server, tiny_path):
     assert (entry.quantization, entry.context_window) == (info.quantization, info.context_length)
 
 
+async def test_capabilities_predicted_from_the_header_are_the_engine_s(server, tiny_path):
+    loaded = server.service.registry.get(TINY_ID).model.info.capabilities
+    assert sorted(ModelEntry.from_file(tiny_path).capabilities) == sorted(loaded)
+
+
 async def test_list_and_get(server):
     reply = await server.request("GET", "/lmsp/v1/models")
     assert reply.status == 200 and reply.headers["content-type"] == "application/json"

@@ -1,0 +1,116 @@
+"""Tools and structured output end to end (6.5, D5), enforced while decoding even by a tiny random model."""
+
+import json
+
+import pytest
+
+from server_harness import parse_sse, server, tiny_path  # noqa: F401
+
+TINY_ID = "tiny:chat-q8_0"
+WEATHER = {
+    "type": "function", "name": "get_weather", "description": "Get the current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}},
+                   "required": ["city"], "additionalProperties": False},
+}
+TIME = {"type": "function", "name": "get_time", "description": "The time now.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
+ASK = [{"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "What is the weather in Hangzhou?"}]}]
+
+
+def body(**fields) -> dict:
+    return {"model": TINY_ID, "input": ASK, "temperature": 0, "max_output_tokens": 96,
+            "tools": [WEATHER, TIME], **fields}
+
+
+def calls_of(response: dict) -> list[dict]:
+    return [item for item in response["output"] if item["type"] == "function_call"]
+
+
+def check_call(call: dict) -> None:
+    assert set(call) == {"id", "type", "call_id", "name", "arguments"}
+    assert call["id"].startswith("fc_") and call["call_id"].startswith("call_")
+    arguments = json.loads(call["arguments"])
+    if call["name"] == "get_weather":
+        assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+        assert len(arguments["city"]) <= 5
+    else:
+        assert call["name"] == "get_time" and arguments == {}
+
+
+async def test_required_always_calls_a_listed_tool(server):
+    reply = await server.responses(body(tool_choice="required"))
+    assert reply.status == 200, reply.body
+    response = reply.json()
+    assert response["status"] in ("completed", "incomplete")  # a random model may call and call
+    calls = calls_of(response)
+    assert calls
+    for call in calls:
+        check_call(call)
+    assert len({call["call_id"] for call in calls}) == len(calls)
+
+
+async def test_a_named_tool_is_the_one_called(server):
+    response = (await server.responses(body(tool_choice={"type": "function", "name": "get_time"}))).json()
+    calls = calls_of(response)
+    assert calls and all(call["name"] == "get_time" for call in calls)
+    for call in calls:
+        check_call(call)
+
+
+async def test_none_never_calls(server):
+    response = (await server.responses(body(tool_choice="none", max_output_tokens=16))).json()
+    assert not calls_of(response)
+
+
+async def test_streamed_calls_arrive_complete_in_output_item_done(server):
+    reply = await server.responses(body(tool_choice="required", stream=True))
+    events = parse_sse(reply.body)
+    assert [e.id for e in events] == list(range(1, len(events) + 1))
+    assert events[-1].event in ("response.completed", "response.incomplete")
+    added = [e.data["item"] for e in events if e.event == "response.output_item.added"
+             and e.data["item"]["type"] == "function_call"]
+    done = [e.data["item"] for e in events if e.event == "response.output_item.done"
+            and e.data["item"]["type"] == "function_call"]
+    assert done and len(added) == len(done)
+    for started, call in zip(added, done):
+        assert started["id"] == call["id"] and started["call_id"] == call["call_id"]
+        check_call(call)
+
+
+async def test_round_trip_with_the_tool_result(server):
+    response = (await server.responses(body(tool_choice="required"))).json()
+    call = calls_of(response)[0]
+    follow_up = body(max_output_tokens=8, input=[
+        *ASK, call, {"type": "function_call_output", "call_id": call["call_id"],
+                     "output": json.dumps({"temperature_c": 17})}])
+    assert (await server.responses(follow_up)).status == 200
+
+
+async def test_structured_output_is_valid_json_for_the_schema(server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "temperature": 0,
+                                    "max_output_tokens": 32, "response_format": fmt})
+    assert reply.status == 200, reply.body
+    response = reply.json()
+    assert response["status"] == "completed"
+    value = json.loads(response["output"][-1]["content"][0]["text"])
+    assert isinstance(value, dict) and set(value) == {"ok"} and isinstance(value["ok"], bool)
+
+
+async def test_a_keyword_that_cannot_be_enforced_is_named(server):
+    schema = {"type": "string", "pattern": "^[a-z]+$"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "word", "schema": schema}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "response_format": fmt})
+    assert reply.status == 400
+    doc = reply.json()
+    assert doc["code"] == "invalid_request" and "pattern" in doc["detail"]
+    assert doc["param"].startswith("response_format.json_schema.schema")
+
+
+@pytest.mark.parametrize("capability", ["tools", "structured_output"])
+async def test_the_tiny_model_lists_what_it_can_do(server, capability):
+    model = (await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")).json()
+    assert capability in model["capabilities"]
