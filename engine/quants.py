@@ -109,16 +109,21 @@ def set_num_threads(n: int) -> None:
     _n_threads = max(1, int(n))
 
 
+def _run(job: tuple) -> None:
+    """Run one row range of somebody's matmul and report to that caller's queue."""
+    fn, r0, r1, done = job
+    try:
+        fn(r0, r1)
+    except BaseException as e:  # handed to the waiting caller, which raises it
+        done.put(e)
+    else:
+        done.put(None)
+
+
 def _work() -> None:
-    """A worker thread: run row ranges for whichever thread asks, report to its queue."""
+    """A worker thread: run row ranges for whichever thread asks."""
     while True:
-        fn, r0, r1, done = _jobs.get()
-        try:
-            fn(r0, r1)
-        except BaseException as e:  # handed to the waiting caller, which raises it
-            done.put(e)
-        else:
-            done.put(None)
+        _run(_jobs.get())
 
 
 def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -> None:
@@ -126,6 +131,9 @@ def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -
 
     The workers are daemon threads fed through one queue (cheaper per call than
     concurrent.futures, which matters for ~100 small matmuls per decoded token).
+    When the caller is done with its own range it runs queued ranges itself rather
+    than wait for a worker to wake up: on a busy machine a woken thread can wait
+    milliseconds for a core.
     """
     k = min(_n_threads, n_rows, max(1, n_values // PARALLEL_MIN_VALUES))
     if k == 1:
@@ -143,12 +151,15 @@ def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -
     bounds = [n_rows * i // k for i in range(k + 1)]
     for i in range(1, k):
         _jobs.put((fn, bounds[i], bounds[i + 1], done))
+    _run((fn, bounds[0], bounds[1], done))
+    while True:  # help with whatever no worker has started yet
+        try:
+            job = _jobs.get_nowait()
+        except queue.Empty:
+            break
+        _run(job)
     error = None
-    try:
-        fn(bounds[0], bounds[1])
-    except BaseException as e:
-        error = e
-    for _ in range(1, k):  # always wait: the workers write into the caller's arrays
+    for _ in range(k):  # always wait for all: the workers write into the caller's arrays
         error = done.get() or error
     if error is not None:
         raise error
