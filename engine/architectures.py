@@ -199,18 +199,21 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     T, n_head, hd = q.shape                                    # q: (T, n_head, hd)
     n_kv, L, hd_v = values.shape                               # keys: (n_kv, L, hd), values: (n_kv, L, hd_v)
     group = n_head // n_kv
-    q = q.transpose(1, 0, 2).reshape(n_kv, group * T, hd)      # (n_kv, group*T, hd)
-    scores = (q @ keys.transpose(0, 2, 1)) * np.float32(scale)  # (n_kv, group*T, L)
-    key_pos = np.arange(L)                                     # (L,)
-    hidden = key_pos[None, :] > positions[:, None]             # (T, L)
+    first = max(0, int(positions[0]) - window + 1) if window else 0  # no query sees keys before this
+    keys, values = keys[:, first:], values[:, first:]          # (n_kv, L', hd), (n_kv, L', hd_v)
+    key_pos = np.arange(first, L)                              # (L',)
+    q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)
+    scores = (q @ keys.transpose(0, 2, 1)).reshape(n_kv, group, T, -1)  # (n_kv, group, T, L')
+    hidden = key_pos[None, :] > positions[:, None]             # (T, L')
     if window:
         hidden |= positions[:, None] - key_pos[None, :] >= window
-    scores = scores.reshape(n_kv, group, T, L)                 # (n_kv, group, T, L)
-    scores[:, :, hidden] = -np.inf
+    if hidden.any():
+        scores += np.where(hidden, np.float32(-np.inf), np.float32(0))  # broadcast over heads
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)                 # (n_kv, group, T, L)
-    out = probs.reshape(n_kv, group * T, L) @ values           # (n_kv, group*T, hd_v)
+    weights = np.exp(scores, out=scores)                       # unnormalized softmax
+    total = weights.sum(axis=-1, keepdims=True).reshape(n_kv, group * T, 1)
+    out = weights.reshape(n_kv, group * T, -1) @ values        # (n_kv, group*T, hd_v)
+    out /= total
     return out.reshape(n_head, T, hd_v).transpose(1, 0, 2).reshape(T, n_head * hd_v)  # (T, n_head*hd_v)
 
 
@@ -250,8 +253,11 @@ def split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), with the sigmoid written through tanh so it never overflows."""
-    return x * (0.5 + 0.5 * np.tanh(0.5 * x))
+    """x * sigmoid(x) = x / (1 + exp(-x)); where exp overflows to inf the result is the right 0."""
+    with np.errstate(over="ignore"):
+        e = np.exp(-x)
+    e += 1.0
+    return np.divide(x, e, out=e)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
