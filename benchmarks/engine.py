@@ -10,7 +10,9 @@ For each model, in a child process of its own (so memory figures are its own):
 - decode: tok/s of 128 greedy tokens after that prompt, one `model.step` per
   token (the raw engine, without the scheduler or trio);
 - memory: resident set size after loading, the weights' share of it (RSS after
-  load minus RSS before), and the peak RSS of the whole run, against the file size.
+  load minus RSS before, split into heap — the unpacked weights — and pages of
+  the memory-mapped file, which the kernel can drop), and the peak RSS of the
+  whole run, against the file size.
 Timings on a shared machine are noisy; run it when the machine is quiet.
 """
 
@@ -29,9 +31,15 @@ import numpy as np
 from benchmarks import prompts
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss_bytes() -> dict[str, int]:
+    """Resident bytes of this process: total, anonymous (heap: unpacked weights), file-backed (mmap)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024
+    return {"total": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"]}
 
 
 def measure(name: str) -> dict:
@@ -64,8 +72,10 @@ def measure(name: str) -> dict:
         "load_s": round(load_s, 2),
         "prefill_tok_s": round(len(ids) / prefill_s, 1),
         "decode_tok_s": round(prompts.N_DECODE / decode_s, 1),
-        "rss_after_load_mb": round(after_load / 2**20, 1),
-        "weights_rss_mb": round((after_load - before) / 2**20, 1),
+        "rss_after_load_mb": round(after_load["total"] / 2**20, 1),
+        "weights_rss_mb": round((after_load["total"] - before["total"]) / 2**20, 1),
+        "weights_anon_mb": round((after_load["anon"] - before["anon"]) / 2**20, 1),
+        "weights_mmap_mb": round((after_load["file"] - before["file"]) / 2**20, 1),
         "peak_rss_mb": round(peak / 2**20, 1),
     }
 
@@ -77,7 +87,8 @@ def rows(result: dict) -> list[dict]:
         {"name": "prefill (512)", "value": result["prefill_tok_s"], "unit": "tok/s", "model": model},
         {"name": "decode (128)", "value": result["decode_tok_s"], "unit": "tok/s", "model": model},
         {"name": "weights RSS", "value": result["weights_rss_mb"], "unit": "MiB", "model": model,
-         "file_mb": result["file_mb"]},
+         "file_mb": result["file_mb"], "anon_mb": result["weights_anon_mb"],
+         "mmap_mb": result["weights_mmap_mb"]},
         {"name": "peak RSS", "value": result["peak_rss_mb"], "unit": "MiB", "model": model},
     ]
 
@@ -102,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(f"{name}: load {result['load_s']} s, prefill {result['prefill_tok_s']} tok/s, "
               f"decode {result['decode_tok_s']} tok/s, weights RSS {result['weights_rss_mb']} MiB "
-              f"(file {result['file_mb']} MiB), peak RSS {result['peak_rss_mb']} MiB", flush=True)
+              f"(heap {result['weights_anon_mb']} + mapped file pages {result['weights_mmap_mb']}; "
+              f"file {result['file_mb']} MiB), peak RSS {result['peak_rss_mb']} MiB", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([row for result in results for row in rows(result)], f, indent=1)
