@@ -46,10 +46,13 @@ class Hyperparameters:
     rope_base: float
     rope_base_local: float   # sliding-window layers (gemma3)
     rope_neox: bool          # pairs (i, i + rope_dim/2) instead of (2i, 2i+1)
+    rope_scale: float        # linear RoPE scaling of the global layers: positions × 1/factor
+    rope_freq_factors: tuple[float, ...] | None  # (rope_dim/2,) divisors of the frequencies (Llama 3.1+)
     sliding_window: int      # 0: none
     local_layers: tuple[bool, ...]  # per layer: uses the sliding window
     attention_scale: float
     embedding_scale: float
+    logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) when > 0
 
 
 @dataclass
@@ -86,14 +89,18 @@ class Batch:
     spans: list[slice]               # rows of each sequence in the batch
     tokens: np.ndarray               # (n,) token ids
     positions: np.ndarray            # (n,) position of each token in its sequence
-    rope_cache: dict = field(default_factory=dict)  # (rope_dim, base) -> (cos, sin), shared by the layers
+    rope_cache: dict = field(default_factory=dict)  # local/global -> (cos, sin), shared by the layers
 
-    def rope_angles(self, rope_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    def rope_angles(self, hp: Hyperparameters, local: bool) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin (n, rope_dim/2) of this batch's positions, computed once per step."""
-        key = (rope_dim, base)
-        if key not in self.rope_cache:
-            self.rope_cache[key] = rope_angles(self.positions, rope_dim, base)
-        return self.rope_cache[key]
+        if local not in self.rope_cache:
+            if local:  # sliding-window layers: their own base, no scaling
+                angles = rope_angles(self.positions, hp.rope_dim, hp.rope_base_local)
+            else:
+                angles = rope_angles(self.positions, hp.rope_dim, hp.rope_base, hp.rope_scale,
+                                     hp.rope_freq_factors)
+            self.rope_cache[local] = angles
+        return self.rope_cache[local]
 
 
 def make_batch(sequences: list[Sequence], max_tokens_each: int) -> Batch:
@@ -130,6 +137,8 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
         x = x[[span.stop - 1 for span in batch.spans]]         # (n_seq, d)
     x = rms_norm(x, w.output_norm, hp.norm_eps)                # (n or n_seq, d)
     logits = w.output.matmul(x)                                # (n or n_seq, V)
+    if hp.logit_softcap:
+        logits = np.tanh(logits / np.float32(hp.logit_softcap)) * np.float32(hp.logit_softcap)
     for seq, span in zip(batch.sequences, batch.spans):
         seq.cache.length += span.stop - span.start
     if all_logits:
@@ -174,8 +183,7 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
         q = rms_norm(q, blk.q_norm, hp.norm_eps)               # (n, n_head, hd)
         k = rms_norm(k, blk.k_norm, hp.norm_eps)               # (n, n_head_kv, hd)
     local = hp.local_layers[layer]
-    base = hp.rope_base_local if local else hp.rope_base
-    cos, sin = batch.rope_angles(hp.rope_dim, base)            # (n, rope_dim/2) each
+    cos, sin = batch.rope_angles(hp, local)                    # (n, rope_dim/2) each
     q = rope(q, cos, sin, hp.rope_neox)                        # (n, n_head, hd)
     k = rope(k, cos, sin, hp.rope_neox)                        # (n, n_head_kv, hd)
     window = hp.sliding_window if local else 0
@@ -223,10 +231,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight  # (..., k)
 
 
-def rope_angles(positions: np.ndarray, rope_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin (n, rope_dim/2) of position * base^(-2i/rope_dim), computed in float64."""
+def rope_angles(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
+                freq_factors: tuple[float, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (n, rope_dim/2) of scale * position * base^(-2i/rope_dim) / factor_i, in float64."""
     inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # (rope_dim/2,)
-    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]          # (n, rope_dim/2)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
+    angles = (scale * positions[:, None].astype(np.float64)) * inv_freq[None, :]  # (n, rope_dim/2)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 

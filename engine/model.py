@@ -209,6 +209,15 @@ def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
         raise ModelFileError(f"{file.path}: tensor 'token_embd.weight' is missing")
     gemma = arch == "gemma3"
     window = int(key("attention.sliding_window", 0)) if gemma else 0
+    scaling = key("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModelError(f"{file.path}: RoPE scaling {scaling!r} is not supported (only linear)")
+    rope_scale = 1.0 / float(key("rope.scaling.factor", 1.0) or 1.0) if scaling == "linear" else 1.0
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    factors = file.tensors.get("rope_freqs.weight")  # Llama 3.1+: per-frequency divisors
+    if factors is not None and tuple(factors.shape) != (rope_dim // 2,):
+        raise ModelFileError(f"{file.path}: tensor 'rope_freqs.weight' has shape {factors.shape}, "
+                             f"expected ({rope_dim // 2},)")
     return Hyperparameters(
         architecture=arch,
         n_vocab=embd.shape[0],
@@ -221,16 +230,20 @@ def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
         n_ff=int(key("feed_forward_length")),
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(key("context_length")),
-        rope_dim=int(key("rope.dimension_count", head_dim)),
+        rope_dim=rope_dim,
         rope_base=float(key("rope.freq_base", 10000.0)),
         # llama.cpp hard-codes gemma3's local base; newer files may carry it
         rope_base_local=float(key("rope.freq_base_swa", 10000.0)) if gemma else 0.0,
         rope_neox=arch != "llama",
+        rope_scale=rope_scale,
+        rope_freq_factors=None if factors is None else
+        tuple(float(f) for f in dequantize(factors.data, factors.type).reshape(-1)),
         sliding_window=window,
         # gemma3: five sliding-window layers, then one global (llama.cpp's swa pattern 6)
         local_layers=tuple(bool(window) and i % 6 < 5 for i in range(n_layer)),
         attention_scale=1.0 / math.sqrt(head_dim),
         embedding_scale=math.sqrt(n_embd) if gemma else 1.0,
+        logit_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
     )
 
 

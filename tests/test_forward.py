@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFWriter
 
 from engine import ModelInfo, SamplingParams, UnsupportedModelError, load_model
-from engine.architectures import attend, rope
+from engine.architectures import attend, rope, rope_angles
 from engine.sampling import Sampler
 from engine.tiny import ARCHITECTURES, write_tiny_model
 
@@ -178,3 +178,10 @@ def test_attend_matches_a_loop(window):
             w = np.exp(s - s.max())
             w /= w.sum()
             np.testing.assert_allclose(out[t, h], w @ values[kv, seen], atol=1e-5)
+
+
+def test_rope_angles_scaling_and_frequency_factors():
+    cos, sin = rope_angles(np.array([3]), 4, 100.0, scale=0.5, freq_factors=(1.0, 2.0))
+    angles = 0.5 * 3 * np.array([1.0, 0.1 / 2.0])              # base^(-2i/4) / factor_i
+    np.testing.assert_allclose(cos[0], np.cos(angles), rtol=1e-6)
+    np.testing.assert_allclose(sin[0], np.sin(angles), rtol=1e-6)
