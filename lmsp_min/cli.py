@@ -295,10 +295,14 @@ def cmd_serve(args) -> int:
         event_retention=args.event_retention,
         limits=Limits(max_body_bytes=args.max_body_bytes),
     )
+    from lmsp_min.store import StoreError
+
     try:
         run(config, args.host, args.port)
-    except ValueError as e:  # a bad --model, tokens file or bind address
+    except (ValueError, StoreError) as e:  # a bad --model, tokens file, bind address or database
         raise CommandError(str(e)) from None
+    except OSError as e:  # the address is taken or cannot be bound
+        raise CommandError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     return 0
 
 

@@ -25,7 +25,7 @@ examples/trio-server.py:
 
 Handlers see a `Request` and return a `Response` (a whole body) or a
 `StreamingResponse` (an async iterator of byte chunks, each written and
-flushed as soon as it exists).
+flushed as soon as it exists). `HTTPServer` listens and can stop gracefully.
 """
 
 import json
@@ -207,6 +207,14 @@ class _Connection:
         self._sent_100_continue = False
         self._content_length: int | None = None  # of the request being served
         self._body_abandoned = False
+        self.draining = False  # the server is stopping: close after the current response
+        self._idle_scope: trio.CancelScope | None = None  # waiting for a next request
+
+    def drain(self) -> None:
+        """Finish the request in progress, if any, then close; an idle connection closes now."""
+        self.draining = True
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()
 
     # -- socket I/O ---------------------------------------------------------
 
@@ -264,7 +272,7 @@ class _Connection:
                 return
             await self._serve_request(event)
             if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
-                return  # MUST_CLOSE, or a body we chose not to read: close
+                return  # MUST_CLOSE (Connection: close, draining), or a body we chose not to read
             self.h11.start_next_cycle()
             self._sent_100_continue = False
             self._body_abandoned = False
@@ -287,9 +295,12 @@ class _Connection:
             if event is not h11.NEED_DATA:
                 return None  # ConnectionClosed: the client is done with us
             started = bool(self.h11.trailing_data[0])
+            if not started and self.draining:
+                return None
             if started and header_deadline is None:
                 header_deadline = trio.current_time() + self.limits.header_timeout
-            with trio.move_on_at(header_deadline if started else idle_deadline):
+            with trio.move_on_at(header_deadline if started else idle_deadline) as waiting:
+                self._idle_scope = None if started else waiting
                 await self._receive_into_h11()
                 continue
             if started:
@@ -404,7 +415,7 @@ class _Connection:
             headers.append((b"Content-Length", str(length).encode("ascii")))
         for name, value in extra:
             headers.append((name.encode("ascii"), value.encode("latin-1")))
-        if not await self._finish_request_body():
+        if self.draining or not await self._finish_request_body():
             headers.append((b"Connection", b"close"))
         return h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase)
 
@@ -506,40 +517,60 @@ def _protocol_problem(exc: h11.RemoteProtocolError) -> Problem:
     return Problem("invalid_request", f"malformed HTTP request: {exc}", status=exc.error_status_hint or 400)
 
 
-async def serve_http(
-    handler: Handler,
-    host: str,
-    port: int,
-    *,
-    limits: Limits = Limits(),
-    log=None,
-    task_status=trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Listen on host:port and serve connections until cancelled.
+class HTTPServer:
+    """The listeners and the connections of one service.
 
-    Reports the bound (host, port) addresses through `task_status` (port 0
-    picks a free port, which is what tests use).
+    `serve` accepts connections until cancelled; `drain` stops gracefully: no
+    new connection, idle keep-alive connections closed at once, requests in
+    progress given `grace` seconds to finish (their responses say
+    `Connection: close`), and then the caller cancels what is left.
     """
-    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    active = 0
 
-    async def serve_connection(stream: trio.SocketStream) -> None:
-        nonlocal active
-        if active >= limits.max_connections:
-            await _refuse_connection(stream, limits)
+    def __init__(self, handler: Handler, *, limits: Limits = Limits(), log=None):
+        self.handler = handler
+        self.limits = limits
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.connections: set[_Connection] = set()
+        self.draining = False
+        self._accepting = trio.CancelScope()
+        self._all_closed = trio.Event()  # set, while draining, once no connection is left
+
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on host:port and serve connections until cancelled.
+
+        Reports the bound (host, port) addresses through `task_status` (port 0
+        picks a free port, which is what tests use).
+        """
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        task_status.started([listener.socket.getsockname()[:2] for listener in listeners])
+        async with trio.open_nursery() as connections:
+            with self._accepting:  # cancelled by drain(): the listeners close, connections go on
+                await trio.serve_listeners(self._serve_connection, listeners, handler_nursery=connections)
+
+    async def drain(self, grace: float) -> None:
+        """Stop accepting, let requests in progress finish for up to `grace` seconds."""
+        self.draining = True
+        self._accepting.cancel()
+        for connection in list(self.connections):
+            connection.drain()
+        with trio.move_on_after(grace):
+            if self.connections:
+                await self._all_closed.wait()
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        if len(self.connections) >= self.limits.max_connections:
+            await _refuse_connection(stream, self.limits)
             return
-        active += 1
+        connection = _Connection(stream, self.handler, self.limits, self.log)
+        self.connections.add(connection)
         try:
-            await _Connection(stream, handler, limits, log).serve()
+            await connection.serve()
         except Exception:  # a bug in this module must cost one connection, not the server
-            log("error: a connection failed:\n" + traceback.format_exc())
+            self.log("error: a connection failed:\n" + traceback.format_exc())
         finally:
-            active -= 1
-
-    addresses = [listener.socket.getsockname()[:2] for listener in listeners]
-    task_status.started(addresses)
-    await trio.serve_listeners(serve_connection, listeners)
+            self.connections.discard(connection)
+            if self.draining and not self.connections:
+                self._all_closed.set()
 
 
 async def _refuse_connection(stream: trio.SocketStream, limits: Limits) -> None:

@@ -6,7 +6,9 @@ A trio program runs one like this:
     async with trio.open_nursery() as nursery:
         addresses = await nursery.start(lmsp_min.serve, service, "127.0.0.1", 8080)
 
-`lmsp-min serve` does exactly that, and stops cleanly on SIGINT or SIGTERM.
+`lmsp-min serve` does exactly that. On SIGINT or SIGTERM it stops cleanly:
+no new connection, idle ones closed, requests in progress given
+SHUTDOWN_GRACE seconds to finish (`Service.drain`), then everything cancelled.
 """
 
 import signal
@@ -19,7 +21,7 @@ import trio
 
 from lmsp_min.app import App, default_router
 from lmsp_min.auth import Auth, is_loopback
-from lmsp_min.http import Limits, serve_http
+from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem
 from lmsp_min import paths
 from lmsp_min.registry import Registry
@@ -27,6 +29,7 @@ from lmsp_min.store import Store
 from lmsp_min.tasks import Tasks
 
 DEFAULT_MODEL = "smollm2:135m-instruct-q4_1"
+SHUTDOWN_GRACE = 10.0  # seconds requests in progress get to finish after SIGINT / SIGTERM
 
 
 def stderr_log(line: str) -> None:
@@ -64,6 +67,7 @@ class Service:
         self.config = config or ServiceConfig()
         self.tasks = None
         self.nursery: trio.Nursery | None = None
+        self.http: HTTPServer | None = None  # set by serve()
         self.router = default_router()
         self.log = log
         self.started_at = time.time()
@@ -78,6 +82,11 @@ class Service:
         service.tasks = Tasks(store, event_retention=config.event_retention,
                               stores_responses=service.stores_responses, log=log)
         return service
+
+    async def drain(self, grace: float = 10.0) -> None:
+        """Stop taking requests; give those in progress up to `grace` seconds to finish."""
+        if self.http is not None:
+            await self.http.drain(grace)
 
     def close(self) -> None:
         """Close the store (the throw-away database of --no-store is deleted)."""
@@ -118,13 +127,12 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 8080, *,
                          "--tokens-file only listens on loopback (127.0.0.1, ::1 or localhost)")
     app = App(service, service.router)
     log = service.log if service.config.access_log else _errors_only(service.log)
+    service.http = HTTPServer(app, limits=service.config.limits, log=log)
     async with trio.open_nursery() as nursery:
         service.nursery = nursery
         if service.tasks is not None:  # tasks a crash left running are failed before any request
             await nursery.start(service.tasks.run)
-        addresses = await nursery.start(
-            lambda task_status: serve_http(app, host, port, limits=service.config.limits, log=log,
-                                           task_status=task_status))
+        addresses = await nursery.start(service.http.serve, host, port)
         task_status.started(addresses)
 
 
@@ -158,16 +166,26 @@ def run(config: ServiceConfig, host: str, port: int) -> None:
 
 
 async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> None:
+    """Serve until a signal; then finish what is in progress (a second signal: stop now)."""
     service = await Service.open(config)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 addresses = await nursery.start(serve, service, host, port)
                 _banner(service, addresses)
-                async for signum in signals:
-                    stderr_log(f"{signal.Signals(signum).name}: shutting down")
+
+                async def drain_then_stop() -> None:
+                    await service.drain(SHUTDOWN_GRACE)
                     nursery.cancel_scope.cancel()
-                    break
+
+                async for signum in signals:
+                    if service.http.draining:
+                        stderr_log(f"{signal.Signals(signum).name} again: stopping now")
+                        nursery.cancel_scope.cancel()
+                        break
+                    stderr_log(f"{signal.Signals(signum).name}: finishing the requests in progress "
+                               f"(at most {SHUTDOWN_GRACE:.0f} s; signal again to stop now)")
+                    nursery.start_soon(drain_then_stop)
     finally:
         service.close()
     stderr_log("stopped")

@@ -235,3 +235,38 @@ async def test_a_half_closed_client_still_gets_quick_answers(server):
         await client.stream.send_eof()
         data = await client.read_until_closed()
     assert data.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 404 " in data
+
+
+async def test_drain_finishes_requests_in_progress_and_closes_idle_connections(nursery, tiny_path):
+    service = await make_service([tiny_path])
+    server = await start_server(nursery, service)
+    model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
+    async with server.connection() as idle, server.connection() as busy:
+        await idle.send("GET", MODELS)
+        assert (await idle.read_reply()).status == 200  # now idle, kept alive
+        await busy.send("POST", "/lmsp/v1/responses", json_body={
+            "model": model_id, "input": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_output_tokens": 30})
+        head = await busy.read_head()
+        drained = trio.Event()
+
+        async def drain():
+            await service.drain(grace=30)
+            drained.set()
+
+        nursery.start_soon(drain)
+        with trio.fail_after(10):
+            assert await idle.read_until_closed() == b""  # closed at once
+        body = b"".join([chunk async for chunk in busy.read_chunks()])
+        assert head.status == 200
+        assert parse_sse(body)[-1].event in ("response.completed", "response.incomplete")
+        with trio.fail_after(10):
+            assert await busy.read_until_closed() == b""  # closed once its response is done
+        with trio.fail_after(10):
+            await drained.wait()
+    try:
+        await trio.open_tcp_stream(server.host, server.port)
+    except OSError:
+        pass  # nothing listens any more
+    else:
+        raise AssertionError("the server still accepts connections after a drain")
