@@ -514,7 +514,9 @@ def _too_large(limit: int) -> str:
 def _protocol_problem(exc: h11.RemoteProtocolError) -> Problem:
     if exc.error_status_hint == 431:
         return Problem("request_too_large", "the request headers are too large", status=431)
-    return Problem("invalid_request", f"malformed HTTP request: {exc}", status=exc.error_status_hint or 400)
+    # h11 hints 501 for a transfer coding it does not know; for the client it is
+    # all one thing, a request we cannot read: 400 (D9).
+    return Problem("invalid_request", f"malformed HTTP request: {str(exc)[:200]}", status=400)
 
 
 class HTTPServer:

@@ -270,3 +270,11 @@ async def test_drain_finishes_requests_in_progress_and_closes_idle_connections(n
         pass  # nothing listens any more
     else:
         raise AssertionError("the server still accepts connections after a drain")
+
+
+async def test_unknown_transfer_coding_is_400(server):
+    async with server.connection() as client:
+        await client.stream.send_all(b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\n"
+                                     b"Transfer-Encoding: gzip\r\n\r\n")
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 400 ")
