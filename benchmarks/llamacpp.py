@@ -29,19 +29,38 @@ import numpy as np
 from benchmarks import prompts
 
 
-def load(path: str, threads: int = 2, n_ctx: int = 2048):
-    """A llama.cpp context on the GGUF at `path`: CPU only, `threads` threads for decode and batches."""
+def load(path: str, threads: int = 2, n_ctx: int = 2048, extra_buffer_types: bool = False):
+    """A llama.cpp context on the GGUF at `path`: CPU only, `threads` threads for decode and batches.
+
+    Without `extra_buffer_types` llama.cpp keeps the weights in plain CPU buffers:
+    a build for a CPU that advertises AMX uses AMX tiles for them, and where the
+    virtual machine does not enable AMX (as on our benchmark machine) that dies of
+    an illegal instruction. The same switch turns off llama.cpp's weight repacking
+    (which some formats, e.g. Q4_K and Q4_0, use for faster AVX2/AVX-512 kernels).
+    """
+    import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
 
-    return Llama(
-        model_path=str(path),
-        n_ctx=n_ctx,
-        n_batch=512,
-        n_ubatch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
+    default_params = lib.llama_model_default_params
+
+    def model_params():
+        params = default_params()
+        params.use_extra_bufts = extra_buffer_types
+        return params
+
+    lib.llama_model_default_params = model_params  # what Llama() starts from
+    try:
+        return Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_ubatch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+    finally:
+        lib.llama_model_default_params = default_params
 
 
 def _next_token(llm) -> int:

@@ -1,0 +1,371 @@
+"""Speed and memory side by side with llama.cpp, on both real models, in one run.
+
+    python -m benchmarks.perf                  # both models; llama.cpp too when installed
+    python -m benchmarks.perf --models smollm2:135m-instruct-q4_1 --no-server
+
+For each model:
+
+- engine (a child process, so its memory is its own): load time; prefill tok/s of
+  the 512-token prompt (one step); decode tok/s over 128 greedy tokens after a short
+  chat prompt, through the scheduler; time to first token of that chat prompt;
+  second-turn TTFT of a ~1,000-token conversation, from the prefix cache and cold
+  (cache cleared); the bytes the engine keeps for the weights, the growth of
+  resident memory over loading and one step (anonymous: weights, tokenizer,
+  buffers; file: pages of the GGUF read while unpacking, clean and reclaimable)
+  and peak RSS.
+- HTTP (`lmsp-min serve` in a child process, this model only): aggregate tok/s of
+  1, 4 and 8 concurrent streamed responses (output tokens from `usage` over the
+  wall time of the whole burst), the mean time to the first text event, and the
+  server's peak RSS.
+- llama.cpp (benchmarks/llamacpp.py, a child process, when llama-cpp-python is
+  installed): the same prompt token ids, 2 threads.
+
+Each figure is printed with its ratio to llama.cpp's and the target of issue 7;
+the run is written as JSON to benchmarks/results/perf-<time>.json (and a PNG chart
+of the ratios when matplotlib is installed). Timings on a shared machine are
+noisy: compare the ratios of one run, not figures across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks import llamacpp, prompts
+
+RESULTS = Path(__file__).parent / "results"
+STREAMS = (1, 4, 8)
+STREAM_TOKENS = 64  # max_output_tokens of each concurrent stream
+
+
+# --- the engine, in a child process ----------------------------------------------------
+
+
+def rss_mb() -> dict[str, float]:
+    """Resident memory of this process now, in MiB: anonymous (our arrays) and file-backed (mapped pages)."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("RssAnon", "RssFile")}
+
+
+def weights_mb(weights) -> float:
+    """MiB the engine keeps for the weights: every quantized matrix and float vector."""
+    seen, total = set(), 0
+    for part in [weights, *weights.blocks]:
+        for value in vars(part).values():
+            if id(value) not in seen and hasattr(value, "nbytes") and not isinstance(value, list):
+                seen.add(id(value))
+                total += value.nbytes
+    return total / (1 << 20)
+
+
+def engine_figures(name: str, repeats: int = 2) -> dict:
+    """Everything measured on the engine directly (see the module docstring)."""
+    import numpy as np
+    import trio
+
+    from engine import load_model
+    from engine.chat import ChatRequest
+    from engine.sampling import SamplingParams
+
+    path = prompts.model_path(name)
+    rss_before = rss_mb()
+    start = time.perf_counter()
+    model = load_model(path)
+    load_s = time.perf_counter() - start
+    greedy = SamplingParams(temperature=0)
+    prefill_ids = prompts.prefill_ids(model.tokenize)
+    short_ids = model.prepare_chat(ChatRequest([{"role": "user", "content": prompts.SHORT_QUESTION}])).prompt_ids
+    model.step([model.new_sequence(short_ids)])  # warm up: every weight read once
+    rss_after = rss_mb()
+
+    def prefill_seconds() -> float:
+        seq = model.new_sequence(prefill_ids)
+        start = time.perf_counter()
+        model.step([seq], chunk=len(prefill_ids))
+        return time.perf_counter() - start
+
+    async def decode_and_ttft() -> tuple[float, float]:
+        """(TTFT, seconds of the 128 steps after the first token) of one greedy stream."""
+        model.scheduler.prefix_cache.clear()
+        start = time.perf_counter()
+        times = []
+        with model.scheduler.submit(short_ids, pick=lambda row: int(np.argmax(row)),
+                                    max_tokens=prompts.N_DECODE + 1) as steps:
+            async for _ in steps:
+                times.append(time.perf_counter())
+        return times[0] - start, times[-1] - times[0]
+
+    async def chat_seconds(messages: list[dict]) -> tuple[float, int]:
+        """Seconds to the end of a 1-token answer (prefill + first token) and the cached tokens."""
+        prepared = model.prepare_chat(ChatRequest(messages, max_tokens=1, sampling=greedy))
+        start = time.perf_counter()
+        events = [event async for event in model.generate_chat(prepared)]
+        return time.perf_counter() - start, events[-1].cached_tokens
+
+    async def second_turn() -> dict:
+        conversation = prompts.conversation()
+        first = model.prepare_chat(ChatRequest(conversation, max_tokens=32, sampling=greedy))
+        reply = "".join([getattr(e, "text", "") async for e in model.generate_chat(first)])
+        messages = prompts.next_turn(conversation, reply)
+        warm, cached = await chat_seconds(messages)
+        model.scheduler.prefix_cache.clear()
+        cold, _ = await chat_seconds(messages)
+        n = model.prepare_chat(ChatRequest(messages, max_tokens=1)).input_tokens
+        return {"turn2_tokens": n, "turn2_cached_tokens": cached, "turn2_ttft_warm_s": warm,
+                "turn2_ttft_cold_s": cold}
+
+    prefill = min(prefill_seconds() for _ in range(repeats))
+    runs = [trio.run(decode_and_ttft) for _ in range(repeats)]
+    figures = {
+        "engine": "lmsp-min",
+        "load_s": load_s,
+        "prefill_tokens": len(prefill_ids),
+        "prefill_tok_s": len(prefill_ids) / prefill,
+        "decode_tokens": prompts.N_DECODE,
+        "decode_tok_s": prompts.N_DECODE / min(r[1] for r in runs),
+        "ttft_s": min(r[0] for r in runs),
+        **trio.run(second_turn),
+        "gguf_mb": path.stat().st_size / (1 << 20),
+        "weights_mb": weights_mb(model.weights),
+        "rss_anon_mb": rss_after["RssAnon"] - rss_before["RssAnon"],  # weights, tokenizer, buffers
+        "rss_file_mb": rss_after["RssFile"] - rss_before["RssFile"],  # pages of the GGUF read while loading
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "prefill_ids": prefill_ids,
+        "short_ids": short_ids,
+    }
+    return figures
+
+
+def engine_in_subprocess(name: str, repeats: int) -> dict:
+    done = subprocess.run([sys.executable, "-m", "benchmarks.perf", "--engine-job", name, "--repeats", str(repeats)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"engine benchmark of {name} failed:\n{done.stderr}")
+    return json.loads(done.stdout)
+
+
+# --- the HTTP server, in a child process ------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_of(pid: int) -> float:
+    """Peak resident memory (VmHWM) of a running process, in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def server_figures(name: str) -> dict:
+    """Aggregate tok/s and TTFT of 1, 4 and 8 concurrent streams through `lmsp-min serve`."""
+    from lmsp_min.client import Client
+
+    path = prompts.model_path(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "models").mkdir()
+        (Path(tmp) / "models" / path.name).symlink_to(path)
+        port = free_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "lmsp_min.cli", "serve", "--models-dir", f"{tmp}/models", "--port", str(port),
+             "--no-store", "--data-dir", f"{tmp}/data"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            client = Client(f"http://127.0.0.1:{port}")
+            model_id = wait_for_server(client, server)
+            client.create_response(model_id, "Hello", max_output_tokens=1)  # loads the model
+            figures = {}
+            for n in STREAMS:
+                tokens, wall, ttfts = burst(client, model_id, n)
+                figures[f"aggregate_{n}_tok_s"] = tokens / wall
+                figures[f"http_ttft_{n}_s"] = sum(ttfts) / len(ttfts)
+            figures["server_peak_rss_mb"] = peak_rss_of(server.pid)
+            return figures
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def wait_for_server(client, server: subprocess.Popen, timeout: float = 120.0) -> str:
+    """The id of the one model the server lists, once it answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"lmsp-min serve exited:\n{server.stderr.read()}")
+        try:
+            return client.list_models()[0]["id"]
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("lmsp-min serve did not answer in time")
+
+
+def burst(client, model_id: str, n: int) -> tuple[int, float, list[float]]:
+    """n streamed responses at once: (output tokens, wall seconds, time to first text of each)."""
+    results: list[tuple[int, float]] = []
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            start = time.perf_counter()
+            first = None
+            question = f"{prompts.SHORT_QUESTION} Call the keeper {['Ann', 'Bo', 'Cy', 'Di', 'Ed', 'Flo', 'Gus', 'Hal'][i % 8]}."
+            for event in client.stream_response(model_id, question, max_output_tokens=STREAM_TOKENS, temperature=0):
+                if first is None and event.event == "response.output_text.delta":
+                    first = time.perf_counter() - start
+                if event.event in ("response.completed", "response.incomplete"):
+                    results.append((event.data["usage"]["output_tokens"], first or time.perf_counter() - start))
+                elif event.event == "response.failed":
+                    raise RuntimeError(f"response failed: {event.data}")
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return sum(r[0] for r in results), wall, [r[1] for r in results]
+
+
+# --- the table --------------------------------------------------------------------------
+
+# (key, label, unit, llama.cpp key for the ratio, target ratio or None, higher is better)
+ROWS = [
+    ("prefill_tok_s", "prefill 512 tokens", "tok/s", "prefill_tok_s", 1.5, True),
+    ("decode_tok_s", "decode 128 tokens", "tok/s", "decode_tok_s", 0.3, True),
+    ("ttft_s", "time to first token", "s", "ttft_s", None, False),
+    ("aggregate_1_tok_s", "HTTP, 1 stream", "tok/s", "decode_tok_s", None, True),
+    ("aggregate_4_tok_s", "HTTP, 4 streams", "tok/s", "decode_tok_s", None, True),
+    ("aggregate_8_tok_s", "HTTP, 8 streams", "tok/s", "decode_tok_s", 1.0, True),
+    ("http_ttft_1_s", "HTTP TTFT, 1 stream", "s", "ttft_s", None, False),
+    ("turn2_ttft_cold_s", "2nd turn TTFT, cold", "s", None, None, False),
+    ("turn2_ttft_warm_s", "2nd turn TTFT, prefix cache", "s", "turn2_ttft_cold_s*", 0.3, False),
+    ("weights_mb", "resident weights", "MiB", "gguf_mb*", 2.0, False),
+    ("rss_anon_mb", "RSS after load, anonymous", "MiB", "gguf_mb*", None, False),
+    ("rss_file_mb", "RSS after load, file pages", "MiB", "gguf_mb*", None, False),
+    ("peak_rss_mb", "peak RSS, engine", "MiB", "peak_rss_mb", None, False),
+    ("server_peak_rss_mb", "peak RSS, HTTP server", "MiB", None, None, False),
+    ("load_s", "load", "s", "load_s", None, False),
+]
+
+
+def table(results: dict) -> str:
+    """The figures of every model, each with its ratio (to llama.cpp's, or to our own
+    baseline where the key ends in *) and whether it meets its target."""
+    lines = [f"{'model / figure':<34} {'lmsp-min':>10} {'llama.cpp':>10} {'ratio':>7}  target"]
+    for name, r in results.items():
+        ours, theirs = r.get("engine", {}) | r.get("server", {}), r.get("llama.cpp")
+        lines.append(name)
+        for key, label, unit, ref, target, higher in ROWS:
+            if key not in ours:
+                continue
+            base = None
+            if ref and ref.endswith("*"):
+                base = ours.get(ref[:-1])
+            elif ref and theirs:
+                base = theirs.get(ref)
+            ratio = ours[key] / base if base else None
+            verdict = ""
+            if target is not None and ratio is not None:
+                ok = ratio >= target if higher else ratio <= target
+                verdict = f"{'>=' if higher else '<='} {target}x {'ok' if ok else 'MISSED'}"
+            lines.append(
+                f"  {label + ' (' + unit + ')':<32} {fmt(ours[key]):>10} "
+                f"{fmt(theirs.get(ref)) if theirs and ref and not ref.endswith('*') else '':>10} "
+                f"{f'{ratio:.2f}x' if ratio is not None else '':>7}  {verdict}")
+    return "\n".join(lines)
+
+
+def fmt(x) -> str:
+    if x is None:
+        return ""
+    return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def chart(results: dict, path: Path) -> bool:
+    """A bar chart of the ratios to llama.cpp, when matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 4))
+    keys = ["prefill_tok_s", "decode_tok_s", "aggregate_1_tok_s", "aggregate_4_tok_s", "aggregate_8_tok_s"]
+    width = 0.8 / max(1, len(results))
+    for i, (name, r) in enumerate(results.items()):
+        ours, theirs = r.get("engine", {}) | r.get("server", {}), r.get("llama.cpp") or {}
+        ref = {k: ref for k, _, _, ref, _, _ in ROWS}
+        ratios = [ours[k] / theirs[ref[k]] if k in ours and theirs.get(ref[k]) else 0 for k in keys]
+        ax.bar([j + i * width for j in range(len(keys))], ratios, width, label=name)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(keys))])
+    ax.set_xticklabels(["prefill", "decode", "HTTP x1", "HTTP x4", "HTTP x8"])
+    ax.set_ylabel("lmsp-min / llama.cpp (single stream)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(prompts.MODELS))
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per figure; the best counts")
+    parser.add_argument("--no-server", action="store_true", help="skip the HTTP streams")
+    parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp even when installed")
+    parser.add_argument("--engine-job", metavar="MODEL", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.engine_job:
+        print(json.dumps(engine_figures(args.engine_job, args.repeats)))
+        return
+
+    with_llama = not args.no_llama and llamacpp.available()
+    results = {}
+    for name in args.models:
+        r = results[name] = {}
+        print(f"{name}: engine ...", file=sys.stderr)
+        r["engine"] = engine_in_subprocess(name, args.repeats)
+        ids = {"prefill_ids": r["engine"].pop("prefill_ids"), "short_ids": r["engine"].pop("short_ids")}
+        if not args.no_server:
+            print(f"{name}: HTTP streams ...", file=sys.stderr)
+            r["server"] = server_figures(name)
+        if with_llama:
+            print(f"{name}: llama.cpp ...", file=sys.stderr)
+            r["llama.cpp"] = llamacpp.measure_in_subprocess(prompts.model_path(name), ids["prefill_ids"],
+                                                            ids["short_ids"], repeats=args.repeats)
+    print(table(results))
+    if not with_llama:
+        print("(llama.cpp not measured: pip install '.[compare]' for the ratios)")
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = RESULTS / f"perf-{stamp}.json"
+    out.write_text(json.dumps({"command": " ".join(["python -m benchmarks.perf", *(argv or sys.argv[1:])]),
+                               "cpu_count": os.cpu_count(), "results": results}, indent=2))
+    print(f"wrote {out}")
+    if chart(results, RESULTS / f"perf-{stamp}.png"):
+        print(f"wrote {RESULTS / f'perf-{stamp}.png'}")
+
+
+if __name__ == "__main__":
+    main()
