@@ -49,11 +49,30 @@ def write_tiny_model(
     `tokenizer_meta` is the `tokenizer.*` metadata to embed (default: SmolLM2's).
     gemma3 gets six layers (five sliding-window layers, then one global) unless
     `n_layer` says otherwise, and a short `sliding_window` so the window matters.
+    Files with the default tokenizer are kept in memory and written again as they
+    are when asked for again: packing 49k tokens of metadata takes seconds, and
+    test suites ask for the same tiny model many times.
     """
     if architecture not in ARCHITECTURES:
         raise ValueError(f"no tiny model for architecture {architecture!r}")
+    key = (architecture, seed, n_layer, n_embd, n_head, n_head_kv, n_ff, context_length, sliding_window)
     if tokenizer_meta is None:
-        tokenizer_meta = load_tokenizer_meta(SMOLLM2_TOKENIZER)
+        if key not in _WRITTEN:
+            _write(path, architecture, load_tokenizer_meta(SMOLLM2_TOKENIZER), *key[1:])
+            while len(_WRITTEN) >= 8:
+                del _WRITTEN[next(iter(_WRITTEN))]
+            _WRITTEN[key] = Path(path).read_bytes()
+        else:
+            Path(path).write_bytes(_WRITTEN[key])
+        return Path(path)
+    return _write(path, architecture, tokenizer_meta, *key[1:])
+
+
+_WRITTEN: dict[tuple, bytes] = {}  # default-tokenizer tiny files already made in this process
+
+
+def _write(path, architecture, tokenizer_meta, seed, n_layer, n_embd, n_head, n_head_kv, n_ff,
+           context_length, sliding_window) -> Path:
     gemma = architecture == "gemma3"
     n_layer = n_layer or (6 if gemma else 2)
     head_dim = 32 if gemma else n_embd // n_head  # gemma3: key_length is not n_embd / n_head
@@ -131,7 +150,7 @@ def write_tiny_model(
 
 def write_tiny_chat_model(path: str | Path, seed: int = 0) -> Path:
     """A tiny llama with SmolLM2's tokenizer and ChatML template: a fast stand-in for a chat model."""
-    return write_tiny_model(path, "llama", load_tokenizer_meta(SMOLLM2_TOKENIZER), seed=seed)
+    return write_tiny_model(path, "llama", seed=seed)
 
 
 def _add_tokenizer_meta(w: GGUFWriter, meta: dict) -> None:
