@@ -54,7 +54,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from engine.errors import UnsupportedModelError
-from engine.gguf_file import Tensor
+from engine.gguf_file import Tensor, release_pages
 
 # Decode tiles hold about this many float32 values (512 KiB): small enough to stay in a
 # core's L2 cache while BLAS reads them back.
@@ -533,6 +533,7 @@ def load_weight(tensor: Tensor) -> Weight:
         codes[r0:r1], scales[:, r0:r1] = c, s.T
         if mins is not None:
             mins[:, r0:r1] = m.T
+    release_pages(tensor.data)  # unpacked: the file's bytes are not needed in memory
     return QuantWeight(codes, scales, mins)
 
 
