@@ -4,8 +4,10 @@
     python benchmarks/run.py engine server   # some of them
     python benchmarks/run.py --list
 
-Each benchmark is a module of this directory (engine, server, tasks,
-constrained) run in a child process of its own, from the source checkout, as
+Each benchmark is a module of this directory run in a child process of its own
+(engine: the engine alone; perf: both real models side by side with llama.cpp,
+engine and HTTP; server: the server's own overhead; tasks: task event logs;
+constrained: the cost of constrained decoding), from the source checkout, as
 `python -m benchmarks.NAME --json FILE`: its memory, threads and models do not
 mix with the next one's, and one that fails does not stop the others. A
 benchmark writes to FILE a list of rows (or `{"rows": [...]}`), each a JSON
@@ -33,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHMARKS = ("engine", "server", "tasks", "constrained")
+BENCHMARKS = ("engine", "perf", "server", "tasks", "constrained")
 
 
 def available() -> list[str]:
