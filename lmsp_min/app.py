@@ -100,6 +100,8 @@ class App:
         self.router = router
 
     async def __call__(self, request: Request):
+        if self.service.http is not None and self.service.http.draining:
+            raise Problem("model_unavailable", "the service is shutting down", headers=[("Retry-After", "5")])
         handler, scope, params = self.router.match(request.method, request.path)
         request.params = params
         request.principal = self.service.auth.authenticate(request.headers.get("authorization"), scope)

@@ -192,7 +192,8 @@ def _base_headers() -> list[tuple[bytes, bytes]]:
 class _Connection:
     """The state of one client connection, from accept to close."""
 
-    def __init__(self, stream: trio.SocketStream, handler: Handler, limits: Limits, log):
+    def __init__(self, stream: trio.SocketStream, handler: Handler, limits: Limits, log,
+                 server: "HTTPServer | None" = None):
         self.stream = stream
         self.handler = handler
         self.limits = limits
@@ -207,12 +208,16 @@ class _Connection:
         self._sent_100_continue = False
         self._content_length: int | None = None  # of the request being served
         self._body_abandoned = False
-        self.draining = False  # the server is stopping: close after the current response
+        self.server = server
         self._idle_scope: trio.CancelScope | None = None  # waiting for a next request
+
+    @property
+    def draining(self) -> bool:
+        """The server is stopping: close after the current response."""
+        return self.server is not None and self.server.draining
 
     def drain(self) -> None:
         """Finish the request in progress, if any, then close; an idle connection closes now."""
-        self.draining = True
         if self._idle_scope is not None:
             self._idle_scope.cancel()
 
@@ -563,7 +568,7 @@ class HTTPServer:
         if len(self.connections) >= self.limits.max_connections:
             await _refuse_connection(stream, self.limits)
             return
-        connection = _Connection(stream, self.handler, self.limits, self.log)
+        connection = _Connection(stream, self.handler, self.limits, self.log, self)
         self.connections.add(connection)
         try:
             await connection.serve()

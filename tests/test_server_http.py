@@ -278,3 +278,17 @@ async def test_unknown_transfer_coding_is_400(server):
                                      b"Transfer-Encoding: gzip\r\n\r\n")
         data = await client.read_until_closed()
     assert data.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_a_request_arriving_during_a_drain_is_503(server):
+    async with server.connection() as client:
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\n")  # a request has begun
+        with trio.fail_after(5):
+            while not any(c.h11.trailing_data[0] for c in server.service.http.connections):
+                await trio.sleep(0.005)
+        server.service.http.draining = True  # as drain() does
+        await client.stream.send_all(b"Host: t\r\n\r\n")
+        client.expect_reply_to("GET")
+        reply = await client.read_reply()
+    assert reply.status == 503 and reply.json()["code"] == "model_unavailable"
+    assert reply.headers["connection"] == "close" and "retry-after" in reply.headers
