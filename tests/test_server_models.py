@@ -134,3 +134,17 @@ async def test_a_model_that_fails_to_load_is_503(monkeypatch, nursery, tiny_path
     doc = reply.json()
     assert doc["code"] == "model_unavailable" and str(tiny_path.parent) not in doc["detail"]
     assert any("failed to load" in line for line in lines)  # the reason is in the log
+
+
+def test_serve_without_models_pulls_the_default_one(tmp_path, monkeypatch, tiny_path):
+    from lmsp_min import fetch
+    from lmsp_min.service import DEFAULT_MODEL, ensure_default_model
+
+    pulled = []
+    monkeypatch.setattr(fetch, "pull", lambda name: pulled.append(name) or tiny_path)
+    empty = ServiceConfig(models_dir=tmp_path, store=False)
+    ensure_default_model(empty, log=lambda line: None)
+    assert pulled == [DEFAULT_MODEL] and empty.model_paths == [tiny_path]
+    given = ServiceConfig(model_paths=[tiny_path], models_dir=tmp_path, store=False)
+    ensure_default_model(given, log=lambda line: None)
+    assert pulled == [DEFAULT_MODEL]  # a model was given: nothing fetched
