@@ -13,7 +13,9 @@ One call format is used for every model, the Hermes / Qwen 2.5 one::
 - Any other template (SmolLM2's ChatML template has no tools; a Llama-3 style template
   expects another format) gets the generic rendering below: the tool list and the
   instruction in the system message, past calls written into the assistant text in the
-  same format, and tool results as user turns `<tool_response>\\n...\\n</tool_response>`.
+  same format, and tool results as a user turn in plain words, "The tool result is
+  {output}. Answer the question." (a 135M model echoes a `<tool_response>` block back
+  instead of answering from it; with the plain sentence it answers).
 
 While decoding, `tool_call_grammar` makes the calls valid: after `<tool_call>` the model can
 only write `{"name": <a listed tool>, "arguments": <JSON valid for its parameters>}` and the
@@ -38,7 +40,7 @@ from .errors import EngineError, SchemaError
 
 OPENER = "<tool_call>"
 CLOSER = "</tool_call>"
-MAX_CALLS = 8  # calls in one response: a small model must not loop on calls forever
+MAX_CALLS = 4  # calls in one response: a small model must not loop on calls forever
 
 GENERIC_INSTRUCTIONS = (
     "# Tools\n\n"
@@ -88,14 +90,15 @@ def render_generic(messages: list[dict], tools: list[dict] | None) -> list[dict]
             text = m.get("content") or ""
             out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         elif m["role"] == "tool":
-            block = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            result = f"The tool result is {m.get('content', '')}."
             if out and out[-1].get("_tool_results"):  # several results: one user turn
-                out[-1]["content"] += "\n" + block
+                out[-1]["results"].append(result)
             else:
-                out.append({"role": "user", "content": block, "_tool_results": True})
+                out.append({"role": "user", "_tool_results": True, "results": [result]})
         else:
             out.append(m)
-    return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
+    return [{"role": "user", "content": " ".join(m["results"]) + " Answer the question."}
+            if m.get("_tool_results") else m for m in out]
 
 
 def check_tools(tools: list[dict], tool_choice) -> list[dict]:

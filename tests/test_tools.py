@@ -148,7 +148,7 @@ def test_generic_rendering():
     assert messages[2]["content"] == (
         f'{OPENER}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSER}\n'
         f'{OPENER}\n{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}\n{CLOSER}')
-    assert messages[3]["content"] == '<tool_response>\n{"c": 17}\n</tool_response>\n<tool_response>\n{"c": 21}\n</tool_response>'
+    assert messages[3]["content"] == 'The tool result is {"c": 17}. The tool result is {"c": 21}. Answer the question.'
     assert all(set(m) == {"role", "content"} for m in messages)
     # tool_choice "none": no tool list, the history still rendered
     assert render_generic(HISTORY, None)[0] == {"role": "system", "content": "Be brief."}
@@ -243,3 +243,102 @@ async def test_chat_tool_calls(tiny):
     request = ChatRequest(messages, max_tokens=20, tools=TINY_TOOLS, tool_choice="none")
     assert "set_light" not in tiny.prepare_chat(request).prompt
     assert not [e for e in await chat_events(tiny, request) if isinstance(e, ToolCall)]
+
+
+# -- the real SmolLM2-135M-Instruct (slow) ------------------------------------------------------
+
+REAL_TOOLS = [
+    {"name": "get_weather", "description": "Get the current weather for a city.",
+     "parameters": {"type": "object", "properties": {
+         "city": {"type": "string", "description": "City name"},
+         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}},
+    {"name": "send_email", "description": "Send an email.",
+     "parameters": {"type": "object", "properties": {
+         "to": {"type": "string"}, "subject": {"type": "string", "maxLength": 80},
+         "body": {"type": "string", "maxLength": 200}}, "required": ["to", "subject", "body"]}},
+    {"name": "set_timer", "description": "Start a timer.",
+     "parameters": {"type": "object", "properties": {
+         "minutes": {"type": "integer", "minimum": 1, "maximum": 600}}, "required": ["minutes"],
+         "additionalProperties": False}},
+    {"name": "search_web", "description": "Search the web.",
+     "parameters": {"type": "object", "properties": {
+         "query": {"type": "string", "maxLength": 100},
+         "max_results": {"type": "integer", "minimum": 1, "maximum": 20}}, "required": ["query"]}},
+    {"name": "convert_currency", "description": "Convert an amount of money.",
+     "parameters": {"type": "object", "properties": {
+         "amount": {"type": "number", "minimum": 0}, "from": {"type": "string", "enum": ["USD", "EUR", "GBP", "JPY"]},
+         "to": {"type": "string", "enum": ["USD", "EUR", "GBP", "JPY"]}}, "required": ["amount", "from", "to"]}},
+]
+REAL_REQUESTS = [
+    ("What is the weather in Paris?", "required"),
+    ("Is it raining in Tokyo right now? Use fahrenheit.", "required"),
+    ("Email bob@example.com that the meeting moved to 3pm.", "required"),
+    ("Set a timer for 25 minutes.", "required"),
+    ("Search the web for the tallest building in the world.", "required"),
+    ("How much is 100 US dollars in euros?", "required"),
+    ("Remind me in 10 minutes to check the oven.", "required"),
+    ("Find recent news about solar power.", "required"),
+    ("Tell Alice (alice@example.org) happy birthday by email.", "required"),
+    ("What's the temperature in Cairo?", "required"),
+    ("What is the weather in Berlin?", "get_weather"),
+    ("I am going to London tomorrow.", "get_weather"),
+    ("Write to sam@example.com asking for the report.", "send_email"),
+    ("Let me know when my tea is ready, 4 minutes.", "set_timer"),
+    ("Cook pasta for 12 minutes.", "set_timer"),
+    ("Who wrote War and Peace?", "search_web"),
+    ("Python list comprehension tutorial", "search_web"),
+    ("Convert 50 pounds to yen.", "convert_currency"),
+    ("I have 20 euros, how many dollars is that?", "convert_currency"),
+    ("Hello there!", "get_weather"),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_model(smollm2_path):
+    from engine.model import load_model
+
+    return load_model(smollm2_path)
+
+
+@pytest.mark.slow
+async def test_smollm2_tool_calls_are_valid(smollm2_model):
+    from engine.chat import ChatRequest, ToolCall
+    from engine.sampling import SamplingParams
+    from tests.test_constrain import chat_events, run_concurrently
+
+    def request(i):
+        text, choice = REAL_REQUESTS[i]
+        choice = choice if choice == "required" else {"type": "function", "name": choice}
+        return ChatRequest([{"role": "user", "content": text}], max_tokens=400,
+                           sampling=SamplingParams(temperature=0), tools=REAL_TOOLS, tool_choice=choice)
+
+    results = await run_concurrently(lambda i: chat_events(smollm2_model, request(i)), len(REAL_REQUESTS), at_once=4)
+    for i, events in results.items():
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        assert events[-1].reason == "stop" and calls, (REAL_REQUESTS[i], events)
+        check_calls([ParsedCall(c.index, c.name, c.arguments) for c in calls], REAL_TOOLS)
+        if REAL_REQUESTS[i][1] != "required":
+            assert {c.name for c in calls} == {REAL_REQUESTS[i][1]}
+
+
+@pytest.mark.slow
+async def test_smollm2_tool_round_trip(smollm2_model):
+    from engine.chat import ChatRequest, TextDelta, ToolCall
+    from engine.sampling import SamplingParams
+    from tests.test_constrain import chat_events
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    events = await chat_events(smollm2_model, ChatRequest(
+        messages, max_tokens=200, sampling=SamplingParams(temperature=0), tools=REAL_TOOLS, tool_choice="required"))
+    call = next(e for e in events if isinstance(e, ToolCall))
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] == "Paris"
+    messages += [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 17, "condition": "light rain"}'},
+    ]
+    events = await chat_events(smollm2_model, ChatRequest(
+        messages, max_tokens=80, sampling=SamplingParams(temperature=0), tools=REAL_TOOLS, tool_choice="auto"))
+    answer = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert not [e for e in events if isinstance(e, ToolCall)] and answer.strip(), events
+    assert "rain" in answer and "<tool" not in answer, answer     # it answers from the result
