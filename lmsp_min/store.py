@@ -188,22 +188,28 @@ def _connect(path: str) -> sqlite3.Connection:
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version > len(MIGRATIONS):
-        raise StoreError(
-            f"the database is at schema version {version}, newer than this lmsp-min "
-            f"understands ({len(MIGRATIONS)}); use a newer lmsp-min or another --data-dir"
-        )
-    for target in range(version + 1, len(MIGRATIONS) + 1):
+    """Bring the schema up to date, one version per transaction. The version is
+    read inside the write transaction, so two processes starting together on one
+    data directory apply each migration once."""
+    while True:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for statement in MIGRATIONS[target - 1]:
-                conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {target}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                raise StoreError(
+                    f"the database is at schema version {version}, newer than this lmsp-min "
+                    f"understands ({len(MIGRATIONS)}); use a newer lmsp-min or another --data-dir"
+                )
+            if version < len(MIGRATIONS):
+                for statement in MIGRATIONS[version]:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {version + 1}")
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
+        if version >= len(MIGRATIONS):
+            return
 
 
 class Store:

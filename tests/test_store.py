@@ -206,3 +206,24 @@ async def test_only_the_work_of_dead_owners_is_recovered(tmp_path):
     assert list(second._owners.iterdir()) == [second._owners / f"{second.owner}.lock"]
     first.close()
     second.close()
+
+
+def test_two_processes_opening_a_new_data_dir_together(tmp_path):
+    import threading
+
+    stores, errors = [], []
+
+    def open_one():
+        try:
+            stores.append(Store.open_sync(tmp_path))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(stores) == 4
+    for store in stores:
+        store.close()
