@@ -15,7 +15,8 @@ so the figures are the server's own cost, not the model's:
   time mostly measures waiting for a core.
 - `sse_event_latency`: for a streamed response, the time from the engine
   yielding a text delta to the client receiving that event's bytes from the
-  socket (same clock, same process).
+  socket (same clock, same process); and the CPU time per event of a stream
+  from the stub engine (server and client together).
 
 Aims (issue 4): under 2 ms of overhead per request, under 0.2 ms per event.
 """
@@ -97,9 +98,10 @@ async def engine_latency(model, n: int) -> float:
 class StubEngine:
     """An engine stand-in that answers at once: what is left is the server's cost."""
 
-    def __init__(self, model):
+    def __init__(self, model, n_tokens: int = 1):
         self.info = model.info
         self.steps = 0
+        self.n_tokens = n_tokens
 
     def prepare_chat(self, request):
         class Prepared:
@@ -109,8 +111,10 @@ class StubEngine:
     async def generate_chat(self, prepared):
         from engine.chat import Finished, TextDelta
 
-        yield TextDelta("Hi")
-        yield Finished("length", 3, 1, 0)
+        for _ in range(self.n_tokens):
+            await trio.sleep(0)  # as a real token arrives: from another task
+            yield TextDelta(" word")
+        yield Finished("length", 3, self.n_tokens, 0)
 
 
 async def sse_latencies(client: Client, model, n_tokens: int) -> list[float]:
@@ -138,6 +142,12 @@ async def sse_latencies(client: Client, model, n_tokens: int) -> list[float]:
     if len(arrived) != len(yielded):
         raise RuntimeError(f"{len(yielded)} deltas yielded but {len(arrived)} events received")
     return [a - y for a, y in zip(arrived, yielded)]
+
+
+async def stream_of(client: Client, n_tokens: int) -> None:
+    await client.post("/lmsp/v1/responses", body_of(max_output_tokens=n_tokens, stream=True))
+    async for _ in client.events():
+        pass
 
 
 async def run(n_requests: int) -> list[dict]:
@@ -179,9 +189,17 @@ async def run(n_requests: int) -> list[dict]:
             for _ in range(5):
                 latencies += await sse_latencies(client, model, 64)
             latencies.sort()
+            entry.model = StubEngine(model, n_tokens=64)
+            await stream_of(client, 64)
+            cpu = time.process_time()
+            for _ in range(10):
+                await stream_of(client, 64)
+            cpu_per_event = (time.process_time() - cpu) / (10 * 64)
+            entry.model = model
             rows.append({"name": "sse_event_latency", "value": round(statistics.median(latencies) * 1000, 3),
                          "unit": "ms (median)", "p90_ms": round(latencies[int(0.9 * len(latencies))] * 1000, 3),
-                         "events": len(latencies)})
+                         "events": len(latencies),
+                         "cpu_ms_per_event_server_and_client": round(cpu_per_event * 1000, 4)})
             await stream.aclose()
             nursery.cancel_scope.cancel()
         return rows
