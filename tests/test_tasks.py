@@ -301,3 +301,16 @@ async def test_two_processes_share_a_data_directory(nursery, tiny_path, tmp_path
         store._owner_lock.close()  # the first process dies (the kernel drops its lock)
         rest = [e async for e in stream if e is not None]
     assert [(e.id, e.event) for e in rest] == [(2, "response.failed")]
+
+
+async def test_task_events_are_those_of_a_direct_stream(nursery, tiny_path):
+    """The same greedy request, streamed directly and run as a task (here on the
+    in-memory database of --no-store): the same events, ids and text."""
+    server = await start_server(nursery, await make_service([tiny_path]))
+    body = task_body(max_output_tokens=12)
+    direct = parse_sse((await server.responses({**body, "stream": True})).body)
+    task = await create(server, body)
+    followed = await all_events(server, task["id"])
+    assert [(e.id, e.event) for e in followed] == [(e.id, e.event) for e in direct]
+    assert text_of(followed) == text_of(direct)
+    assert followed[-1].data["usage"] == direct[-1].data["usage"]
