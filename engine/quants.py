@@ -5,36 +5,36 @@ packed small integers ("codes"). The blocks differ (bits per code, 32 or 256 val
 per block, 6-bit sub-block scales, ...), but once unpacked they all say the same
 thing: `w = code * scale + min`, with one scale (and, for some formats, one min) per
 group of `g` consecutive values of a row. So at load time each format is unpacked
-ONCE into one uniform representation:
+ONCE into one uniform representation, and one pair of kernels serves every format:
 
     codes  int8     (out, in)        the integer codes
     scales float32  (in // g, out)   one per group: ggml's d (K-quants: d * sub-block scale)
     mins   float32  (in // g, out)   formats with an offset only (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
 
-(scales and mins are stored group-major: the decode kernel reduces over groups with
-long contiguous rows.)
+(scales and mins are stored group-major, so the decode kernel reduces over groups
+along long contiguous rows). Resident bytes per weight:
 
-and a single pair of kernels serves every format. Resident bytes per weight:
-
-    g = 32, no min  (Q8_0, Q4_0, Q5_0):        1 + 4/32         = 1.125
-    g = 32, min     (Q4_1, Q5_1, Q4_K, Q5_K):  1 + 8/32         = 1.25
-    g = 16, no min  (Q3_K, Q6_K):              1 + 4/16         = 1.25
-    g = 16, min     (Q2_K):                    1 + 8/16         = 1.5
+    g = 32, no min  (Q8_0, Q4_0, Q5_0):        1 + 4/32  = 1.125
+    g = 32, min     (Q4_1, Q5_1, Q4_K, Q5_K):  1 + 8/32  = 1.25
+    g = 16, no min  (Q3_K, Q6_K):              1 + 4/16  = 1.25
+    g = 16, min     (Q2_K):                    1 + 8/16  = 1.5
     F32: 4 (the memory-mapped file), F16 / BF16: 2 (kept half-size, converted per tile)
 
-against 0.56 to 1.06 bytes per weight in the file: at most 2.0x for 4-bit files, and
-no float32 copy of a quantized matrix is ever kept.
+against 0.56 to 1.06 bytes per weight in the file: at most 2.0x for 4-bit files
+(SmolLM2 Q4_1: 1.67x the file, Gemma 3 Q4_K_M: 1.21x), and no float32 copy of a
+quantized matrix is ever kept.
 
 The kernels, for `y = x @ W.T` with x float32 (n, in):
-- small n (decode): W's codes are converted to float32 one cache-sized tile of rows
+- few rows (decode): W's codes are converted to float32 one cache-sized tile of rows
   at a time, then BLAS computes the per-group partial dot products
   P[k, r] = codes[r, group k] . x[group k], and y[r] = sum_k scales[k, r] * P[k, r]
   (+ sum_k mins[k, r] * sum(x[group k])): no pass multiplies the weights by scales.
-- large n (prefill): each tile is dequantized (codes * scales) into a float32 buffer
-  and multiplied with BLAS, so the dequantization cost is shared by all n rows of x;
-  the min term is mins @ the per-group sums of x.
-Rows are split across threads (numpy's ufuncs and BLAS release the GIL); every thread
-has its own scratch buffers, so several threads may call matmul at once.
+- many rows (prefill): each tile is dequantized (codes * scales + mins) into a float32
+  buffer and multiplied with one BLAS GEMM, so the dequantization cost is shared by
+  all n rows of x.
+Both split W's rows over threads (numpy's ufuncs and BLAS release the GIL; BLAS itself
+runs single-threaded, see `_single_threaded_blas`). Every thread has its own scratch
+buffers, so several threads may call matmul at once.
 
 The unpackers read the block layouts as numpy views, the way gguf-py's quants.py
 does; `gguf.quants.dequantize` is the reference the tests compare against.
@@ -165,14 +165,14 @@ def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -
         raise error
 
 
-def _buffer(name: str, size: int, dtype=np.float32) -> np.ndarray:
-    """A flat scratch array of at least `size` items, private to the calling thread."""
+def _buffer(name: str, size: int) -> np.ndarray:
+    """A flat float32 scratch array of `size` items, private to the calling thread."""
     buffers = getattr(_local, "buffers", None)
     if buffers is None:
         buffers = _local.buffers = {}
     buf = buffers.get(name)
-    if buf is None or buf.size < size or buf.dtype != dtype:
-        buf = buffers[name] = np.empty(max(size, TILE_VALUES), dtype)
+    if buf is None or buf.size < size:
+        buf = buffers[name] = np.empty(max(size, TILE_VALUES), np.float32)
     return buf[:size]
 
 
