@@ -36,8 +36,9 @@ from lmsp_min.validate import (
 )
 
 # Rendering and tokenizing a short input takes well under a millisecond, less
-# than handing it to a worker thread and back; longer inputs go to a thread so
-# that the event loop is never held for long.
+# than handing it to a worker thread and back; longer inputs, and requests that
+# compile a grammar (tools, json_schema), go to a thread so that the event loop
+# is never held for long.
 INLINE_PREPARE_CHARS = 1024
 
 # -- routing -----------------------------------------------------------------------------
@@ -202,7 +203,8 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
     messages = items_to_messages(items, first_index=-len(earlier))
     chat_request = _chat_request(request, messages)
     try:
-        if _text_size(messages) <= INLINE_PREPARE_CHARS:
+        constrained = bool(request.tools) or request.json_schema is not None  # compiles a grammar
+        if not constrained and _text_size(messages) <= INLINE_PREPARE_CHARS:
             prepared = model.prepare_chat(chat_request)
         else:
             prepared = await trio.to_thread.run_sync(model.prepare_chat, chat_request)

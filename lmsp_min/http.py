@@ -32,10 +32,10 @@ import json
 import sys
 import time
 import traceback
-from http import HTTPStatus
 from collections.abc import AsyncIterable, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from urllib.parse import parse_qsl
 from wsgiref.handlers import format_date_time
 
@@ -224,7 +224,7 @@ class _Connection:
     # -- socket I/O ---------------------------------------------------------
 
     async def _read_socket(self) -> None:
-        """Read until EOF; on EOF cancel whatever request is being served."""
+        """Read until EOF; then cancel the request being served, if it asked for that."""
         async with self._incoming_send:
             while True:
                 try:
