@@ -7,7 +7,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as ref_quants
 
 from engine.errors import ModelFileError, UnsupportedModelError
-from engine.gguf_file import GGUFFile
+from engine.gguf_file import GGUFFile, release_pages
 
 
 def write_gguf(path, tensors, arch="llama"):
@@ -198,3 +198,16 @@ def test_missing_architecture(tmp_path):
     path.write_bytes(data)
     with pytest.raises(ModelFileError, match="general.architecture"):
         GGUFFile(path).architecture
+
+
+def test_release_pages_keeps_the_data(small_gguf):
+    """Dropped file pages are read back from the file; other arrays are never touched."""
+    f = GGUFFile(small_gguf)
+    tensor = f.tensors["proj_q.weight"]
+    before = tensor.data.copy()
+    release_pages(tensor.data)
+    np.testing.assert_array_equal(tensor.data, before)
+
+    heap = np.arange(1 << 16, dtype=np.float32)  # anonymous memory: dropping it would zero it
+    release_pages(heap)
+    np.testing.assert_array_equal(heap, np.arange(1 << 16, dtype=np.float32))
