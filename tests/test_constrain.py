@@ -296,3 +296,87 @@ async def test_chat_json_schema(tiny):
     assert events[-1].reason == "length"
     with pytest.raises(SchemaError):
         tiny.prepare_chat(ChatRequest(messages, json_schema={"type": "string", "pattern": "a"}))
+
+
+# -- the real SmolLM2-135M-Instruct (slow) ------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0,
+          "maximum": 150}}, "required": ["name", "age"]}
+REAL_JSON = [
+    ("Describe a 30 year old named Bob.", PERSON),
+    ("Give me a person called Alice who is 42.", PERSON),
+    ("A recipe for pancakes: name and a list of ingredients.",
+     {"type": "object", "properties": {"name": {"type": "string"},
+      "ingredients": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 8}},
+      "required": ["name", "ingredients"]}),
+    ("Is the sky blue? Answer yes or no with a confidence.",
+     {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+      "confidence": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["answer", "confidence"]}),
+    ("List three colors.", {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 3, "maxItems": 3}),
+    ("How many legs does a spider have?", {"type": "integer", "minimum": 0, "maximum": 100}),
+    ("Name the capital of France.", {"type": "string", "maxLength": 40}),
+    ("Classify the sentiment of: I love this phone!",
+     {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]}},
+      "required": ["sentiment"], "additionalProperties": False}),
+    ("A book: title, author and year.",
+     {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "string"},
+      "year": {"type": "integer", "minimum": 1000, "maximum": 2030}}, "required": ["title", "author", "year"]}),
+    ("Give the coordinates of Paris.",
+     {"type": "object", "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90},
+      "lon": {"type": "number", "minimum": -180, "maximum": 180}}, "required": ["lat", "lon"]}),
+    ("Make a todo list with two tasks.",
+     {"type": "object", "properties": {"tasks": {"type": "array", "maxItems": 5, "items": {
+         "type": "object", "properties": {"title": {"type": "string", "maxLength": 60}, "done": {"type": "boolean"}},
+         "required": ["title", "done"]}}}, "required": ["tasks"]}),
+    ("Is 7 a prime number?", {"type": "boolean"}),
+    ("Describe the weather today.",
+     {"type": "object", "properties": {"condition": {"type": "string", "enum": ["sunny", "cloudy", "rain", "snow"]},
+      "temperature": {"type": "integer", "minimum": -50, "maximum": 60}, "note": {"type": ["string", "null"],
+      "maxLength": 80}}, "required": ["condition", "temperature"]}),
+    ("A movie and its rating out of 10.",
+     {"$defs": {"rating": {"type": "integer", "minimum": 1, "maximum": 10}},
+      "type": "object", "properties": {"movie": {"type": "string"}, "rating": {"$ref": "#/$defs/rating"}},
+      "required": ["movie", "rating"]}),
+    ("An address in London.",
+     {"type": "object", "properties": {"street": {"type": "string"}, "city": {"const": "London"},
+      "postcode": {"type": "string", "minLength": 5, "maxLength": 8}}, "required": ["street", "city", "postcode"]}),
+    ("Pick a number or say none.", {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 9}, {"type": "null"}]}),
+    ("Translate hello into French and Spanish.",
+     {"type": "object", "properties": {"fr": {"type": "string", "maxLength": 30}, "es": {"type": "string", "maxLength": 30}},
+      "required": ["fr", "es"]}),
+    ("A user profile with an email and some tags.",
+     {"type": "object", "properties": {"email": {"type": "string", "maxLength": 60},
+      "tags": {"type": "array", "items": {"type": "string", "maxLength": 15}, "maxItems": 4}},
+      "required": ["email", "tags"]}),
+    ("Summarize: The cat sat on the mat all day.",
+     {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 120},
+      "words": {"type": "integer", "minimum": 0}}, "required": ["summary"]}),
+    ("Product: a red t-shirt for 19.99 dollars.",
+     {"type": "object", "properties": {"product": {"type": "string"}, "price": {"type": "number", "minimum": 0},
+      "currency": {"enum": ["USD", "EUR"]}, "in_stock": {"type": "boolean"}},
+      "required": ["product", "price", "currency", "in_stock"]}),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_model(smollm2_path):
+    from engine.model import load_model
+
+    return load_model(smollm2_path)
+
+
+@pytest.mark.slow
+async def test_smollm2_json_documents_are_valid(smollm2_model):
+    from engine.chat import ChatRequest, TextDelta
+    from engine.sampling import SamplingParams
+
+    def request(i):
+        text, schema = REAL_JSON[i]
+        return ChatRequest([{"role": "user", "content": text}], max_tokens=400,
+                           sampling=SamplingParams(temperature=0), json_schema=schema)
+
+    results = await run_concurrently(lambda i: chat_events(smollm2_model, request(i)), len(REAL_JSON), at_once=4)
+    for i, events in results.items():
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        assert events[-1].reason == "stop", (REAL_JSON[i][0], text)
+        assert validate(json.loads(text), REAL_JSON[i][1]) is None, (REAL_JSON[i][0], text)

@@ -13,7 +13,7 @@ from engine.tokenizer import Tokenizer
 from engine.tools import (CLOSER, MAX_CALLS, OPENER, ParsedCall, ToolCallParser, render_generic,
                           tool_constraint, uses_native_format)
 from tests.conftest import DATA
-from tests.test_constrain import random_run, tiny  # noqa: F401 (fixture)
+from tests.test_constrain import random_run, smollm2_model, tiny  # noqa: F401 (fixtures)
 
 TOOLS = [
     {"name": "get_weather", "description": "Get the current weather for a city.",
@@ -291,13 +291,6 @@ REAL_REQUESTS = [
     ("I have 20 euros, how many dollars is that?", "convert_currency"),
     ("Hello there!", "get_weather"),
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_model(smollm2_path):
-    from engine.model import load_model
-
-    return load_model(smollm2_path)
 
 
 @pytest.mark.slow
