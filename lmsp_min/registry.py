@@ -228,11 +228,11 @@ class ModelEntry:
             return self.model
         async with self._load_lock:  # concurrent first requests wait for one load
             if self.model is None:
-                from engine.model import load_model
+                import engine
 
                 started = time.perf_counter()
                 try:
-                    model = await trio.to_thread.run_sync(load_model, self.path)
+                    model = await trio.to_thread.run_sync(engine.load_model, self.path)
                 except Exception as exc:
                     if log is not None:
                         log(f"error: model {self.id} failed to load: {type(exc).__name__}: {exc}")

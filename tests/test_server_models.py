@@ -88,7 +88,7 @@ async def test_a_bad_model_path_is_refused_at_start(tmp_path):
 
 
 async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
-    import engine.model
+    import engine
 
     calls = []
 
@@ -104,7 +104,7 @@ async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
         time.sleep(0.2)
         return Loaded()
 
-    monkeypatch.setattr(engine.model, "load_model", slow_load)
+    monkeypatch.setattr(engine, "load_model", slow_load)
     entry = ModelEntry.from_file(tiny_path)
     results = []
 
@@ -119,13 +119,13 @@ async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
 
 
 async def test_a_model_that_fails_to_load_is_503(monkeypatch, nursery, tiny_path):
-    import engine.model
+    import engine
     from engine.errors import ModelFileError
 
     def broken(path):
         raise ModelFileError(f"{path}: tensor data lies past the end of the file")
 
-    monkeypatch.setattr(engine.model, "load_model", broken)
+    monkeypatch.setattr(engine, "load_model", broken)
     lines = []
     service = await Service.open(ServiceConfig(model_paths=[tiny_path], store=False), log=lines.append)
     server = await start_server(nursery, service)
