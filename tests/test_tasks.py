@@ -128,7 +128,8 @@ async def test_invalid_task_request_is_refused_before_any_task(server):
     assert reply.status == 404 and reply.json()["code"] == "model_not_found"
 
 
-async def test_cancel_stops_a_running_task(server):
+async def test_cancel_stops_a_running_task(server, monkeypatch):
+    paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.002)  # >= 0.8 s
     task = await create(server, task_body(max_output_tokens=400))
     async with server.connection() as client:
         events = follow(client, task["id"])
@@ -167,15 +168,29 @@ async def test_events_expire_after_the_retention_period(nursery, tiny_path, tmp_
     await trio.sleep(0.3)
     reply = await server.request("GET", f"{TASKS}/{task['id']}/events")
     assert reply.status == 410 and reply.json()["code"] == "event_history_expired"
-    # ...and the periodic purge deletes them; the task itself stays
-    await trio.sleep(0.6)
-    assert await service.store.read_events(task["id"], 0) == []
+    # ...and the periodic purge (every 0.5 s here) deletes them; the task itself stays
+    with trio.fail_after(10):
+        while await service.store.read_events(task["id"], 0):
+            await trio.sleep(0.1)
     assert (await server.request("GET", f"{TASKS}/{task['id']}")).json() == final
 
 
-async def test_fan_out_with_drops_and_resumes(server):
+def paced(model, monkeypatch, seconds: float) -> None:
+    """Make the model's chat events come at most one per `seconds` (the same events)."""
+    generate_chat = model.generate_chat
+
+    async def slower(prepared):
+        async for event in generate_chat(prepared):
+            await trio.sleep(seconds)
+            yield event
+
+    monkeypatch.setattr(model, "generate_chat", slower)
+
+
+async def test_fan_out_with_drops_and_resumes(server, monkeypatch):
     """50 followers, each dropping its connection at random points and resuming
     from its last id: every one reassembles exactly the final text."""
+    paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.005)  # >= 0.3 s
     task = await create(server, task_body(max_output_tokens=60))
     texts: dict[int, str] = {}
     live_or_not = set()  # was the task running when a follower (re)connected?
