@@ -72,6 +72,18 @@ def message_text(response: dict) -> str:
                    for part in item["content"])
 
 
+def paced(model, monkeypatch, seconds: float) -> None:
+    """Make the model's chat events come at most one per `seconds` (the same events)."""
+    generate_chat = model.generate_chat
+
+    async def slower(prepared):
+        async for event in generate_chat(prepared):
+            await trio.sleep(seconds)
+            yield event
+
+    monkeypatch.setattr(model, "generate_chat", slower)
+
+
 async def test_a_task_runs_in_the_background_and_its_events_replay(server):
     task = await create(server, task_body(stream=True))  # `stream` is ignored
     assert task["object"] == "task" and task["status"] in ("queued", "in_progress")
@@ -173,18 +185,6 @@ async def test_events_expire_after_the_retention_period(nursery, tiny_path, tmp_
         while await service.store.read_events(task["id"], 0):
             await trio.sleep(0.1)
     assert (await server.request("GET", f"{TASKS}/{task['id']}")).json() == final
-
-
-def paced(model, monkeypatch, seconds: float) -> None:
-    """Make the model's chat events come at most one per `seconds` (the same events)."""
-    generate_chat = model.generate_chat
-
-    async def slower(prepared):
-        async for event in generate_chat(prepared):
-            await trio.sleep(seconds)
-            yield event
-
-    monkeypatch.setattr(model, "generate_chat", slower)
 
 
 async def test_fan_out_with_drops_and_resumes(server, monkeypatch):
