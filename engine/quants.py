@@ -563,7 +563,28 @@ def concat_weights(weights: Sequence[Weight]) -> Weight:
     kinds = {w.kind for w in weights if isinstance(w, DenseWeight)}
     if all(isinstance(w, DenseWeight) for w in weights) and len(kinds) == 1:
         return DenseWeight(np.concatenate([w.data for w in weights]), kinds.pop())
-    raise UnsupportedModelError(
-        "cannot concatenate weights of different kinds: "
-        + ", ".join(repr(w) for w in weights)
-    )
+    return StackedWeight(list(weights))
+
+
+class StackedWeight(Weight):
+    """Weights of different kinds (say F16 and Q4_K) stacked along `out`, each kept as it is."""
+
+    def __init__(self, parts: list[Weight]):
+        self.parts = parts
+        self.shape = (sum(w.shape[0] for w in parts), parts[0].shape[1])
+        self.starts = np.cumsum([0] + [w.shape[0] for w in parts])  # first row of each part
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.parts)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([w.matmul(x) for w in self.parts], axis=1)
+
+    def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
+        ids = np.arange(self.shape[0])[rows]  # the rows as indices, whichever part they are in
+        part = np.searchsorted(self.starts, ids, side="right") - 1
+        for i, w in enumerate(self.parts):
+            mine = part == i
+            if mine.any():
+                out[mine] = w.rows(ids[mine] - self.starts[i])

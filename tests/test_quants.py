@@ -134,6 +134,8 @@ def test_concurrent_matmuls_from_several_threads():
     [T.Q4_K, T.Q4_K, T.Q6_K],   # a Q4_K_M q, k, v: group sizes 32 and 16, with and without mins
     [T.Q4_1, T.Q4_1],
     [T.F16, T.F16],
+    [T.Q4_K, T.F16, T.Q8_0],    # mixed kinds are kept apart
+    [T.F32, T.F16],
 ], ids=lambda ts: "+".join(t.name for t in ts))
 def test_concat_weights(types):
     parts = [weight_and_reference(t, n_out=16 * (i + 1), seed=i) for i, t in enumerate(types)]
@@ -141,8 +143,13 @@ def test_concat_weights(types):
     reference = np.concatenate([r for _, r in parts])
     assert merged.shape == reference.shape
     np.testing.assert_allclose(merged.dequantize(), reference, rtol=1e-6, atol=0)
-    x = np.random.default_rng(4).standard_normal((3, N_IN)).astype(np.float32)
-    assert_matmul_close(merged.matmul(x), x @ reference.T)
+    ids = [len(reference) - 1, 0, 17, 16, 3]
+    np.testing.assert_allclose(merged.rows(ids), reference[ids], rtol=1e-6, atol=0)
+    for n in (1, 3, 40):
+        x = np.random.default_rng(n).standard_normal((n, N_IN)).astype(np.float32)
+        assert_matmul_close(merged.matmul(x), x @ reference.T)
+    kinds = {w.kind if isinstance(w, quants.DenseWeight) else "quantized" for w, _ in parts}
+    assert isinstance(merged, quants.StackedWeight) == (len(kinds) > 1)
 
 
 def test_concat_weights_needs_the_same_input_size():
