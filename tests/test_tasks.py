@@ -3,6 +3,7 @@
 import json
 import random
 import sqlite3
+from contextlib import aclosing
 
 import pytest
 import trio
@@ -77,9 +78,10 @@ def paced(model, monkeypatch, seconds: float) -> None:
     generate_chat = model.generate_chat
 
     async def slower(prepared):
-        async for event in generate_chat(prepared):
-            await trio.sleep(seconds)
-            yield event
+        async with aclosing(generate_chat(prepared)) as events:
+            async for event in events:
+                await trio.sleep(seconds)
+                yield event
 
     monkeypatch.setattr(model, "generate_chat", slower)
 
