@@ -186,7 +186,9 @@ class Client:
         Each round sends the full context again (6.5): the earlier input, the
         response's output items exactly as received (its `function_call` items
         among them), then one `function_call_output` per call, with what
-        `functions[name](**arguments)` returned.
+        `functions[name](**arguments)` returned. A `tool_choice` that forces a
+        call ("required" or a named function) holds for the first round only;
+        the next rounds are "auto", so the model can answer with the results.
         """
         items = as_input(input)
         for _ in range(max_rounds):
@@ -194,6 +196,8 @@ class Client:
             calls = function_calls(response)
             if not calls:
                 return response
+            if fields.get("tool_choice") not in (None, "auto", "none"):
+                fields = {**fields, "tool_choice": "auto"}
             items += response["output"]
             for call in calls:
                 if call["name"] not in functions:
@@ -325,6 +329,10 @@ class Client:
             for event in parse_sse(iter(resp.readline, b"")):
                 yield event
                 if event.event in FINAL_EVENTS:
+                    try:
+                        resp.read()  # the end of the body: the service closes the stream now
+                    except (OSError, http.client.HTTPException):
+                        pass  # the final event arrived; how the stream ended does not matter
                     return
         except (OSError, http.client.HTTPException) as e:
             raise StreamInterrupted(f"connection lost: {e!r}") from None

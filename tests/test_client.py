@@ -19,6 +19,7 @@ from lmsp_min.client import (
     LMSPError,
     StreamInterrupted,
     function_call_output,
+    function_calls,
     output_text,
     parse_sse,
 )
@@ -249,8 +250,11 @@ def test_run_tools_round_trip(fake):
         seen.append(city)
         return {"temperature_c": 17}
 
-    response = Client(fake.url).run_tools("fake:1m", "Weather in Hangzhou?", {"get_weather": get_weather}, tools=tools)
+    response = Client(fake.url).run_tools(
+        "fake:1m", "Weather in Hangzhou?", {"get_weather": get_weather}, tools=tools, tool_choice="required"
+    )
     assert seen == ["Hangzhou"]
+    assert [r[3].get("tool_choice") for r in fake.requests[-2:]] == ["required", "auto"]
     assert output_text(response) == "It is 17 degrees."
     second = fake.requests[-1][3]["input"]
     assert [i["type"] for i in second] == ["message", "function_call", "function_call_output"]
@@ -418,3 +422,26 @@ def test_real_server_stored_responses_idempotency_and_cancel(live_server):
     assert final["status"] in ("cancelled", "completed", "incomplete")
     events = list(client.follow_task(task["id"]))
     assert events[-1].event == f"response.{final['status']}"
+
+
+def test_real_server_tools_round_trip(live_server):
+    client = Client(f"http://127.0.0.1:{live_server}")
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        # an enum, so that the tiny random model finishes its arguments in a few tokens
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]},
+    }
+    cities = []
+
+    def get_weather(city):
+        cities.append(city)
+        return {"temperature_c": 17}
+
+    response = client.run_tools(
+        TINY, "Weather in Paris?", {"get_weather": get_weather}, tools=[weather], tool_choice="required",
+        temperature=0, max_output_tokens=64,
+    )
+    assert len(cities) >= 1 and set(cities) <= {"Paris", "Rome"}  # arguments valid for the schema
+    assert function_calls(response) == []  # the last round answered instead of calling
