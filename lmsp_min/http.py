@@ -15,8 +15,9 @@ examples/trio-server.py:
 - Requests on a keep-alive connection are answered one after another, in
   order; pipelined requests simply wait in h11's buffer.
 - Limits are explicit (`Limits`): header size (431), body size (413), number
-  of connections (429), and three timeouts: idle keep-alive (close), headers
-  (408 then close), body (408 then close).
+  of connections (429), and four timeouts: idle keep-alive (close), headers
+  (408 then close), body (408 then close), and a client that stops reading
+  what we write (close: its generation is cancelled like a disconnect).
 - A malformed request gets 400 and the connection is closed: after a framing
   error nothing later on the connection can be trusted.
 - A handler that raises a `Problem` gets its problem document; any other
@@ -62,6 +63,7 @@ class Limits:
     header_timeout: float = 10.0  # from a request's first byte to the end of its headers
     body_timeout: float = 30.0  # to receive a whole request body
     stream_keepalive: float = 15.0  # longest silence in an event stream (D3): then an SSE comment
+    write_timeout: float = 30.0  # a client that reads nothing this long is dropped
 
 
 @dataclass
@@ -252,10 +254,14 @@ class _Connection:
     async def _send(self, event) -> None:
         data = self.h11.send(event)
         if data:
-            try:
-                await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                raise _ClientGone() from exc
+            with trio.move_on_after(self.limits.write_timeout) as stalled:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    raise _ClientGone() from exc
+            if stalled.cancelled_caught:  # a client that stopped reading holds nothing for long
+                self.log(f"a client read nothing for {self.limits.write_timeout:.0f} s: connection dropped")
+                raise _ClientGone()
 
     # -- the connection loop ------------------------------------------------
 
@@ -351,26 +357,29 @@ class _Connection:
         self._content_length = int(length) if length is not None else None  # h11 checked it
         started = time.perf_counter()
         status = 0
-        with trio.CancelScope() as scope:
-            self._request_scope = scope
-            self._cancel_on_disconnect = False
-            try:
-                response = await self.handler(request)
-            except Problem as problem:
-                response = problem_response(problem)
-            except Exception:
-                self.log("error: unexpected exception in a handler:\n" + traceback.format_exc())
-                response = problem_response(Problem("internal_error", "an unexpected error occurred"))
-            status = response.status
-            if isinstance(response, StreamingResponse):
-                await self._send_streaming(response)
-            else:
-                await self._send_response(response)
-        self._request_scope = None
-        duration = (time.perf_counter() - started) * 1000
-        outcome = " (client disconnected)" if scope.cancelled_caught else ""
-        note = f" {request.log_note}" if request.log_note else ""
-        self.log(f"{request.method} {request.path} {status} {duration:.1f}ms{note}{outcome}")
+        outcome = " (client gone)"  # unless the response is sent, below
+        try:
+            with trio.CancelScope() as scope:
+                self._request_scope = scope
+                self._cancel_on_disconnect = False
+                try:
+                    response = await self.handler(request)
+                except Problem as problem:
+                    response = problem_response(problem)
+                except Exception:
+                    self.log("error: unexpected exception in a handler:\n" + traceback.format_exc())
+                    response = problem_response(Problem("internal_error", "an unexpected error occurred"))
+                status = response.status
+                if isinstance(response, StreamingResponse):
+                    await self._send_streaming(response)
+                else:
+                    await self._send_response(response)
+            outcome = " (client disconnected)" if scope.cancelled_caught else ""
+        finally:
+            self._request_scope = None
+            duration = (time.perf_counter() - started) * 1000
+            note = f" {request.log_note}" if request.log_note else ""
+            self.log(f"{request.method} {request.path} {status} {duration:.1f}ms{note}{outcome}")
 
     def watch_disconnect(self) -> None:
         """Cancel the current request when the client goes away (now, if it already has)."""

@@ -246,3 +246,28 @@ async def test_a_silent_stream_gets_keep_alive_comments(nursery, tiny_path, monk
     assert b"\n\n: keep-alive\n\n" in reply.body
     events = parse_sse(reply.body)
     assert check_stream(events) == "late"
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_its_generation_stopped(nursery, tiny_path,
+                                                                                 monkeypatch):
+    from engine.chat import TextDelta
+
+    service = await make_service([tiny_path], limits=Limits(write_timeout=0.3))
+    server = await start_server(nursery, service)
+    model = service.registry.get(TINY_ID).model
+    closed = trio.Event()
+
+    async def endless(prepared):
+        try:
+            while True:
+                await trio.sleep(0)
+                yield TextDelta("x" * 65536)
+        finally:
+            closed.set()
+
+    monkeypatch.setattr(model, "generate_chat", endless)
+    async with server.connection() as client:
+        await client.send("POST", "/lmsp/v1/responses", json_body={**request(), "stream": True})
+        with trio.fail_after(20):  # the client reads nothing at all
+            await closed.wait()
+    assert "client gone" in service.log_lines[-1] or "read nothing" in " ".join(service.log_lines)
