@@ -191,7 +191,8 @@ class GGUFFile:
                     f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            self.tensors[t.name] = Tensor(t.name, t.tensor_type, shape, t.data)
+            data = t.data.view(np.ndarray)  # plain views: slicing an np.memmap runs Python code
+            self.tensors[t.name] = Tensor(t.name, t.tensor_type, shape, data)
         release_pages(reader.data[: reader.data_offset])  # the header, now parsed
 
     def _reader_error(self, e: Exception) -> Exception:
