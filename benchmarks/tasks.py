@@ -100,8 +100,8 @@ async def follow_latency(store: Store, n: int, rate: float) -> dict:
     direct: list[float] = []
 
     async def follower():
-        async for event in log.follow(0):
-            if event is not None:
+        async for batch in log.follow(0):
+            for event in batch or []:
                 sse(event)
                 if event.seq in produced:
                     followed.append(time.perf_counter() - produced[event.seq])

@@ -100,14 +100,16 @@ class LiveLog:
 
     # -- a follower's side --------------------------------------------------------
 
-    async def follow(self, after: int) -> AsyncIterator[LoggedEvent | None]:
-        """Committed events with seq > `after`, then live ones, until the final one.
-        Yields None when nothing happened for KEEPALIVE_INTERVAL seconds."""
+    async def follow(self, after: int) -> AsyncIterator[list[LoggedEvent] | None]:
+        """Committed events with seq > `after`, then live ones, until the final one:
+        each time, all those not yet yielded (a late follower catches up in one
+        batch). Yields None when nothing happened for KEEPALIVE_INTERVAL seconds."""
         cursor = after  # index in self.events of the next event to yield
         while True:
             if cursor < len(self.events):
-                yield self.events[cursor]
-                cursor += 1
+                batch = self.events[cursor:]
+                cursor += len(batch)
+                yield batch
                 continue
             if self.done:
                 return
@@ -285,9 +287,9 @@ class Tasks:
         return self._from_database(task_id, after, follow=elsewhere)
 
     async def _follow(self, log: LiveLog, after: int) -> AsyncIterator[bytes]:
-        async with aclosing(log.follow(after)) as events:
-            async for event in events:
-                yield SSE_KEEPALIVE if event is None else sse(event)
+        async with aclosing(log.follow(after)) as batches:
+            async for batch in batches:
+                yield SSE_KEEPALIVE if batch is None else b"".join(sse(event) for event in batch)
 
     async def _from_database(self, task_id: str, after: int, *, follow: bool,
                              batch: int = 512) -> AsyncIterator[bytes]:

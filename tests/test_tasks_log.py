@@ -31,10 +31,11 @@ async def run_task(log: LiveLog, n: int, pause: float = 0.0) -> None:
 
 async def collect(log: LiveLog, after: int, store: Store) -> list:
     seen = []
-    async for event in log.follow(after):
-        # an event is never seen before it is in the database
-        assert (await store.read_events("task_1", event.seq - 1, limit=1))[0] == event
-        seen.append(event)
+    async for batch in log.follow(after):
+        for event in batch:
+            # an event is never seen before it is in the database
+            assert (await store.read_events("task_1", event.seq - 1, limit=1))[0] == event
+            seen.append(event)
     return seen
 
 
@@ -64,7 +65,7 @@ async def test_a_stalled_follower_does_not_hold_the_task(store):
     stalled = log.follow(0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_task, log, 100)
-        assert (await stalled.__anext__()).seq == 1
+        assert (await stalled.__anext__())[0].seq == 1
         # ...and the follower reads no further: the task still runs to its end
     await stalled.aclose()
     assert (await store.get_task("task_1", None)).status == "completed"
@@ -93,8 +94,8 @@ async def test_keepalive_while_idle_and_abandon_releases_followers(store, monkey
     seen = []
 
     async def follow():
-        async for event in log.follow(0):
-            seen.append(event)
+        async for batch in log.follow(0):
+            seen.extend(batch or [None])
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(log.write_loop)
