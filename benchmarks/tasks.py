@@ -17,6 +17,8 @@
   and of a followed task (POST /tasks, GET /tasks/{id}/events) and measures,
   per delta, the time from the model yielding it to the client reading it.
   The difference is the price of a resumable, durable stream (aim: < 1 ms/event).
+  Its median is the figure: on a shared machine the mean carries the scheduler's
+  hiccups (a thread hop per commit waits for a core), and is shown beside it.
 
 Everything runs on a fresh database in a temporary directory on the same disk
 as the default data directory would be (the fsyncs of durable commits are real).
@@ -235,13 +237,13 @@ async def main(n: int, rate: float) -> list[dict]:
         {"name": "task log write (one commit per event)", "value": round(single), "unit": "events/s"},
         {"name": "task log replay", "value": round(replay["events_per_s"]), "unit": "events/s",
          "mb_per_s": round(replay["mb_per_s"], 1)},
-        {"name": "follow vs direct stream in process, added", "value": round(follow["added_mean_ms"], 3),
-         "unit": "ms/event", "rate": rate,
-         "followed_p50_ms": round(follow["followed_p50_ms"], 3),
-         "followed_p99_ms": round(follow["followed_p99_ms"], 3),
-         "direct_p50_ms": round(follow["direct_p50_ms"], 4)},
-        {"name": "follow vs direct stream over HTTP, added", "unit": "ms/event", "rate": rate,
-         "value": round(over_http["followed_mean_ms"] - over_http["direct_mean_ms"], 3),
+        {"name": "follow vs direct, in process, added p50", "unit": "ms/event", "rate": rate,
+         "value": round(follow["followed_p50_ms"] - follow["direct_p50_ms"], 3),
+         "added_mean_ms": round(follow["added_mean_ms"], 3),
+         "followed_p99_ms": round(follow["followed_p99_ms"], 3)},
+        {"name": "follow vs direct, over HTTP, added p50", "unit": "ms/event", "rate": rate,
+         "value": round(over_http["followed_p50_ms"] - over_http["direct_p50_ms"], 3),
+         "added_mean_ms": round(over_http["followed_mean_ms"] - over_http["direct_mean_ms"], 3),
          **{key: round(value, 3) for key, value in over_http.items()}},
     ]
 
