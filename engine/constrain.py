@@ -33,6 +33,7 @@ import bisect
 import json
 import math
 import re
+import threading
 import weakref
 from fractions import Fraction
 from typing import Iterable, Sequence
@@ -625,16 +626,21 @@ def _complete(stack: tuple) -> bool:
 
 
 class Grammar:
-    """A compiled grammar over one vocabulary, with its caches (shared by all its generations)."""
+    """A compiled grammar over one vocabulary, with its caches (shared by all its generations).
 
-    MAX_MASKS = 64          # cached masks (each n_vocab bytes)
+    Generations of several threads may share it: the caches are only read, written and
+    cleared as whole entries (atomic under the GIL), and evictions hold a lock.
+    """
+
+    MAX_MASKS = 64          # cached masks, bit-packed (n_vocab / 8 bytes each)
     MAX_TRANSITIONS = 200_000
 
     def __init__(self, root: Node, index: TokenIndex):
         self.index = index
         self.initial = frozenset(_settle((f,)) for f in root.expand())
         self._steps: dict = {}
-        self._masks: dict = {}
+        self._masks: dict = {}  # state -> uint8 (n_vocab / 8,) packed mask
+        self._lock = threading.Lock()
 
     def step(self, state: frozenset, b: int) -> frozenset | None:
         key = (state, b)
@@ -665,14 +671,15 @@ class Grammar:
         return all(not stack for stack in state)
 
     def mask(self, state: frozenset) -> np.ndarray:
-        """bool (n_vocab,): the tokens allowed in `state` (read-only, cached)."""
-        mask = self._masks.get(state)
-        if mask is None:
-            mask = self._compute_mask(state)
-            mask.flags.writeable = False
+        """bool (n_vocab,): the tokens allowed in `state` (cached)."""
+        packed = self._masks.get(state)
+        if packed is not None:
+            return np.unpackbits(packed, count=self.index.n_vocab).view(np.bool_)
+        mask = self._compute_mask(state)
+        with self._lock:
             if len(self._masks) >= self.MAX_MASKS:
                 self._masks.pop(next(iter(self._masks)))
-            self._masks[state] = mask
+            self._masks[state] = np.packbits(mask)
         return mask
 
     def _compute_mask(self, state: frozenset) -> np.ndarray:
@@ -819,6 +826,7 @@ class TokenIndex:
         self.string_specials = np.flatnonzero(self.normal & ~self.plain)
         self._without: dict = {}
         self.grammars: dict = {}  # schema key -> Grammar, bounded
+        self._lock = threading.Lock()
 
     def without_byte(self, byte: int):
         """(tokens without `byte`, ids of tokens containing it): for free-text masks."""
@@ -833,20 +841,23 @@ class TokenIndex:
         g = self.grammars.get(key)
         if g is None:
             g = Grammar(build(), self)
-            if len(self.grammars) >= 32:
-                self.grammars.pop(next(iter(self.grammars)))
-            self.grammars[key] = g
+            with self._lock:
+                if len(self.grammars) >= 32:
+                    self.grammars.pop(next(iter(self.grammars)))
+                self.grammars[key] = g
         return g
 
     _of_tokenizer: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    _building = threading.Lock()
 
     @classmethod
     def of(cls, tokenizer) -> TokenIndex:
         """The index of a Tokenizer (built once, about a second for 262k tokens)."""
-        index = cls._of_tokenizer.get(tokenizer)
-        if index is None:
-            index = cls([tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)], tokenizer.eos_ids)
-            cls._of_tokenizer[tokenizer] = index
+        with cls._building:
+            index = cls._of_tokenizer.get(tokenizer)
+            if index is None:
+                index = cls([tokenizer.token_bytes(i) for i in range(tokenizer.n_vocab)], tokenizer.eos_ids)
+                cls._of_tokenizer[tokenizer] = index
         return index
 
 
