@@ -527,12 +527,16 @@ def load_weight(tensor: Tensor) -> Weight:
     codes = np.empty((n_out, n_in), np.int8)
     scales = np.empty((n_in // g, n_out), np.float32)
     mins = np.empty((n_in // g, n_out), np.float32) if tensor.type in _HAS_MIN else None
-    for r0 in range(0, n_out, _UNPACK_ROWS):
-        r1 = min(r0 + _UNPACK_ROWS, n_out)
-        c, s, m = unpack(raw[r0:r1])
-        codes[r0:r1], scales[:, r0:r1] = c, s.T
-        if mins is not None:
-            mins[:, r0:r1] = m.T
+
+    def unpack_rows(start: int, stop: int) -> None:
+        for r0 in range(start, stop, _UNPACK_ROWS):
+            r1 = min(r0 + _UNPACK_ROWS, stop)
+            c, s, m = unpack(raw[r0:r1])
+            codes[r0:r1], scales[:, r0:r1] = c, s.T
+            if mins is not None:
+                mins[:, r0:r1] = m.T
+
+    _parallel_rows(unpack_rows, n_out, n_out * n_in)
     release_pages(tensor.data)  # unpacked: the file's bytes are not needed in memory
     return QuantWeight(codes, scales, mins)
 
