@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from engine import ModelInfo, SamplingParams, UnsupportedModelError, load_model
+from engine import ModelFileError, ModelInfo, SamplingParams, UnsupportedModelError, load_model
 from engine.architectures import attend, rope, rope_angles
 from engine.sampling import Sampler
 from engine.tiny import ARCHITECTURES, write_tiny_model
@@ -130,6 +130,21 @@ def test_unknown_architecture_names_the_file(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(UnsupportedModelError, match="odd.gguf.*mamba"):
+        load_model(path)
+
+
+def test_missing_tensor_names_the_file_and_tensor(tmp_path):
+    path = tmp_path / "partial.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_context_length, 64), (w.add_embedding_length, 32), (w.add_block_count, 1),
+                       (w.add_feed_forward_length, 64), (w.add_head_count, 2)):
+        add(value)
+    w.add_tensor("token_embd.weight", np.zeros((10, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="partial.gguf.*blk.0.attn_q.weight"):
         load_model(path)
 
 
