@@ -87,6 +87,13 @@ class LiveLog:
         self.done = True
         self._publish([final])
 
+    def end(self, final: LoggedEvent) -> None:
+        """Publish the final event of a runner that stopped early (its writer is gone):
+        `final` is already in the database, right after the last published event."""
+        assert final.seq == len(self.events) + 1
+        self.done = True
+        self._publish([final])
+
     def abandon(self) -> None:
         """The runner is gone (with or without a final event): release followers so
         that no stream hangs."""
@@ -224,24 +231,32 @@ class Tasks:
         except Exception as exc:
             # A bug or a failing database: the task fails, the service goes on.
             self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
-            await self._fail(running)
+            await self._fail(running, Problem("internal_error", "the task stopped on an unexpected error"))
         finally:
-            # Also when the service stops (Cancelled): the task is failed at the next
-            # start; its followers are released now.
-            log.abandon()
+            if not log.done:
+                # The service is stopping (cancelled): end the task now as a restart
+                # would, so that the database says so at once and followers get a
+                # final event.
+                with trio.CancelScope(shield=True):
+                    await self._fail(running, _stopped())
+            log.abandon()  # (release followers if no final event could be published)
             del self._running[running.task_id]
             running.ended.set()
 
-    async def _fail(self, running: _Running) -> None:
-        """End a task whose runner broke `failed` (internal_error), if the database lets us.
-        Its final event follows the last committed one (uncommitted ones were never seen)."""
+    async def _fail(self, running: _Running, problem: Problem) -> None:
+        """End a task whose runner cannot go on `failed`, if the database lets us. Its
+        final event follows the last committed one, and its output is what the
+        committed events hold (uncommitted ones were never seen)."""
+        log = running.log
         run = running.generation.run
-        problem = Problem("internal_error", "the task stopped on an unexpected error")
-        run.status, run.error = "failed", problem.to_dict()
-        final = LoggedEvent(len(running.log.events) + 1, "response.failed",
-                            _json({"response_id": run.id, "status": "failed", "error": run.error}))
+        error = problem.to_dict()
+        response = dict(run.response_object(), status="failed", output=output_from_events(log.events),
+                        usage=None, error=error, incomplete_details=None)
+        final = LoggedEvent(len(log.events) + 1, "response.failed",
+                            _json({"response_id": run.id, "status": "failed", "error": error}))
         try:
-            await self.store.finish_task(running.task_id, "failed", _json(run.response_object()), [final])
+            if await self.store.finish_task(running.task_id, "failed", _json(response), [final]):
+                log.end(final)
         except Exception as exc:
             self._log(f"error: task {running.task_id} could not be marked failed: {exc}")
 
@@ -322,10 +337,7 @@ class Tasks:
         `response.failed` event, so followers of its (still readable) log close."""
         recovered = []
         for row, events in await self.store.interrupted_tasks():
-            problem = Problem(
-                "generation_failed",
-                "the service stopped while this task was running; its events up to then are kept",
-            )
+            problem = _stopped()
             response = {
                 "id": row.response_id, "object": "response", "created_at": row.created_at,
                 "status": "failed", "model": row.model, "output": output_from_events(events),
@@ -347,6 +359,11 @@ class Tasks:
         from lmsp_min.idempotency import RECORD_TTL
 
         await self.store.purge(time.time(), self.event_retention, RECORD_TTL)
+
+
+def _stopped() -> Problem:
+    return Problem("generation_failed",
+                   "the service stopped while this task was running; its events up to then are kept")
 
 
 def output_from_events(events: list[LoggedEvent]) -> list[dict]:

@@ -331,3 +331,22 @@ async def test_task_events_are_those_of_a_direct_stream(nursery, tiny_path):
     assert [(e.id, e.event) for e in followed] == [(e.id, e.event) for e in direct]
     assert text_of(followed) == text_of(direct)
     assert followed[-1].data["usage"] == direct[-1].data["usage"]
+
+
+async def test_a_service_that_stops_fails_its_running_tasks_at_once(tiny_path, tmp_path, monkeypatch):
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+        paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.01)
+        task = await create(server, task_body(max_output_tokens=300))
+        async with server.connection() as client:
+            stream = follow(client, task["id"])
+            seen = [await stream.__anext__() for _ in range(4)]
+            nursery.cancel_scope.cancel()  # the service stops (and closes its store)
+    store = await Store.open(tmp_path)
+    row = await store.get_task(task["id"], None)
+    assert row.status == "failed" and "stopped" in row.object()["response"]["error"]["detail"]
+    events = await store.read_events(task["id"], 0)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [e.seq for e in events[:4]] == [e.id for e in seen] and events[-1].event == "response.failed"
+    assert await Tasks(store).recover() == []  # nothing was left for a restart to do
+    store.close()
