@@ -1,0 +1,61 @@
+"""`lmsp-min serve` as a user runs it: a process, a banner, requests, a clean stop on SIGTERM."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from server_harness import tiny_path  # noqa: F401
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_answers_and_stops_cleanly_on_sigterm(tmp_path, tiny_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMSP_HOME": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lmsp_min.cli", "serve", "--model", str(tiny_path), "--port", str(port),
+         "--no-store"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/lmsp/v1/models", timeout=5) as reply:
+                    listing = json.load(reply)
+                    assert reply.headers["LMSP-Version"] == "1.0"
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+                time.sleep(0.1)
+        assert [model["id"] for model in listing["data"]] == ["tiny:chat-q8_0"]
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0
+    assert f"on http://127.0.0.1:{port}" in stderr and "tiny:chat-q8_0" in stderr
+    assert "auth: none (loopback only" in stderr
+    assert "GET /lmsp/v1/models 200" in stderr and "stopped" in stderr
+
+
+def test_serve_refuses_a_public_address_without_tokens(tiny_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "lmsp_min.cli", "serve", "--model", str(tiny_path), "--host", "0.0.0.0"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "refusing to listen on 0.0.0.0 without --tokens-file" in result.stderr
+    assert "Traceback" not in result.stderr
