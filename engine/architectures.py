@@ -196,20 +196,31 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     return blk.attn_output.matmul(out)                         # (n, d)
 
 
+ATTENTION_BLOCK = 128  # queries per block when a chunk is long
+
+
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
            window: int, scale: float) -> np.ndarray:
     """Softmax attention of one sequence's new queries over its cached keys/values.
 
     Query head h reads key/value head h // (n_head / n_head_kv), as in llama.cpp.
     A query at position p sees keys at positions j <= p, and with a sliding
-    window only those with p - j < window.
+    window only those with p - j < window. `positions` ascend by one (a chunk of
+    one sequence), so a block of queries needs only the keys from its first
+    visible position to its last query: long chunks go block by block, which
+    skips most of the masked half of a causal prefill.
     """
     T, n_head, hd = q.shape                                    # q: (T, n_head, hd)
-    n_kv, L, hd_v = values.shape                               # keys: (n_kv, L, hd), values: (n_kv, L, hd_v)
+    if T > ATTENTION_BLOCK:
+        return np.concatenate([attend(q[i: i + ATTENTION_BLOCK], keys, values,
+                                      positions[i: i + ATTENTION_BLOCK], window, scale)
+                               for i in range(0, T, ATTENTION_BLOCK)])  # (T, n_head*hd_v)
+    n_kv, _, hd_v = values.shape                               # keys: (n_kv, L, hd), values: (n_kv, L, hd_v)
     group = n_head // n_kv
     first = max(0, int(positions[0]) - window + 1) if window else 0  # no query sees keys before this
-    keys, values = keys[:, first:], values[:, first:]          # (n_kv, L', hd), (n_kv, L', hd_v)
-    key_pos = np.arange(first, L)                              # (L',)
+    last = int(positions[-1]) + 1                                    # nor keys after the last query
+    keys, values = keys[:, first:last], values[:, first:last]  # (n_kv, L', hd), (n_kv, L', hd_v)
+    key_pos = np.arange(first, last)                           # (L',)
     q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)
     scores = (q @ keys.transpose(0, 2, 1)).reshape(n_kv, group, T, -1)  # (n_kv, group, T, L')
     hidden = key_pos[None, :] > positions[:, None]             # (T, L')

@@ -177,9 +177,11 @@ def test_rope_pair_layouts():
 
 
 @pytest.mark.parametrize("window", [0, 3])
-def test_attend_matches_a_loop(window):
+@pytest.mark.parametrize("block", [128, 2])
+def test_attend_matches_a_loop(window, block, monkeypatch):
+    monkeypatch.setattr("engine.architectures.ATTENTION_BLOCK", block)
     rng = np.random.default_rng(1)
-    T, L, n_head, n_kv, hd = 4, 9, 4, 2, 8
+    T, L, n_head, n_kv, hd = 5, 9, 4, 2, 8
     q = rng.standard_normal((T, n_head, hd)).astype(np.float32)
     keys = rng.standard_normal((n_kv, L, hd)).astype(np.float32)
     values = rng.standard_normal((n_kv, L, hd)).astype(np.float32)
