@@ -7,9 +7,9 @@
    (allows + mask + advance, caches warm as in a real run).
 2. Slowdown with the real SmolLM2 (from the model store): greedy decoding of the same prompt
    free, with a JSON schema and with a required tool call (masks and transitions cold); time
-   per generated token each way (best of 2, interleaved:
-   the machine is shared), and the time spent inside the constraint per token, which is
-   the slowdown free of the noise of other processes.
+   per generated token each way (best of 2, interleaved: the machine is shared), and the
+   time spent inside the constraint per token, which is the slowdown free of the noise of
+   other processes.
 
     python -m benchmarks.constrained            # both parts
     python -m benchmarks.constrained --masks    # part 1 only
