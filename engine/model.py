@@ -102,10 +102,12 @@ class Model:
         if len(ids) > self.n_ctx:
             raise ValueError(f"{len(ids)} tokens do not fit the context window of {self.n_ctx}")
         seq = self.new_sequence(ids)
-        chunks = []
+        out = np.empty((len(ids), self.hp.n_vocab), np.float32)  # (len, V), filled chunk by chunk
         while seq.n_pending:
-            chunks.append(self.step([seq], all_logits=True)[0])
-        return np.concatenate(chunks).astype(np.float32, copy=False)
+            start = seq.cache.length
+            chunk = self.step([seq], all_logits=True)[0]          # (T, V)
+            out[start: start + len(chunk)] = chunk
+        return out
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
