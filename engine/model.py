@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,11 +153,12 @@ class Model:
 
     def _make_info(self) -> ModelInfo:
         file, hp = self.file, self.hp
-        file_type = file.get("general.file_type")
         try:
-            quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-        except ValueError:
-            quantization = "unknown"
+            file_type = LlamaFileType(file.get("general.file_type"))
+            quantization = file_type.name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:  # no (or an unknown) file type: name it after the most common matrix type
+            types = Counter(t.type.name for t in file.tensors.values() if len(t.shape) == 2)
+            quantization = types.most_common(1)[0][0] if types else "unknown"
         capabilities = ("reasoning",) if self.template_source and "<think>" in self.template_source else ()
         if can_constrain(self.tokenizer):  # constrained decoding works in this vocabulary
             capabilities += ("tools", "structured_output")
