@@ -7,15 +7,15 @@ as an async generator.
 
 from .chat import (ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, ToolCall,
                    ToolCallDelta)
-from .errors import (ContextLengthExceeded, EngineError, ModelFileError, SchemaError,
-                     UnsupportedModelError)
+from .errors import (ChatTemplateError, ContextLengthExceeded, EngineError, ModelFileError,
+                     QueueFull, SchemaError, UnsupportedModelError)
 from .generate import Generation, Token
 from .model import Model, ModelInfo, load_model
-from .sampling import SamplingParams
+from .sampling import Constraint, SamplingParams
 
 __all__ = [
-    "load_model", "Model", "ModelInfo", "SamplingParams", "Token", "Generation",
+    "load_model", "Model", "ModelInfo", "SamplingParams", "Constraint", "Token", "Generation",
     "ChatRequest", "PreparedChat", "TextDelta", "ReasoningDelta", "ToolCallDelta", "ToolCall",
     "Finished", "EngineError", "ModelFileError", "UnsupportedModelError",
-    "ContextLengthExceeded", "SchemaError",
+    "ContextLengthExceeded", "SchemaError", "QueueFull", "ChatTemplateError",
 ]
