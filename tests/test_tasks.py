@@ -165,12 +165,13 @@ async def test_cancel_stops_a_running_task(server, monkeypatch):
 
 
 async def test_keepalive_comments_while_idle(nursery, tiny_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.0)  # idle the moment nothing is new
+    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.02)
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
-    task = await create(server, task_body(max_output_tokens=30))
+    paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.1)  # idle gaps
+    task = await create(server, task_body(max_output_tokens=4))
     async with server.connection() as client:
         seen = [event async for event in follow(client, task["id"])]
-    assert None in seen and seen[-1].event in FINAL
+    assert seen.count(None) >= 4 and seen[-1].event in FINAL
 
 
 async def test_events_expire_after_the_retention_period(nursery, tiny_path, tmp_path):
