@@ -9,6 +9,12 @@ when it is not) and only then publishes the batch to followers. Followers wake o
 one `trio.Event` per batch (a broadcast), read from the in-memory list of
 committed events, and never touch the generation: a follower that stalls or
 disconnects only loses its own place.
+
+How a task ends: with its final event (completed, incomplete, failed, or
+cancelled by POST /cancel). If the service stops while it runs, it ends
+`failed` at once; if its process dies (kill -9), the next start, or another
+process on the same data directory, ends it `failed` from what its log holds.
+A task another process runs is followed by polling the database.
 """
 
 from __future__ import annotations
