@@ -237,6 +237,8 @@ class Store:
             self._owner_lock = open(self._owners / f"{self.owner}.lock", "w")
             if fcntl is not None:
                 fcntl.flock(self._owner_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for lock_file in self._owners.glob("*.lock"):  # (the dead leave theirs behind)
+                self._is_dead(lock_file.stem)
             self._writer = _connect(str(path))
             self._writer.execute("PRAGMA journal_mode = WAL")
             self._read_limiter = trio.CapacityLimiter(readers)

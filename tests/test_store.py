@@ -208,6 +208,16 @@ async def test_only_the_work_of_dead_owners_is_recovered(tmp_path):
     second.close()
 
 
+def test_lock_files_of_dead_owners_are_swept_at_start(tmp_path):
+    dead = Store.open_sync(tmp_path)
+    dead._owner_lock.close()  # killed: its file stays, unlocked
+    alive = Store.open_sync(tmp_path)
+    third = Store.open_sync(tmp_path)
+    assert sorted(p.stem for p in third._owners.iterdir()) == sorted([alive.owner, third.owner])
+    for store in (dead, alive, third):
+        store.close()
+
+
 def test_two_processes_opening_a_new_data_dir_together(tmp_path):
     import threading
 
