@@ -234,9 +234,12 @@ class Store:
         else:
             self._owners = path.parent / OWNERS_DIR
             self._owners.mkdir(exist_ok=True)
-            self._owner_lock = open(self._owners / f"{self.owner}.lock", "w")
+            # Locked under another name, then renamed: no one ever sees our file unlocked.
+            unlocked = self._owners / f"{self.owner}.new"
+            self._owner_lock = open(unlocked, "w")
             if fcntl is not None:
                 fcntl.flock(self._owner_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            unlocked.rename(self._owners / f"{self.owner}.lock")
             for lock_file in self._owners.glob("*.lock"):  # (the dead leave theirs behind)
                 self._is_dead(lock_file.stem)
             self._writer = _connect(str(path))
@@ -283,7 +286,7 @@ class Store:
         path = self._owners / f"{owner}.lock"
         if fcntl is not None:
             try:
-                with open(path, "a") as file:
+                with open(path) as file:
                     fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except FileNotFoundError:
                 return True
