@@ -1096,7 +1096,9 @@ def compile_schema(schema) -> Node:
 
 
 def schema_key(schema) -> str:
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    """The cache key of a schema: its JSON text, keys in their order (properties are written
+    in schema order, so a reordered schema is another grammar)."""
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def json_constraint(schema, index: TokenIndex) -> GrammarConstraint:

@@ -380,3 +380,10 @@ async def test_smollm2_json_documents_are_valid(smollm2_model):
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         assert events[-1].reason == "stop", (REAL_JSON[i][0], text)
         assert validate(json.loads(text), REAL_JSON[i][1]) is None, (REAL_JSON[i][0], text)
+
+
+def test_properties_come_in_schema_order():
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    ba = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    assert accepts(ab, '{"a":1,"b":2}') and not accepts(ab, '{"b":2,"a":1}')
+    assert accepts(ba, '{"b":2,"a":1}') and not accepts(ba, '{"a":1,"b":2}')   # not the cached ab grammar
