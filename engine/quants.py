@@ -47,6 +47,7 @@ import glob
 import os
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
@@ -66,15 +67,12 @@ PREFILL_TILE_VALUES = 1 << 20
 DECODE_MAX_ROWS = 32
 # Matrices with fewer values than this are not worth splitting across threads.
 PARALLEL_MIN_VALUES = 1 << 16
+# Larger ones are split into chunks of about this many values, shared out dynamically.
+CHUNK_VALUES = 1 << 18
 
 
 # ---------------------------------------------------------------------------------------
 # Threads and per-thread scratch buffers
-
-def default_num_threads() -> int:
-    """One thread per core."""
-    return os.cpu_count() or 1
-
 
 def _single_threaded_blas() -> None:
     """Make numpy's OpenBLAS run every call on the calling thread alone.
@@ -96,17 +94,45 @@ def _single_threaded_blas() -> None:
 
 
 _single_threaded_blas()
-_n_threads = default_num_threads()
+_forced_threads: int | None = None  # set by set_num_threads
 _jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, r0, r1, done queue) for the workers
 _workers: list[threading.Thread] = []
 _workers_lock = threading.Lock()
 _local = threading.local()  # per thread: scratch buffers, the queue our jobs report to
 
 
-def set_num_threads(n: int) -> None:
-    """Split each matmul over `n` threads: the caller's plus n - 1 workers."""
-    global _n_threads
-    _n_threads = max(1, int(n))
+def set_num_threads(n: int | None) -> None:
+    """Split each matmul over `n` threads (the caller's plus n - 1 workers).
+
+    None, the default, means one thread per core while the machine has room for
+    them (see `_threads_now`).
+    """
+    global _forced_threads
+    _forced_threads = None if n is None else max(1, int(n))
+
+
+_busy = (0.0, False)  # (when the load average was last read, whether the machine was busy)
+
+
+def _threads_now() -> int:
+    """How many threads to split a matmul over right now.
+
+    A split matmul waits for its slowest part, and its threads share the GIL: on an
+    oversubscribed machine (other processes wanting the cores) a worker preempted
+    mid-chunk, or while holding the GIL, stalls the caller for a scheduler slice
+    (milliseconds), and two threads decode slower than one. So we split only while
+    the 1-minute load average leaves room (read at most once a second).
+    """
+    global _busy
+    cores = os.cpu_count() or 1
+    if _forced_threads is not None or cores == 1:
+        return _forced_threads or 1
+    checked, busy = _busy
+    now = time.monotonic()
+    if now - checked > 1.0:
+        busy = os.getloadavg()[0] > 1.5 * cores
+        _busy = (now, busy)
+    return 1 if busy else cores
 
 
 def _run(job: tuple) -> None:
@@ -127,15 +153,16 @@ def _work() -> None:
 
 
 def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -> None:
-    """Run fn(r0, r1) over contiguous row ranges covering [0, n_rows), one per thread.
+    """Run fn(r0, r1) over contiguous row ranges covering [0, n_rows), on all threads.
 
-    The workers are daemon threads fed through one queue (cheaper per call than
-    concurrent.futures, which matters for ~100 small matmuls per decoded token).
-    When the caller is done with its own range it runs queued ranges itself rather
-    than wait for a worker to wake up: on a busy machine a woken thread can wait
-    milliseconds for a core.
+    The rows are cut into chunks of about CHUNK_VALUES values (at least one per
+    thread) fed through one queue to daemon worker threads (cheaper per call than
+    concurrent.futures, which matters for ~100 small matmuls per decoded token). The
+    caller works through the queue too, so it only ever waits for chunks a worker has
+    already started: on a busy machine a worker can wait milliseconds for a core, and
+    a matmul must not wait with it.
     """
-    k = min(_n_threads, n_rows, max(1, n_values // PARALLEL_MIN_VALUES))
+    k = min(_threads_now(), n_rows, max(1, n_values // PARALLEL_MIN_VALUES))
     if k == 1:
         fn(0, n_rows)
         return
@@ -148,18 +175,19 @@ def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -
     done = getattr(_local, "done", None)
     if done is None:
         done = _local.done = queue.SimpleQueue()
-    bounds = [n_rows * i // k for i in range(k + 1)]
-    for i in range(1, k):
+    n_chunks = min(n_rows, max(k, n_values // CHUNK_VALUES))
+    bounds = [n_rows * i // n_chunks for i in range(n_chunks + 1)]
+    for i in range(1, n_chunks):
         _jobs.put((fn, bounds[i], bounds[i + 1], done))
     _run((fn, bounds[0], bounds[1], done))
-    while True:  # help with whatever no worker has started yet
+    while True:  # take the chunks no worker has started yet
         try:
             job = _jobs.get_nowait()
         except queue.Empty:
             break
         _run(job)
     error = None
-    for _ in range(k):  # always wait for all: the workers write into the caller's arrays
+    for _ in range(n_chunks):  # always wait for all: the workers write into the caller's arrays
         error = done.get() or error
     if error is not None:
         raise error

@@ -100,15 +100,24 @@ def test_resident_bytes():
         assert weight.nbytes == per_weight * N_OUT * N_IN, qtype.name
 
 
-def test_large_matrix_uses_tiles_and_threads():
-    """Bigger than a scratch tile and than the threading threshold, odd sizes."""
-    weight, reference = weight_and_reference(T.Q4_K, n_out=1001, n_in=768)
+@pytest.fixture
+def two_threads():
+    """Split matmuls over two threads whatever the machine's load."""
+    quants.set_num_threads(2)
+    yield
+    quants.set_num_threads(None)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16, T.F32], ids=lambda t: t.name)
+def test_large_matrix_uses_tiles_and_threads(qtype, two_threads):
+    """Bigger than a scratch tile, a thread chunk and the threading threshold, odd sizes."""
+    weight, reference = weight_and_reference(qtype, n_out=1001, n_in=768)
     for n in (1, 3, 65):
         x = np.random.default_rng(n).standard_normal((n, 768)).astype(np.float32)
         assert_matmul_close(weight.matmul(x), x @ reference.T)
 
 
-def test_concurrent_matmuls_from_several_threads():
+def test_concurrent_matmuls_from_several_threads(two_threads):
     weights = [weight_and_reference(qtype, n_out=600, n_in=512, seed=i)
                for i, qtype in enumerate([T.Q4_1, T.Q6_K, T.F16, T.Q8_0])]
     x = np.random.default_rng(3).standard_normal((1, 512)).astype(np.float32)
@@ -171,15 +180,28 @@ def test_matmul_checks_the_input_shape():
         weight.matmul(np.zeros((1, N_IN + 1), np.float32))
 
 
-def test_single_thread_gives_the_same_result():
+def test_an_error_in_any_chunk_reaches_the_caller(two_threads):
+    seen = []
+
+    def fn(r0, r1):
+        seen.append((r0, r1))
+        if r0 > 0:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        quants._parallel_rows(fn, 100, 1 << 20)
+    assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == 100  # every chunk ran
+    weight, reference = weight_and_reference(T.Q8_0, n_out=1024)
+    x = np.ones((1, N_IN), np.float32)
+    assert_matmul_close(weight.matmul(x), x @ reference.T)  # the workers are still there
+
+
+def test_single_thread_gives_the_same_result(two_threads):
     weight, reference = weight_and_reference(T.Q5_K, n_out=512, n_in=1024)
     x = np.random.default_rng(5).standard_normal((2, 1024)).astype(np.float32)
     y = weight.matmul(x)
     quants.set_num_threads(1)
-    try:
-        np.testing.assert_array_equal(weight.matmul(x), y)
-    finally:
-        quants.set_num_threads(quants.default_num_threads())
+    np.testing.assert_array_equal(weight.matmul(x), y)
 
 
 def _check_real_model(path):
