@@ -234,12 +234,13 @@ class Store:
         else:
             self._owners = path.parent / OWNERS_DIR
             self._owners.mkdir(exist_ok=True)
-            # Locked under another name, then renamed: no one ever sees our file unlocked.
-            unlocked = self._owners / f"{self.owner}.new"
-            self._owner_lock = open(unlocked, "w")
-            if fcntl is not None:
+            lock_path = self._owners / f"{self.owner}.lock"
+            if fcntl is None:
+                self._owner_lock = open(lock_path, "w")
+            else:  # locked under another name, then renamed: never seen unlocked
+                self._owner_lock = open(lock_path.with_suffix(".new"), "w")
                 fcntl.flock(self._owner_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            unlocked.rename(self._owners / f"{self.owner}.lock")
+                lock_path.with_suffix(".new").rename(lock_path)
             for lock_file in self._owners.glob("*.lock"):  # (the dead leave theirs behind)
                 self._is_dead(lock_file.stem)
             self._writer = _connect(str(path))
