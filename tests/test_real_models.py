@@ -82,3 +82,15 @@ def test_perplexity(named_model):
         ppl = perplexity(model, tokens, result["n_ctx"])
         print(f"{name} n_ctx {result['n_ctx']}: ppl {ppl:.4f} (llama.cpp {result['ppl']})")
         assert abs(ppl / result["ppl"] - 1) <= 0.025
+
+
+async def test_smollm2_answers_a_question(smollm2_path):
+    from engine import ChatRequest, Finished, SamplingParams, TextDelta
+
+    model = load_model(smollm2_path)
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    prepared = model.prepare_chat(ChatRequest(question, max_tokens=30, sampling=SamplingParams(temperature=0)))
+    events = [event async for event in model.generate_chat(prepared)]
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert "Paris" in text
+    assert isinstance(events[-1], Finished) and events[-1].reason == "stop"  # ended by <|im_end|>
