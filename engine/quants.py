@@ -68,7 +68,7 @@ DECODE_MAX_ROWS = 32
 # Matrices with fewer values than this are not worth splitting across threads.
 PARALLEL_MIN_VALUES = 1 << 16
 # Larger ones are split into chunks of about this many values, shared out dynamically.
-CHUNK_VALUES = 1 << 18
+CHUNK_VALUES = 1 << 20
 
 
 # ---------------------------------------------------------------------------------------

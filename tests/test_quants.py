@@ -101,8 +101,9 @@ def test_resident_bytes():
 
 
 @pytest.fixture
-def two_threads():
-    """Split matmuls over two threads whatever the machine's load."""
+def two_threads(monkeypatch):
+    """Split matmuls over two threads whatever the machine's load, in many small chunks."""
+    monkeypatch.setattr(quants, "CHUNK_VALUES", 1 << 17)
     quants.set_num_threads(2)
     yield
     quants.set_num_threads(None)
