@@ -130,7 +130,10 @@ def _threads_now() -> int:
     checked, busy = _busy
     now = time.monotonic()
     if now - checked > 1.0:
-        busy = os.getloadavg()[0] > 1.5 * cores
+        try:
+            busy = os.getloadavg()[0] > 1.5 * cores
+        except (AttributeError, OSError):  # no load average on this platform
+            busy = False
         _busy = (now, busy)
     return 1 if busy else cores
 
