@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, LlamaFileType
+from gguf import GGUFWriter, LlamaFileType, RopeScalingType
 from gguf.quants import quantize
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -43,19 +43,23 @@ def write_tiny_model(
     n_ff: int = 128,
     context_length: int = 512,
     sliding_window: int = 8,
+    rope_scaling_factor: float | None = None,
+    rope_freq_factors: tuple[float, ...] | None = None,
 ) -> Path:
     """Write a tiny random-weight GGUF of `architecture` to `path` and return the path.
 
     `tokenizer_meta` is the `tokenizer.*` metadata to embed (default: SmolLM2's).
     gemma3 gets six layers (five sliding-window layers, then one global) unless
     `n_layer` says otherwise, and a short `sliding_window` so the window matters.
-    Files with the default tokenizer are kept in memory and written again as they
+    `rope_scaling_factor` adds linear RoPE scaling, `rope_freq_factors` a
+    `rope_freqs.weight` tensor (Llama 3.1 style) of head_dim/2 divisors. Files with the default tokenizer are kept in memory and written again as they
     are when asked for again: packing 49k tokens of metadata takes seconds, and
     test suites ask for the same tiny model many times.
     """
     if architecture not in ARCHITECTURES:
         raise ValueError(f"no tiny model for architecture {architecture!r}")
-    key = (architecture, seed, n_layer, n_embd, n_head, n_head_kv, n_ff, context_length, sliding_window)
+    key = (architecture, seed, n_layer, n_embd, n_head, n_head_kv, n_ff, context_length, sliding_window,
+           rope_scaling_factor, rope_freq_factors)
     if tokenizer_meta is None:
         if key not in _WRITTEN:
             _write(path, architecture, load_tokenizer_meta(SMOLLM2_TOKENIZER), *key[1:])
@@ -72,7 +76,7 @@ _WRITTEN: dict[tuple, bytes] = {}  # default-tokenizer tiny files already made i
 
 
 def _write(path, architecture, tokenizer_meta, seed, n_layer, n_embd, n_head, n_head_kv, n_ff,
-           context_length, sliding_window) -> Path:
+           context_length, sliding_window, rope_scaling_factor, rope_freq_factors) -> Path:
     gemma = architecture == "gemma3"
     n_layer = n_layer or (6 if gemma else 2)
     head_dim = 32 if gemma else n_embd // n_head  # gemma3: key_length is not n_embd / n_head
@@ -97,6 +101,9 @@ def _write(path, architecture, tokenizer_meta, seed, n_layer, n_embd, n_head, n_
     else:
         w.add_vocab_size(n_vocab)
         w.add_rope_dimension_count(head_dim)
+    if rope_scaling_factor is not None:
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_scaling_factor)
     _add_tokenizer_meta(w, tokenizer_meta)
 
     def matrix(n_out: int, n_in: int) -> np.ndarray:
@@ -140,6 +147,8 @@ def _write(path, architecture, tokenizer_meta, seed, n_layer, n_embd, n_head, n_
         add(b + "ffn_gate.weight", matrix(n_ff, n_embd), Q.Q4_0)
         add(b + "ffn_up.weight", matrix(n_ff, n_embd), Q.Q8_0)
         add(b + "ffn_down.weight", matrix(n_embd, n_ff), Q.F32)
+    if rope_freq_factors is not None:
+        add("rope_freqs.weight", np.asarray(rope_freq_factors, np.float32), Q.F32)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -148,6 +148,17 @@ def test_missing_tensor_names_the_file_and_tensor(tmp_path):
         load_model(path)
 
 
+def test_rope_freq_factors_and_linear_scaling_load(tmp_path):
+    """Dividing every frequency by 2 (rope_freqs) is the same rotation as halving positions (linear 2x)."""
+    ids = list(range(100, 120))
+    plain = load_model(write_tiny_model(tmp_path / "plain.gguf", "llama"))
+    factors = load_model(write_tiny_model(tmp_path / "f.gguf", "llama", rope_freq_factors=(2.0,) * 8))
+    linear = load_model(write_tiny_model(tmp_path / "l.gguf", "llama", rope_scaling_factor=2.0))
+    assert factors.hp.rope_freq_factors == (2.0,) * 8 and linear.hp.rope_scale == 0.5
+    assert_close(factors.logits(ids), linear.logits(ids))
+    assert np.abs(plain.logits(ids) - linear.logits(ids)).max() > 1e-3
+
+
 def test_context_window_cap(tmp_path):
     model = load_model(write_tiny_model(tmp_path / "m.gguf", "llama"), n_ctx=32)
     assert model.info.context_length == 32
