@@ -7,6 +7,7 @@ service only listens on loopback and everyone is the principal "local".
 Tokens are never logged, and never appear in an error's detail.
 """
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -20,9 +21,15 @@ SCOPES = ("models:read", "responses:write", "responses:read", "tasks:write", "ta
 LOCAL_PRINCIPAL = "local"
 
 
+def _digest(token: str) -> bytes:
+    """Tokens are kept and compared as SHA-256 digests: equal lengths, so the
+    comparison's time does not even say how long a configured token is."""
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
 @dataclass(frozen=True)
 class Token:
-    secret: bytes
+    digest: bytes  # SHA-256 of the token
     principal: str
     scopes: frozenset[str]
 
@@ -69,9 +76,9 @@ class Auth:
             unknown = [s for s in scopes if s not in SCOPES]
             if unknown:
                 raise ValueError(f"{where}: unknown scope {unknown[0]!r} (known: {', '.join(SCOPES)})")
-            if any(hmac.compare_digest(secret.encode(), t.secret) for t in tokens):
+            if any(hmac.compare_digest(_digest(secret), t.digest) for t in tokens):
                 raise ValueError(f"{where}: the same token appears twice")
-            tokens.append(Token(secret.encode("utf-8"), principal, frozenset(scopes)))
+            tokens.append(Token(_digest(secret), principal, frozenset(scopes)))
         return cls(tokens)
 
     def authenticate(self, authorization: str | None, scope: str) -> str:
@@ -82,10 +89,10 @@ class Auth:
         scheme, _, credentials = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not credentials.strip():
             raise Problem("unauthorized", "a bearer token is required", headers=challenge)
-        presented = credentials.strip().encode("utf-8")
+        presented = _digest(credentials.strip())
         match = None
         for token in self.tokens:  # no early exit: every token is compared
-            if hmac.compare_digest(presented, token.secret):
+            if hmac.compare_digest(presented, token.digest):
                 match = token
         if match is None:
             invalid = [("WWW-Authenticate", 'Bearer realm="lmsp", error="invalid_token"')]
