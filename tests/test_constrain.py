@@ -218,15 +218,23 @@ def test_validator():
     assert validate({"kind": "fixed", "n": [1, 2.0]}, SCHEMAS[2]) is None
 
 
-def test_can_constrain():
-    from types import SimpleNamespace
+class WordVocabulary:
+    """A stand-in tokenizer over a list of token bytes (token 0 is the end token)."""
 
+    def __init__(self, words):
+        self.words, self.n_vocab, self.eos_ids = words, len(words), frozenset({0})
+
+    def token_bytes(self, i):
+        return self.words[i]
+
+
+def test_can_constrain():
     from engine.constrain import can_constrain
 
     for name in ("smollm2", "gemma3"):
         assert can_constrain(Tokenizer.from_metadata(load_tokenizer_meta(DATA / f"tokenizer-meta.{name}.json.gz")))
-    words = [b"", b"{", b"}", b'"', b"ab"]
-    assert not can_constrain(SimpleNamespace(n_vocab=len(words), token_bytes=words.__getitem__))
+    assert not can_constrain(WordVocabulary([b"", b"{", b"}", b'"', b"ab"]))
+    assert can_constrain(WordVocabulary([b""] + [bytes([b]) for b in range(256)]))
 
 
 @pytest.fixture(scope="module")
