@@ -199,14 +199,14 @@ class Scheduler:
         decoding = [r for r in active if r.seq.n_pending == 1]
         prefilling = [r for r in active if r.seq.n_pending > 1]
         budget = self.interleave_chunk if decoding else self.prefill_chunk
-        used = 0
+        chunks, used = [], 0
         for request in prefilling:       # oldest first; the first one always gets a chunk
             take = min(request.seq.n_pending, budget)
             if used and used + take > budget:
                 break
-            decoding.append(request)
+            chunks.append(request)
             used += take
-        batch = decoding
+        batch = decoding + chunks
         try:
             logits = self.model.step([r.seq for r in batch], chunk=budget)  # per request (1, V)
         except Exception as exc:
