@@ -24,7 +24,15 @@ end-of-sequence token only once the document is complete. Three layers:
 
 The JSON written is compact and bounded: no whitespace except at most one space after `:`
 and `,`, object properties in schema order (optional ones may be skipped, required ones must
-appear), numbers without exponent with at most 15 integer and 6 fraction digits.
+appear; with `properties` given no other key is written, without it any string keys), numbers
+without exponent with at most 15 integer and 6 fraction digits. Strings are as long as the
+model makes them unless `maxLength` says otherwise: a cut-off document is reported as such
+(finish reason "length"), never silently shortened.
+
+Supported keywords: type (also lists), properties, required, additionalProperties, items,
+enum, const, anyOf, minItems/maxItems, minLength/maxLength, minimum/maximum and
+exclusiveMinimum/exclusiveMaximum, local $ref with $defs/definitions; annotations (title,
+description, examples, default, ...) are ignored; any other keyword raises SchemaError.
 """
 
 from __future__ import annotations
