@@ -341,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     with_llama = not args.no_llama and llamacpp.available()
+    load_before = os.getloadavg()[0]
     results = {}
     for name in args.models:
         r = results[name] = {}
@@ -354,14 +355,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: llama.cpp ...", file=sys.stderr)
             r["llama.cpp"] = llamacpp.measure_in_subprocess(prompts.model_path(name), ids["prefill_ids"],
                                                             ids["short_ids"], repeats=args.repeats)
+    load_after = os.getloadavg()[0]
     print(table(results))
+    print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cores: "
+          "other processes compete for the cores, and llama.cpp's spinning threads suffer more from that than ours")
     if not with_llama:
         print("(llama.cpp not measured: pip install '.[compare]' for the ratios)")
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = RESULTS / f"perf-{stamp}.json"
     out.write_text(json.dumps({"command": " ".join(["python -m benchmarks.perf", *(argv or sys.argv[1:])]),
-                               "cpu_count": os.cpu_count(), "results": results}, indent=2))
+                               "cpu_count": os.cpu_count(), "load_average": [load_before, load_after],
+                               "results": results}, indent=2))
     print(f"wrote {out}")
     if chart(results, RESULTS / f"perf-{stamp}.png"):
         print(f"wrote {RESULTS / f'perf-{stamp}.png'}")
