@@ -333,7 +333,7 @@ class QuantWeight(Weight):
         n, n_in = x.shape
         g = self.group
         n_groups = n_in // g
-        xg = x.reshape(n, n_groups, g).transpose(1, 2, 0)  # (groups, g, n)
+        xg = np.ascontiguousarray(x.reshape(n, n_groups, g).transpose(1, 2, 0))  # (groups, g, n)
         n_tiles = -(-(r1 - r0) * n_in // TILE_VALUES)
         tile_rows = -(-(r1 - r0) // n_tiles)  # equal tiles of about TILE_VALUES
         # partial sums of a span of tiles are reduced together (fewer, longer numpy calls)
