@@ -121,6 +121,17 @@ def test_sampling_is_deterministic(model, ids):
     assert len(set(draws)) > 1
 
 
+def test_sampling_filters():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))   # probabilities at temperature 1
+    def draws(**params):
+        sampler = Sampler(SamplingParams(seed=0, **params))
+        return {sampler.pick(logits) for _ in range(300)}
+    assert draws() == {0, 1, 2, 3}
+    assert draws(top_k=1) == draws(top_p=0.4) == draws(min_p=0.7) == {0}
+    assert draws(top_k=2) == draws(top_p=0.6) == draws(min_p=0.5) == {0, 1}
+    assert draws(top_p=0.85) == {0, 1, 2}
+
+
 def test_unknown_architecture_names_the_file(tmp_path):
     path = tmp_path / "odd.gguf"
     w = GGUFWriter(str(path), "mamba")
