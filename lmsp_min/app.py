@@ -87,7 +87,7 @@ def check_version(value: str | None) -> None:
     """D1: absent means 1.0, any 1.x is fine, another major version is refused."""
     if value is None:
         return
-    found = re.fullmatch(r"\s*(\d+)(\.\d+)?\s*", value)
+    found = re.fullmatch(r"\s*(\d+)(\.\d+)*\s*", value)
     if found is None or int(found.group(1)) != 1:
         raise Problem("unsupported_version",
                       f"LMSP-Version {value.strip()[:20]!r} is not supported; this service speaks LMSP 1.0")

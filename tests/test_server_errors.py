@@ -161,7 +161,7 @@ async def test_context_length_exceeded_before_any_generation(server):
     assert model.steps == steps
 
 
-@pytest.mark.parametrize("version, status", [("1.0", 200), ("1", 200), ("1.7", 200), ("2.0", 400),
+@pytest.mark.parametrize("version, status", [("1.0", 200), ("1", 200), ("1.7", 200), ("1.0.1", 200), ("2.0", 400),
                                              ("0.9", 400), ("banana", 400)])
 async def test_lmsp_version_header(server, version, status):
     reply = await server.request("GET", "/lmsp/v1/models", headers={"LMSP-Version": version})
