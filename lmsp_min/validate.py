@@ -81,6 +81,7 @@ def parse_json_body(body: bytes) -> dict:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
         raise Problem("invalid_request", "the request body is not valid UTF-8") from None
+    text = text.removeprefix("\ufeff")  # a byte order mark, which RFC 8259 lets parsers ignore
     try:
         value = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:

@@ -235,3 +235,10 @@ async def test_a_full_queue_is_429_with_retry_after(server, monkeypatch):
     reply = await server.responses(body())
     assert_problem(reply, 429, "rate_limited")
     assert reply.headers["retry-after"] == "1"
+
+
+async def test_a_byte_order_mark_is_ignored(server):
+    import json
+
+    reply = await post_raw(server, b"\xef\xbb\xbf" + json.dumps(body()).encode())
+    assert reply.status == 200
