@@ -6,6 +6,8 @@ at fault), carry LMSP-Version, and leave the connection usable when the
 request could be read.
 """
 
+import json
+
 import pytest
 
 from server_harness import server, tiny_path  # noqa: F401
@@ -201,8 +203,6 @@ async def test_body_must_be_json(server, content_type):
 
 
 async def test_json_with_charset_is_fine(server):
-    import json
-
     reply = await post_raw(server, json.dumps(body()).encode(), "application/json; charset=utf-8")
     assert reply.status == 200
 
@@ -238,7 +238,5 @@ async def test_a_full_queue_is_429_with_retry_after(server, monkeypatch):
 
 
 async def test_a_byte_order_mark_is_ignored(server):
-    import json
-
     reply = await post_raw(server, b"\xef\xbb\xbf" + json.dumps(body()).encode())
     assert reply.status == 200
