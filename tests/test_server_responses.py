@@ -274,3 +274,25 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_generation_stopped
         with trio.fail_after(20):  # the client reads nothing at all
             await closed.wait()
     assert "client gone" in service.log_lines[-1] or "read nothing" in " ".join(service.log_lines)
+
+
+async def test_concurrent_requests_are_all_answered(server):
+    """More requests at once than the engine batches: every one answered, none mixed up."""
+    results = []
+
+    async def one(index: int):
+        body = request(f"Request number {index}", max_output_tokens=4, stream=index % 2 == 0)
+        if body["stream"]:
+            events = await stream(server, body)
+            check_stream(events)
+            results.append(events[0].data["response_id"])
+        else:
+            reply = await server.responses(body)
+            assert reply.status == 200
+            results.append(reply.json()["id"])
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for index in range(12):
+                nursery.start_soon(one, index)
+    assert len(set(results)) == 12
