@@ -70,12 +70,16 @@ class Router:
         self.routes.append(Route(pattern, regex, {method: (scope, handler)}))
 
     def match(self, method: str, path: str):
+        """HEAD is answered by the GET handler (the HTTP layer leaves the body out)."""
         for route in self.routes:
             found = route.regex.fullmatch(path)
             if found is None:
                 continue
+            if method == "HEAD" and "GET" in route.handlers:
+                method = "GET"
             if method not in route.handlers:
-                allow = ", ".join(sorted(route.handlers))
+                methods = set(route.handlers) | ({"HEAD"} if "GET" in route.handlers else set())
+                allow = ", ".join(sorted(methods))
                 raise Problem("method_not_allowed", f"{method} is not allowed on this route (allowed: {allow})",
                               headers=[("Allow", allow)])
             scope, handler = route.handlers[method]

@@ -210,6 +210,7 @@ class _Connection:
         self._sent_100_continue = False
         self._content_length: int | None = None  # of the request being served
         self._body_abandoned = False
+        self._answering_head = False  # the request being served is a HEAD
         self.server = server
         self._idle_scope: trio.CancelScope | None = None  # waiting for a next request
 
@@ -353,11 +354,12 @@ class _Connection:
 
     async def _serve_request(self, event: h11.Request) -> None:
         request = Request(event, self)
+        self._answering_head = event.method == b"HEAD"
         length = request.headers.get("content-length")
         self._content_length = int(length) if length is not None else None  # h11 checked it
         started = time.perf_counter()
         status = 0
-        outcome = " (client gone)"  # unless the response is sent, below
+        outcome = " (failed)"  # unless the response is sent, below
         try:
             with trio.CancelScope() as scope:
                 self._request_scope = scope
@@ -375,6 +377,9 @@ class _Connection:
                 else:
                     await self._send_response(response)
             outcome = " (client disconnected)" if scope.cancelled_caught else ""
+        except _ClientGone:
+            outcome = " (client gone)"
+            raise
         finally:
             self._request_scope = None
             duration = (time.perf_counter() - started) * 1000
@@ -437,7 +442,7 @@ class _Connection:
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return  # a response already started: nothing more can be said
         await self._send(await self._head(response.status, response.content_type, response.headers, len(response.body)))
-        if response.body:
+        if response.body and not self._answering_head:  # HEAD: the same head, no body
             await self._send(h11.Data(data=response.body))
         await self._send(h11.EndOfMessage())
 
@@ -446,7 +451,10 @@ class _Connection:
         extra = [("Cache-Control", "no-cache"), *response.headers]
         await self._send(await self._head(response.status, response.content_type, extra, None))
         try:
-            if response.idle_chunk is None:
+            if self._answering_head:
+                async with aclosing(aiter(response.chunks)):
+                    pass  # nothing is produced for a HEAD
+            elif response.idle_chunk is None:
                 await self._write_chunks(response.chunks)
             else:
                 await self._write_chunks_or_idle(response)

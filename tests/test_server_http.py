@@ -292,3 +292,22 @@ async def test_a_request_arriving_during_a_drain_is_503(server):
         reply = await client.read_reply()
     assert reply.status == 503 and reply.json()["code"] == "model_unavailable"
     assert reply.headers["connection"] == "close" and "retry-after" in reply.headers
+
+
+async def test_head_is_get_without_the_body(server):
+    full = await server.request("GET", MODELS)
+    async with server.connection() as client:
+        await client.stream.send_all(b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
+                                     b"HEAD /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\n\r\n"
+                                     b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+        replies = []
+        for method in ("HEAD", "HEAD", "GET"):
+            client.expect_reply_to(method)
+            replies.append(await client.read_reply())
+    head, refused, after = replies
+    assert head.status == 200 and head.body == b""
+    assert head.headers["content-length"] == full.headers["content-length"]
+    assert refused.status == 405 and refused.headers["allow"] == "POST"
+    assert after.status == 200 and after.body == full.body
+    wrong = await server.request("DELETE", MODELS)
+    assert wrong.headers["allow"] == "GET, HEAD"
