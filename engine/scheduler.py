@@ -6,9 +6,10 @@ So the scheduler keeps a set of active requests and, step after step, feeds all
 of them through `model.step` together:
 
 - a decoding request contributes its one new token;
-- a request still in its prompt contributes a chunk of it: up to `prefill_chunk`
-  tokens when nobody is decoding, only `interleave_chunk` while others are, so a
-  long prompt does not freeze the streams already running;
+- requests still in their prompts share `prefill_chunk` prompt tokens when they
+  outnumber the decoding ones (nobody decoding, or a burst of new requests), but
+  only `interleave_chunk` while more streams are running than waiting, so a long
+  prompt does not freeze the streams already running;
 - new requests join between steps (up to `max_batch` active), others wait in a
   bounded queue, and past `max_queue` waiting ones `submit` raises `QueueFull`;
 - a cancelled request leaves at the next step.
@@ -198,7 +199,7 @@ class Scheduler:
         """One forward step: every decoding request's token, plus prompt chunks within the budget."""
         decoding = [r for r in active if r.seq.n_pending == 1]
         prefilling = [r for r in active if r.seq.n_pending > 1]
-        budget = self.interleave_chunk if decoding else self.prefill_chunk
+        budget = self.prefill_chunk if len(prefilling) > len(decoding) else self.interleave_chunk
         chunks, used = [], 0
         for request in prefilling:       # oldest first; the first one always gets a chunk
             take = min(request.seq.n_pending, budget)
