@@ -380,6 +380,9 @@ class _Connection:
         except _ClientGone:
             outcome = " (client gone)"
             raise
+        except trio.Cancelled:
+            outcome = " (stopped)"  # the server is shutting down
+            raise
         finally:
             self._request_scope = None
             duration = (time.perf_counter() - started) * 1000

@@ -77,6 +77,7 @@ async def test_sync_response_object(server):
     usage = response["usage"]
     assert 0 < usage["output_tokens"] <= 5 and usage["input_tokens"] > 0
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    await _wait_for(lambda: _handled(server))  # the line is written once the response is sent
     line = server.service.log_lines[-1]  # the access log: never the prompt
     assert line.startswith("POST /lmsp/v1/responses 200 ") and "ms" in line
     assert f"tokens={usage['input_tokens']}+{usage['output_tokens']}" in line and "story" not in line
