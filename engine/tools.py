@@ -191,7 +191,8 @@ class ToolCallParser:
 
     Text that might be the beginning of `<tool_call>` is held back until it is known not to
     be; once the first call has started, everything else is calls (the grammar allows only
-    whitespace between them).
+    whitespace between them). A call identical to an earlier one of the same response is
+    dropped: small models tend to repeat their call, and running it twice tells nothing new.
     """
 
     def __init__(self):
@@ -199,6 +200,7 @@ class ToolCallParser:
         self.in_call = False
         self.seen_call = False
         self.n_calls = 0
+        self.calls: set[tuple[str, str]] = set()  # (name, arguments) given out so far
 
     def feed(self, text: str) -> list:
         """-> a list of str (message text) and ParsedCall, in order."""
@@ -209,8 +211,11 @@ class ToolCallParser:
                 end = self.pending.find(CLOSER)
                 if end < 0:
                     return out
-                out.append(self._parse(self.pending[:end], self.n_calls))
-                self.n_calls += 1
+                call = self._parse(self.pending[:end], self.n_calls)
+                if (call.name, call.arguments) not in self.calls:
+                    self.calls.add((call.name, call.arguments))
+                    out.append(call)
+                    self.n_calls += 1
                 self.pending = self.pending[end + len(CLOSER):]
                 self.in_call = False
                 continue
