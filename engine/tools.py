@@ -26,7 +26,8 @@ after the first one. `tool_choice`:
 - "auto": free text until the model writes `<tool_call>`, then constrained;
 - "none": the tools are not shown and `<tool_call>` can never be completed.
 
-`ToolCallParser` turns the generated text into message text and complete calls.
+`ToolCallParser` turns the generated text into message text and complete calls; a call that
+repeats an earlier one of the response, or that max_tokens cut off, is not given out.
 """
 
 from __future__ import annotations
