@@ -13,17 +13,16 @@ SHUTDOWN_GRACE seconds to finish (`Service.drain`), then everything cancelled.
 
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
+from lmsp_min import paths
 from lmsp_min.app import App, default_router
 from lmsp_min.auth import Auth, is_loopback
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem
-from lmsp_min import paths
 from lmsp_min.registry import Registry
 from lmsp_min.store import Store
 from lmsp_min.tasks import Tasks
@@ -70,7 +69,6 @@ class Service:
         self.http: HTTPServer | None = None  # set by serve()
         self.router = default_router()
         self.log = log
-        self.started_at = time.time()
 
     @classmethod
     async def open(cls, config: ServiceConfig, log=stderr_log) -> "Service":
