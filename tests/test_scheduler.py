@@ -134,6 +134,22 @@ async def test_cancelled_request_leaves_the_batch(model):
     assert model.steps == steps   # nothing left running: the cancelled one is out
 
 
+async def test_a_failing_pick_fails_only_its_own_request(model):
+    def broken(logits: np.ndarray) -> int:
+        raise RuntimeError("sampler bug")
+
+    scheduler = Scheduler(model)
+    expected, _ = await generate(alone(model), prompt(12, 4), 6)
+    result = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: _collect(lambda: generate(scheduler, prompt(12, 4), 6), result))
+        with pytest.raises(RuntimeError, match="sampler bug"):
+            with scheduler.submit(prompt(8, 5), pick=broken, max_tokens=5) as generation:
+                async for _ in generation:
+                    pass
+    assert_same_greedy(model, prompt(12, 4), expected, result[0][0])
+
+
 async def test_context_full_ends_with_length(model):
     with Scheduler(model).submit(prompt(model.n_ctx - 4, 3), pick=greedy, max_tokens=100) as generation:
         steps = [step async for step in generation]
