@@ -5,6 +5,7 @@ how it reads: JSON bodies, problem documents, chunked event streams, and task
 streams that it cuts mid-event to exercise resumption.
 """
 
+import contextlib
 import http.server
 import json
 import queue
@@ -326,22 +327,19 @@ class CuttingProxy:
 TINY = "tiny:chat-q8_0"
 
 
-@pytest.fixture(scope="module")
-def live_server(tmp_path_factory):
-    """lmsp-min serving the tiny chat model from a thread of its own (the client is blocking)."""
+@contextlib.contextmanager
+def running_server(model_path, data_dir, **config):
+    """lmsp-min serving `model_path` from a thread of its own (the client is blocking); yields its port."""
     import trio
 
-    from engine.tiny import write_tiny_chat_model
     from lmsp_min.service import Service, ServiceConfig, serve
 
-    path = write_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat-q8_0.gguf")
-    data_dir = tmp_path_factory.mktemp("data")
     started = queue.Queue()
 
     async def main():
         try:
-            config = ServiceConfig(model_paths=[path], models_dir=None, data_dir=data_dir, access_log=False)
-            service = await Service.open(config, log=lambda line: None)
+            settings = ServiceConfig(model_paths=[model_path], models_dir=None, data_dir=data_dir, access_log=False, **config)
+            service = await Service.open(settings, log=lambda line: None)
         except BaseException as e:
             started.put(e)
             raise
@@ -358,9 +356,24 @@ def live_server(tmp_path_factory):
     if isinstance(result, BaseException):
         raise result
     port, token, scope = result
-    yield port
-    trio.from_thread.run_sync(scope.cancel, trio_token=token)
-    thread.join(10)
+    try:
+        yield port
+    finally:
+        trio.from_thread.run_sync(scope.cancel, trio_token=token)
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    from engine.tiny import write_tiny_chat_model
+
+    return write_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat-q8_0.gguf")
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_chat, tmp_path_factory):
+    with running_server(tiny_chat, tmp_path_factory.mktemp("data")) as port:
+        yield port
 
 
 def test_real_server_models_and_errors(live_server):
@@ -445,3 +458,14 @@ def test_real_server_tools_round_trip(live_server):
     )
     assert len(cities) >= 1 and set(cities) <= {"Paris", "Rome"}  # arguments valid for the schema
     assert function_calls(response) == []  # the last round answered instead of calling
+
+
+def test_real_server_expired_events_give_the_final_task(tiny_chat, tmp_path):
+    with running_server(tiny_chat, tmp_path, event_retention=0.0) as port:
+        client = Client(f"http://127.0.0.1:{port}")
+        task = client.create_task(TINY, "Hi", max_output_tokens=4, temperature=0)
+        final = client.wait_task(task["id"], poll=0.05)
+        events = list(client.follow_task(task["id"]))  # 410 event_history_expired, then GET the task
+        assert len(events) == 1 and events[0].id is None
+        assert events[0].event == f"response.{final['status']}"
+        assert events[0].data["response"] == final["response"]
