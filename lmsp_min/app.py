@@ -194,6 +194,9 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
                       "this service does not store responses, so previous_response_id cannot be used",
                       param="previous_response_id")
     model = await entry.load(service.log)
+    if model.scheduler.full:  # refused here, before a stream has sent its 200
+        raise Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
+                      headers=[("Retry-After", "1")])
     if request.tools and "tools" not in entry.capabilities:
         raise Problem("unsupported_capability", f"model '{entry.id}' has no 'tools' capability", param="tools")
     if request.json_schema is not None and "structured_output" not in entry.capabilities:

@@ -237,6 +237,15 @@ async def test_a_full_queue_is_429_with_retry_after(server, monkeypatch):
     assert reply.headers["retry-after"] == "1"
 
 
+async def test_a_full_queue_refuses_a_stream_before_it_starts(server, monkeypatch):
+    from engine.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "full", property(lambda self: True))
+    reply = await server.responses(body(stream=True))
+    assert_problem(reply, 429, "rate_limited")
+    assert reply.headers["retry-after"] == "1"
+
+
 async def test_a_byte_order_mark_is_ignored(server):
     reply = await post_raw(server, b"\xef\xbb\xbf" + json.dumps(body()).encode())
     assert reply.status == 200
