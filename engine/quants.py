@@ -47,7 +47,6 @@ import glob
 import os
 import queue
 import threading
-import time
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
@@ -94,7 +93,17 @@ def _single_threaded_blas() -> None:
 
 
 _single_threaded_blas()
-_forced_threads: int | None = None  # set by set_num_threads
+
+
+def _default_threads() -> int:
+    """One thread per core, or `LMSP_THREADS` when set (e.g. to leave cores to other work)."""
+    configured = os.environ.get("LMSP_THREADS", "").strip()
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return os.cpu_count() or 1
+
+
+_threads = _default_threads()  # how many threads split a matmul (set_num_threads changes it)
 _jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, r0, r1, done queue) for the workers
 _workers: list[threading.Thread] = []
 _workers_lock = threading.Lock()
@@ -104,38 +113,10 @@ _local = threading.local()  # per thread: scratch buffers, the queue our jobs re
 def set_num_threads(n: int | None) -> None:
     """Split each matmul over `n` threads (the caller's plus n - 1 workers).
 
-    None, the default, means one thread per core while the machine has room for
-    them (see `_threads_now`).
+    None restores the default: `LMSP_THREADS`, else one thread per core.
     """
-    global _forced_threads
-    _forced_threads = None if n is None else max(1, int(n))
-
-
-_busy = (0.0, False)  # (when the load average was last read, whether the machine was busy)
-
-
-def _threads_now() -> int:
-    """How many threads to split a matmul over right now.
-
-    A split matmul waits for its slowest part, and its threads share the GIL: on an
-    oversubscribed machine (other processes wanting the cores) a worker preempted
-    mid-chunk, or while holding the GIL, stalls the caller for a scheduler slice
-    (milliseconds), and two threads decode slower than one. So we split only while
-    the 1-minute load average leaves room (read at most once a second).
-    """
-    global _busy
-    cores = os.cpu_count() or 1
-    if _forced_threads is not None or cores == 1:
-        return _forced_threads or 1
-    checked, busy = _busy
-    now = time.monotonic()
-    if now - checked > 1.0:
-        try:
-            busy = os.getloadavg()[0] > 1.5 * cores
-        except (AttributeError, OSError):  # no load average on this platform
-            busy = False
-        _busy = (now, busy)
-    return 1 if busy else cores
+    global _threads
+    _threads = _default_threads() if n is None else max(1, int(n))
 
 
 def _run(job: tuple) -> None:
@@ -165,7 +146,7 @@ def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -
     already started: on a busy machine a worker can wait milliseconds for a core, and
     a matmul must not wait with it.
     """
-    k = min(_threads_now(), n_rows, max(1, n_values // PARALLEL_MIN_VALUES))
+    k = min(_threads, n_rows, max(1, n_values // PARALLEL_MIN_VALUES))
     if k == 1:
         fn(0, n_rows)
         return
