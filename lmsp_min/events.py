@@ -173,7 +173,7 @@ class ResponseRun:
         events.append(self._add_item(item))
         return events
 
-    def _finish(self, reason: str, input_tokens: int, output_tokens: int) -> list[Event]:
+    def _finish(self, reason: str, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> list[Event]:
         events = self._close_open()
         for index in sorted(self._calls):
             events.append(self._done_item(self._calls.pop(index)))
@@ -184,8 +184,11 @@ class ResponseRun:
             events.append(self._add_item(item))
             item["content"].append({"type": "output_text", "text": ""})
             events.append(self._done_item(item))
+        # input_tokens_details.cached_tokens: how much of the input the prefix cache
+        # supplied (its KV was reused, not recomputed)
         self.usage = {"input_tokens": input_tokens, "output_tokens": output_tokens,
-                      "total_tokens": input_tokens + output_tokens}
+                      "total_tokens": input_tokens + output_tokens,
+                      "input_tokens_details": {"cached_tokens": cached_tokens}}
         if reason == "length":
             self.status = "incomplete"
             self.incomplete_details = {"reason": "max_output_tokens"}
@@ -233,7 +236,7 @@ class ResponseRun:
                         batch.append(self._done_item(item))
                     elif kind is Finished:
                         batch = self._finish(chat_event.reason, chat_event.input_tokens,
-                                             chat_event.output_tokens)
+                                             chat_event.output_tokens, chat_event.cached_tokens)
                     else:
                         raise TypeError(f"unexpected engine event {chat_event!r}")
                     for event in batch:

@@ -97,8 +97,17 @@ async def test_stream_events_and_the_sync_response_agree(server):
     streamed = check_stream(events)
     response = (await server.responses(body)).json()  # greedy: the same text
     assert streamed == message_text(response)
-    assert events[-1].data["usage"] == response["usage"]
+    counts = ("input_tokens", "output_tokens", "total_tokens")
+    assert [events[-1].data["usage"][k] for k in counts] == [response["usage"][k] for k in counts]
     assert events[-1].event == f"response.{response['status']}"
+
+
+async def test_a_repeated_prompt_reports_its_cached_tokens(server):
+    body = request(max_output_tokens=4)
+    first = (await server.responses(body)).json()["usage"]
+    second = (await server.responses(body)).json()["usage"]
+    assert 0 <= first["input_tokens_details"]["cached_tokens"] < first["input_tokens"]
+    assert 0 < second["input_tokens_details"]["cached_tokens"] < second["input_tokens"]
 
 
 async def test_greedy_is_deterministic_and_ids_are_unique(server):
