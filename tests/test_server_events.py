@@ -51,7 +51,8 @@ async def test_text_message():
     assert "".join(e.data["delta"] for e in events if e.name.endswith("text.delta")) == "Hello ✓"
     assert all(e.data["item_id"] == added["item"]["id"] for e in events if e.name.endswith("text.delta"))
     assert events[-1].data == {"response_id": response.id, "status": "completed",
-                               "usage": {"input_tokens": 5, "output_tokens": 3, "total_tokens": 8}}
+                               "usage": {"input_tokens": 5, "output_tokens": 3, "total_tokens": 8,
+                                         "input_tokens_details": {"cached_tokens": 0}}}
     obj = response.response_object()
     assert set(obj) == {"id", "object", "created_at", "status", "model", "output", "usage", "error",
                         "incomplete_details"}
