@@ -93,7 +93,12 @@ class Node:
         return [(self, self.start)]
 
     def step(self, local, b: int) -> Sequence[tuple]:
-        raise NotImplementedError
+        """The frames after reading byte `b` in state `local` (none: the byte is refused).
+
+        Nodes that only `expand` into other nodes (alternatives, references) are
+        never stepped themselves.
+        """
+        raise TypeError(f"{type(self).__name__} expands into other nodes and is never stepped")
 
     def accepting(self, local) -> bool:
         """The bytes read so far form a complete value (it may still go on)."""

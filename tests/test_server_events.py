@@ -126,13 +126,13 @@ async def test_nothing_generated_is_an_empty_message():
 async def test_engine_failure_ends_failed_without_details():
     lines = []
     response = ResponseRun("m:1", log=lines.append)
-    events = [e async for e in response.events(script(TextDelta("a"), fail=ValueError("/tmp/x broke")))]
+    events = [e async for e in response.events(script(TextDelta("a"), fail=ValueError("/home/secret/x broke")))]
     check_sequence(events)
     final = events[-1]
     assert final.name == "response.failed" and final.data["status"] == "failed"
     assert final.data["error"]["code"] == "generation_failed" and "/tmp" not in final.data["error"]["detail"]
     assert response.response_object()["error"] == final.data["error"]
-    assert any("/tmp/x broke" in line for line in lines)  # the log has the reason
+    assert any("/home/secret/x broke" in line for line in lines)  # the log has the reason
 
 
 async def test_an_engine_that_stops_without_finished_has_failed():
