@@ -164,7 +164,7 @@ class String(Node):
     """A JSON string of valid UTF-8 with min/max length in characters.
 
     Locals: (0,) before the quote; (1, n) in content, n characters so far; (2, n) after a
-    backslash; (3, n, k, d) in a \\uXXXX escape with k hex digits read (d: first one was 'd',
+    backslash; (3, n, k, d) in a \\u escape (four hex digits) with k of them read (d: first one was 'd',
     so no surrogate); (4, n, need, lo, hi) inside a multi-byte character; (5,) closed.
     Without maxLength, n is capped at minLength so that states repeat and masks are reused.
     """

@@ -102,7 +102,7 @@ def test_metadata_of_every_value_type_matches_gguf_reader(tmp_path):
     f = GGUFFile(path)
     reference = {key: field.contents() for key, field in GGUFReader(path).fields.items()
                  if not key.startswith("GGUF.")}
-    # GGUFReader flattens arrays of arrays (its own FIXME); we keep them nested
+    # GGUFReader flattens arrays of arrays (a known gguf-py limitation); we keep them nested
     assert f.metadata.pop("t.nested") == [[1, 2], [3]] and reference.pop("t.nested") == [1, 2, 3]
     assert f.metadata == reference
     assert f.get("t.str") == "héllo ✓"

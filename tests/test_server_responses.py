@@ -85,8 +85,8 @@ async def test_sync_response_object(server):
 
 async def test_max_output_tokens_gives_incomplete(server):
     response = (await server.responses(request(max_output_tokens=3))).json()
-    if response["usage"]["output_tokens"] < 3:
-        pytest.skip("the tiny model ended its turn before the limit")
+    # the tiny model is seeded and greedy: it always writes past 3 tokens here
+    assert response["usage"]["output_tokens"] == 3
     assert response["status"] == "incomplete"
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
 
@@ -126,8 +126,7 @@ async def test_seeded_sampling_is_reproducible(server):
 
 async def test_stop_sequences_never_leak(server):
     full = message_text((await server.responses(request(max_output_tokens=24))).json())
-    if len(full) < 8:
-        pytest.skip("the tiny model said too little")
+    assert len(full) >= 8  # the seeded tiny model's greedy answer: long enough to cut
     stop = full[len(full) // 2: len(full) // 2 + 3]
     body = request(max_output_tokens=24, extensions={"lmsp-min": {"stop": [stop]}})
     stopped = message_text((await server.responses(body)).json())
