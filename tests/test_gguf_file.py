@@ -1,5 +1,7 @@
 """Opening GGUF files: metadata, tensor views, and a clear error for every bad file."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -110,14 +112,18 @@ def test_metadata_of_every_value_type_matches_gguf_reader(tmp_path):
     np.testing.assert_array_equal(f.tensors["w"].data, np.arange(64, dtype=np.float32).reshape(2, 32))
 
 
-def test_unknown_metadata_value_type(small_gguf, tmp_path):
-    data = bytearray(small_gguf.read_bytes())
-    key = b"test.eps"
-    type_at = data.index(key) + len(key)
-    assert int.from_bytes(data[type_at : type_at + 4], "little") == GGUFValueType.FLOAT32
-    data[type_at : type_at + 4] = (77).to_bytes(4, "little")
-    path = tmp_path / "badvalue.gguf"
+def _with_u32_replaced(source: Path, after: bytes, skip: int, old: int, new: int, path: Path) -> Path:
+    """A copy of `source` whose u32 found `skip` bytes after `after` (which must be `old`) is `new`."""
+    data = bytearray(source.read_bytes())
+    at = data.index(after) + len(after) + skip
+    assert int.from_bytes(data[at : at + 4], "little") == old
+    data[at : at + 4] = new.to_bytes(4, "little")
     path.write_bytes(bytes(data))
+    return path
+
+
+def test_unknown_metadata_value_type(small_gguf, tmp_path):
+    path = _with_u32_replaced(small_gguf, b"test.eps", 0, GGUFValueType.FLOAT32, 77, tmp_path / "badvalue.gguf")
     with pytest.raises(ModelFileError, match="badvalue.gguf"):
         GGUFFile(path)
 
@@ -174,14 +180,8 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_unknown_tensor_type(small_gguf, tmp_path):
     """A type number ggml does not define (a corrupt or too-new file)."""
-    data = bytearray(small_gguf.read_bytes())
-    name = b"norm.weight"
     # tensor info: name length u64 | name | n_dims u32 | dims u64 x n_dims | type u32 | offset u64
-    type_at = data.index(name) + len(name) + 4 + 8 * 1
-    assert int.from_bytes(data[type_at : type_at + 4], "little") == T.F32
-    data[type_at : type_at + 4] = (200).to_bytes(4, "little")
-    path = tmp_path / "unknown.gguf"
-    path.write_bytes(bytes(data))
+    path = _with_u32_replaced(small_gguf, b"norm.weight", 4 + 8 * 1, T.F32, 200, tmp_path / "unknown.gguf")
     with pytest.raises(UnsupportedModelError, match="unknown tensor type"):
         GGUFFile(path)
 
