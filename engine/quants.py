@@ -7,7 +7,7 @@ thing: `w = code * scale + min`, with one scale (and, for some formats, one min)
 group of `g` consecutive values of a row. So at load time each format is unpacked
 ONCE into one uniform representation, and one pair of kernels serves every format:
 
-    codes  int8     (out, in)        the integer codes
+    codes  int8     (in // g, out, g) the integer codes, group-major (see QuantWeight)
     scales float32  (in // g, out)   one per group: ggml's d (K-quants: d * sub-block scale)
     mins   float32  (in // g, out)   formats with an offset only (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
 
@@ -27,7 +27,7 @@ quantized matrix is ever kept.
 The kernels, for `y = x @ W.T` with x float32 (n, in):
 - few rows (decode): W's codes are converted to float32 one cache-sized tile of rows
   at a time, then BLAS computes the per-group partial dot products
-  P[k, r] = codes[r, group k] . x[group k], and y[r] = sum_k scales[k, r] * P[k, r]
+  P[k, r] = codes[k, r] . x[group k], and y[r] = sum_k scales[k, r] * P[k, r]
   (+ sum_k mins[k, r] * sum(x[group k])): no pass multiplies the weights by scales.
 - many rows (prefill): each tile is dequantized (codes * scales + mins) into a float32
   buffer and multiplied with one BLAS GEMM, so the dequantization cost is shared by
@@ -290,22 +290,40 @@ class DenseWeight(Weight):
 
 
 class QuantWeight(Weight):
-    """A quantized matrix unpacked to int8 codes plus per-group float32 scales (and mins)."""
+    """A quantized matrix unpacked to int8 codes plus per-group float32 scales (and mins).
+
+    The codes are stored group-major, (in // g, out, g): codes[k, r] are the g codes of
+    row r in group k. A tile of rows t0:t1 is then in // g contiguous runs, which the
+    decode kernel converts into the (groups, rows, g) float32 stack its batched matmul
+    wants with one near-contiguous copy (row-major codes need a transposing copy there,
+    and a batched matmul over a transposed view runs 2-3x slower).
+    """
 
     def __init__(self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None):
-        self.codes = codes  # (out, in) int8
+        self.codes = codes  # (in // g, out, g) int8
         self.scales = scales  # (in // g, out) float32
         self.mins = mins  # (in // g, out) float32, or None
-        self.shape = (int(codes.shape[0]), int(codes.shape[1]))
-        self.group = self.shape[1] // scales.shape[0]
+        n_groups, n_out, self.group = codes.shape
+        self.shape = (int(n_out), int(n_groups * self.group))
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
+    def regrouped(self, g: int) -> QuantWeight:
+        """The same matrix with groups of g values (g divides self.group): for concat_weights."""
+        split = self.group // g
+        if split == 1:
+            return self
+        n_groups, n_out, _ = self.codes.shape
+        codes = self.codes.reshape(n_groups, n_out, split, g).transpose(0, 2, 1, 3)
+        return QuantWeight(codes.reshape(n_groups * split, n_out, g),
+                           np.repeat(self.scales, split, axis=0),
+                           None if self.mins is None else np.repeat(self.mins, split, axis=0))
+
     def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
         w = out.reshape(out.shape[0], self.scales.shape[0], self.group)  # (rows, groups, g)
-        np.copyto(out, self.codes[rows])
+        np.copyto(w.transpose(1, 0, 2), self.codes[:, rows])
         np.multiply(w, self.scales[:, rows].T[:, :, None], out=w)
         if self.mins is not None:
             np.add(w, self.mins[:, rows].T[:, :, None], out=w)
@@ -326,11 +344,10 @@ class QuantWeight(Weight):
             p = pbuf[: n_groups * (s1 - s0) * n].reshape(n_groups, s1 - s0, n)
             for t0 in range(s0, s1, tile_rows):
                 t1 = min(t0 + tile_rows, s1)
-                w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in): codes as float32
-                np.copyto(w, self.codes[t0:t1])
-                # p[k, r, :] = codes[r, group k] . x[:, group k]
-                np.matmul(w.reshape(t1 - t0, n_groups, g).transpose(1, 0, 2), xg,
-                          out=p[:, t0 - s0 : t1 - s0])
+                w = buf[: (t1 - t0) * n_in].reshape(n_groups, t1 - t0, g)  # codes as float32
+                np.copyto(w, self.codes[:, t0:t1])
+                # p[k, r, :] = codes[k, r] . x[:, group k]
+                np.matmul(w, xg, out=p[:, t0 - s0 : t1 - s0])
             # y[:, r] = sum_k scales[k, r] * p[k, r, :]
             if n == 1:
                 p1 = p[:, :, 0]  # (groups, rows)
@@ -536,7 +553,7 @@ def load_weight(tensor: Tensor) -> Weight:
         )
     g = _GROUP.get(tensor.type, 32)
     raw = tensor.data.reshape(n_out, -1)
-    codes = np.empty((n_out, n_in), np.int8)
+    codes = np.empty((n_in // g, n_out, g), np.int8)
     scales = np.empty((n_in // g, n_out), np.float32)
     mins = np.empty((n_in // g, n_out), np.float32) if tensor.type in _HAS_MIN else None
 
@@ -544,7 +561,8 @@ def load_weight(tensor: Tensor) -> Weight:
         for r0 in range(start, stop, _UNPACK_ROWS):
             r1 = min(r0 + _UNPACK_ROWS, stop)
             c, s, m = unpack(raw[r0:r1])
-            codes[r0:r1], scales[:, r0:r1] = c, s.T
+            codes[:, r0:r1] = c.reshape(r1 - r0, n_in // g, g).transpose(1, 0, 2)
+            scales[:, r0:r1] = s.T
             if mins is not None:
                 mins[:, r0:r1] = m.T
 
@@ -562,17 +580,13 @@ def concat_weights(weights: Sequence[Weight]) -> Weight:
         raise ValueError(f"cannot concatenate weights of shapes {[w.shape for w in weights]}")
     if all(isinstance(w, QuantWeight) for w in weights):
         g = min(w.group for w in weights)
-        with_mins = any(w.mins is not None for w in weights)
-
-        def per_group(a: np.ndarray, w: QuantWeight) -> np.ndarray:
-            return np.repeat(a, w.group // g, axis=0)  # (in // g, out)
-
-        codes = np.concatenate([w.codes for w in weights])
-        scales = np.concatenate([per_group(w.scales, w) for w in weights], axis=1)
+        weights = [w.regrouped(g) for w in weights]
+        codes = np.concatenate([w.codes for w in weights], axis=1)
+        scales = np.concatenate([w.scales for w in weights], axis=1)
         mins = None
-        if with_mins:
+        if any(w.mins is not None for w in weights):
             mins = np.concatenate([
-                per_group(w.mins, w) if w.mins is not None else np.zeros((n_in // g, w.shape[0]), np.float32)
+                w.mins if w.mins is not None else np.zeros((n_in // g, w.shape[0]), np.float32)
                 for w in weights
             ], axis=1)
         return QuantWeight(codes, scales, mins)
