@@ -7,12 +7,12 @@ thing: `w = code * scale + min`, with one scale (and, for some formats, one min)
 group of `g` consecutive values of a row. So at load time each format is unpacked
 ONCE into one uniform representation, and one pair of kernels serves every format:
 
-    codes  int8     (in // g, out, g) the integer codes, group-major (see QuantWeight)
+    codes  int8     (in, out)        the integer codes, transposed like W.T (see QuantWeight)
     scales float32  (in // g, out)   one per group: ggml's d (K-quants: d * sub-block scale)
     mins   float32  (in // g, out)   formats with an offset only (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
 
-(scales and mins are stored group-major, so the decode kernel reduces over groups
-along long contiguous rows). Resident bytes per weight:
+(scales and mins are stored group-major, so they broadcast along the same contiguous
+`out` axis as the transposed codes). Resident bytes per weight:
 
     g = 32, no min  (Q8_0, Q4_0, Q5_0):        1 + 4/32  = 1.125
     g = 32, min     (Q4_1, Q5_1, Q4_K, Q5_K):  1 + 8/32  = 1.25
@@ -27,7 +27,7 @@ quantized matrix is ever kept.
 The kernels, for `y = x @ W.T` with x float32 (n, in):
 - few rows (decode): W's codes are converted to float32 one cache-sized tile of rows
   at a time, then BLAS computes the per-group partial dot products
-  P[k, r] = codes[k, r] . x[group k], and y[r] = sum_k scales[k, r] * P[k, r]
+  P[k, r] = x[group k] . codes[group k, r], and y[r] = sum_k scales[k, r] * P[k, r]
   (+ sum_k mins[k, r] * sum(x[group k])): no pass multiplies the weights by scales.
 - many rows (prefill): each tile is dequantized (codes * scales + mins) into a float32
   buffer and multiplied with one BLAS GEMM, so the dequantization cost is shared by
@@ -66,6 +66,11 @@ PREFILL_TILE_VALUES = 1 << 20
 DECODE_MAX_ROWS = 32
 # Matrices with fewer values than this are not worth splitting across threads.
 PARALLEL_MIN_VALUES = 1 << 16
+# For the decode kernel the bar is higher: each thread's GIL hand-offs between its short
+# numpy calls cost more than half the work saves below a few million values (on 2 cores,
+# a 960x576 matrix took 0.13 ms on one thread and 0.23 ms on two; only output matrices
+# of 28M+ values gained, 1.2-1.5x).
+DECODE_PARALLEL_MIN_VALUES = 1 << 22
 # Larger ones are split into chunks of about this many values, shared out dynamically.
 CHUNK_VALUES = 1 << 20
 
@@ -136,19 +141,20 @@ def _work() -> None:
         _run(_jobs.get())
 
 
-def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -> None:
-    """Run fn(r0, r1) over contiguous row ranges covering [0, n_rows), on all threads.
+def _parallel(fn: Callable[[int, int], None], n_items: int, n_values: int,
+              min_values: int = PARALLEL_MIN_VALUES) -> None:
+    """Run fn(i0, i1) over contiguous ranges covering [0, n_items) (rows or tiles), on all threads.
 
-    The rows are cut into chunks of about CHUNK_VALUES values (at least one per
+    The items are cut into chunks of about CHUNK_VALUES values (at least one per
     thread) fed through one queue to daemon worker threads (cheaper per call than
     concurrent.futures, which matters for ~100 small matmuls per decoded token). The
     caller works through the queue too, so it only ever waits for chunks a worker has
     already started: on a busy machine a worker can wait milliseconds for a core, and
     a matmul must not wait with it.
     """
-    k = min(_threads, n_rows, max(1, n_values // PARALLEL_MIN_VALUES))
+    k = min(_threads, n_items) if n_values >= min_values else 1
     if k == 1:
-        fn(0, n_rows)
+        fn(0, n_items)
         return
     if len(_workers) < k - 1:
         with _workers_lock:
@@ -159,8 +165,8 @@ def _parallel_rows(fn: Callable[[int, int], None], n_rows: int, n_values: int) -
     done = getattr(_local, "done", None)
     if done is None:
         done = _local.done = queue.SimpleQueue()
-    n_chunks = min(n_rows, max(k, n_values // CHUNK_VALUES))
-    bounds = [n_rows * i // n_chunks for i in range(n_chunks + 1)]
+    n_chunks = min(n_items, max(k, n_values // CHUNK_VALUES))
+    bounds = [n_items * i // n_chunks for i in range(n_chunks + 1)]
     for i in range(1, n_chunks):
         _jobs.put((fn, bounds[i], bounds[i + 1], done))
     _run((fn, bounds[0], bounds[1], done))
@@ -216,7 +222,8 @@ class Weight(ABC):
         if y.size == 0:
             return y
         if x.shape[0] <= DECODE_MAX_ROWS:
-            _parallel_rows(lambda r0, r1: self._decode_rows(x, y, r0, r1), n_out, n_out * n_in)
+            _parallel(lambda r0, r1: self._decode_rows(x, y, r0, r1), n_out, n_out * n_in,
+                      DECODE_PARALLEL_MIN_VALUES)
         else:
             self._prefill(x, y)
         return y
@@ -227,7 +234,7 @@ class Weight(ABC):
 
     def _prefill(self, x: np.ndarray, y: np.ndarray) -> None:
         """y = x @ W.T for many rows of x: big tiles, rows split over the threads."""
-        _parallel_rows(lambda r0, r1: self._tiled_matmul(x, y, r0, r1, PREFILL_TILE_VALUES),
+        _parallel(lambda r0, r1: self._tiled_matmul(x, y, r0, r1, PREFILL_TILE_VALUES),
                        self.shape[0], self.shape[0] * self.shape[1])
 
     def _tiled_matmul(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int, tile_values: int) -> None:
@@ -289,76 +296,140 @@ class DenseWeight(Weight):
             super()._tiled_matmul(x, y, r0, r1, tile_values)
 
 
+def _tile_rows(n_out: int, n_in: int) -> int:
+    """Rows per stored tile: about TILE_VALUES codes, dividing n_out if a size near that does.
+
+    Otherwise the tiles are as equal as they can be and the last one is zero-padded
+    (by fewer rows than there are tiles).
+    """
+    most = max(1, TILE_VALUES // n_in)
+    for rows in range(min(most, n_out), most // 2, -1):
+        if n_out % rows == 0:
+            return rows
+    n_tiles = -(-n_out // most)
+    return -(-n_out // n_tiles)
+
+
 class QuantWeight(Weight):
     """A quantized matrix unpacked to int8 codes plus per-group float32 scales (and mins).
 
-    The codes are stored group-major, (in // g, out, g): codes[k, r] are the g codes of
-    row r in group k. A tile of rows t0:t1 is then in // g contiguous runs, which the
-    decode kernel converts into the (groups, rows, g) float32 stack its batched matmul
-    wants with one near-contiguous copy (row-major codes need a transposing copy there,
-    and a batched matmul over a transposed view runs 2-3x slower).
+    The codes are stored transposed and cut into tiles of `tile_rows` rows:
+    codes[b] is W[b * tile_rows : (b + 1) * tile_rows].T (in, tile_rows), one
+    contiguous block of about TILE_VALUES bytes (the last tile zero-padded). Both
+    kernels work tile by tile, on (in // g, g, tile_rows) views whose long inner axis
+    is the contiguous one:
+    - decode: P[k] = x[:, group k] @ codes[group k] is one batched matmul of small but
+      BLAS-friendly shapes, then P is scaled by scales[k] and summed over k along
+      that inner axis;
+    - prefill: a dequantized tile (in, rows) is already the right operand of x @ W.T,
+      and scales and mins broadcast along the inner axis.
+    (Row-major codes would need a transposing copy of every tile, and a plain
+    transposed (in, out) array makes a tile of a wide matrix hundreds of short runs
+    far apart: 2x slower for a 49k-row output matrix.)
     """
 
-    def __init__(self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None):
-        self.codes = codes  # (in // g, out, g) int8
-        self.scales = scales  # (in // g, out) float32
-        self.mins = mins  # (in // g, out) float32, or None
-        n_groups, n_out, self.group = codes.shape
-        self.shape = (int(n_out), int(n_groups * self.group))
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, n_out: int):
+        self.codes = codes  # (n_tiles, in, tile_rows) int8: W's codes, transposed, tile by tile
+        self.scales = scales  # (in // g, n_tiles * tile_rows) float32 (padding: 0)
+        self.mins = mins  # (in // g, n_tiles * tile_rows) float32, or None
+        self.n_tiles, n_in, self.tile_rows = codes.shape
+        self.shape = (int(n_out), int(n_in))
+        self.group = n_in // scales.shape[0]
+
+    @classmethod
+    def from_rows(cls, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> QuantWeight:
+        """From row-major codes (out, in) and scales, mins (in // g, out)."""
+        n_out, n_in = codes.shape
+        rows = _tile_rows(n_out, n_in)
+        n_tiles = -(-n_out // rows)
+        tiles = np.zeros((n_tiles, n_in, rows), np.int8)
+        for b in range(n_tiles):
+            part = codes[b * rows: (b + 1) * rows]
+            tiles[b, :, : len(part)] = part.T
+        return cls(tiles, _pad_columns(scales, n_tiles * rows),
+                   None if mins is None else _pad_columns(mins, n_tiles * rows), n_out)
+
+    def codes_rows(self) -> np.ndarray:
+        """The codes row-major, (out, in) int8 (a copy)."""
+        return self.codes.transpose(0, 2, 1).reshape(-1, self.shape[1])[: self.shape[0]]
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
-    def regrouped(self, g: int) -> QuantWeight:
-        """The same matrix with groups of g values (g divides self.group): for concat_weights."""
-        split = self.group // g
-        if split == 1:
-            return self
-        n_groups, n_out, _ = self.codes.shape
-        codes = self.codes.reshape(n_groups, n_out, split, g).transpose(0, 2, 1, 3)
-        return QuantWeight(codes.reshape(n_groups * split, n_out, g),
-                           np.repeat(self.scales, split, axis=0),
-                           None if self.mins is None else np.repeat(self.mins, split, axis=0))
-
     def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
-        w = out.reshape(out.shape[0], self.scales.shape[0], self.group)  # (rows, groups, g)
-        np.copyto(w.transpose(1, 0, 2), self.codes[:, rows])
-        np.multiply(w, self.scales[:, rows].T[:, :, None], out=w)
+        ids = np.arange(self.shape[0])[rows]
+        out_t = out.T  # (in, n_rows)
+        np.copyto(out_t, self.codes[ids // self.tile_rows, :, ids % self.tile_rows].T)
+        w = out_t.reshape(self.scales.shape[0], self.group, len(ids))  # (groups, g, rows)
+        np.multiply(w, self.scales[:, None, ids], out=w)
         if self.mins is not None:
-            np.add(w, self.mins[:, rows].T[:, :, None], out=w)
+            np.add(w, self.mins[:, None, ids], out=w)
 
-    def _decode_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        n_out, n_in = self.shape
+        if x.ndim != 2 or x.shape[1] != n_in:
+            raise ValueError(f"matmul of a {self.shape} weight with x of shape {x.shape}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.empty((x.shape[0], self.n_tiles * self.tile_rows), np.float32)  # padded
+        if x.shape[0] == 0:
+            return y[:, :n_out]
+        if x.shape[0] <= DECODE_MAX_ROWS:
+            _parallel(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
+                      DECODE_PARALLEL_MIN_VALUES)
+        else:
+            _parallel(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in)
+        return y[:, :n_out] if y.shape[1] > n_out else y
+
+    def _prefill_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
+        """y[:, tiles b0:b1] = x @ W[those rows].T: dequantize a few tiles at once, one GEMM."""
+        n_in, rows = self.shape[1], self.tile_rows
+        step = max(1, PREFILL_TILE_VALUES // (n_in * rows))  # tiles per GEMM
+        buf = _buffer("tile", n_in * rows * min(step, b1 - b0))
+        for c0 in range(b0, b1, step):
+            c1 = min(c0 + step, b1)
+            r0, r1 = c0 * rows, c1 * rows
+            w = buf[: n_in * (r1 - r0)].reshape(n_in, r1 - r0)  # (in, rows): W[r0:r1].T
+            np.copyto(w.reshape(n_in, c1 - c0, rows), self.codes[c0:c1].transpose(1, 0, 2))
+            wg = w.reshape(self.scales.shape[0], self.group, r1 - r0)  # (groups, g, rows)
+            np.multiply(wg, self.scales[:, None, r0:r1], out=wg)
+            if self.mins is not None:
+                np.add(wg, self.mins[:, None, r0:r1], out=wg)
+            np.matmul(x, w, out=y[:, r0:r1])
+
+    def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
+        """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing."""
         n, n_in = x.shape
-        g = self.group
+        g, rows = self.group, self.tile_rows
         n_groups = n_in // g
-        xg = np.ascontiguousarray(x.reshape(n, n_groups, g).transpose(1, 2, 0))  # (groups, g, n)
-        n_tiles = -(-(r1 - r0) * n_in // TILE_VALUES)
-        tile_rows = -(-(r1 - r0) // n_tiles)  # equal tiles of about TILE_VALUES
-        # partial sums of a span of tiles are reduced together (fewer, longer numpy calls)
-        span_rows = max(1, TILE_VALUES // (n_groups * n * tile_rows)) * tile_rows
-        buf = _buffer("tile", tile_rows * n_in)
-        pbuf = _buffer("partial", n_groups * min(span_rows, r1 - r0) * n)
-        for s0 in range(r0, r1, span_rows):
-            s1 = min(s0 + span_rows, r1)
-            p = pbuf[: n_groups * (s1 - s0) * n].reshape(n_groups, s1 - s0, n)
-            for t0 in range(s0, s1, tile_rows):
-                t1 = min(t0 + tile_rows, s1)
-                w = buf[: (t1 - t0) * n_in].reshape(n_groups, t1 - t0, g)  # codes as float32
-                np.copyto(w, self.codes[:, t0:t1])
-                # p[k, r, :] = codes[k, r] . x[:, group k]
-                np.matmul(w, xg, out=p[:, t0 - s0 : t1 - s0])
-            # y[:, r] = sum_k scales[k, r] * p[k, r, :]
-            if n == 1:
-                p1 = p[:, :, 0]  # (groups, rows)
-                np.multiply(p1, self.scales[:, s0:s1], out=p1)
-                np.add.reduce(p1, axis=0, out=y[0, s0:s1])
-            else:
-                y[:, s0:s1] = np.einsum("krn,kr->nr", p, self.scales[:, s0:s1])
+        xg = np.ascontiguousarray(x.reshape(n, n_groups, g).transpose(1, 0, 2))  # (groups, n, g)
+        w = _buffer("tile", n_in * rows).reshape(n_groups, g, rows)  # a tile's codes as float32
+        # the partial sums of a span of tiles are scaled and reduced together (fewer numpy calls)
+        span = max(1, TILE_VALUES // (n_groups * n * rows))  # tiles
+        pbuf = _buffer("partial", n_groups * n * rows * min(span, b1 - b0))
+        for s0 in range(b0, b1, span):
+            s1 = min(s0 + span, b1)
+            r0, r1 = s0 * rows, s1 * rows
+            p = pbuf[: n_groups * n * (r1 - r0)].reshape(n_groups, n, r1 - r0)
+            for b in range(s0, s1):
+                np.copyto(w.reshape(n_in, rows), self.codes[b])
+                # p[k, :, r] = x[:, group k] . codes[group k, r]
+                np.matmul(xg, w, out=p[:, :, (b - s0) * rows: (b - s0 + 1) * rows])
+            np.multiply(p, self.scales[:, None, r0:r1], out=p)
+            np.add.reduce(p, axis=0, out=y[:, r0:r1])  # y[:, r] = sum_k scales[k, r] * p[k, :, r]
         if self.mins is not None:
             # y[:, r] += sum_k mins[k, r] * sum(x[:, group k])
             x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)
-            y[:, r0:r1] += x_sums @ self.mins[:, r0:r1]
+            y[:, b0 * rows: b1 * rows] += x_sums @ self.mins[:, b0 * rows: b1 * rows]
+
+
+def _pad_columns(a: np.ndarray, n: int) -> np.ndarray:
+    """a (k, m) with zero columns appended up to (k, n)."""
+    if a.shape[1] == n:
+        return np.ascontiguousarray(a)
+    out = np.zeros((a.shape[0], n), a.dtype)
+    out[:, : a.shape[1]] = a
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -553,22 +624,28 @@ def load_weight(tensor: Tensor) -> Weight:
         )
     g = _GROUP.get(tensor.type, 32)
     raw = tensor.data.reshape(n_out, -1)
-    codes = np.empty((n_in // g, n_out, g), np.int8)
-    scales = np.empty((n_in // g, n_out), np.float32)
-    mins = np.empty((n_in // g, n_out), np.float32) if tensor.type in _HAS_MIN else None
+    rows = _tile_rows(n_out, n_in)
+    n_tiles = -(-n_out // rows)
+    codes = np.zeros((n_tiles, n_in, rows), np.int8)
+    scales = np.zeros((n_in // g, n_tiles * rows), np.float32)
+    mins = np.zeros((n_in // g, n_tiles * rows), np.float32) if tensor.type in _HAS_MIN else None
+    step = max(1, _UNPACK_ROWS // rows)  # tiles unpacked at once
 
-    def unpack_rows(start: int, stop: int) -> None:
-        for r0 in range(start, stop, _UNPACK_ROWS):
-            r1 = min(r0 + _UNPACK_ROWS, stop)
-            c, s, m = unpack(raw[r0:r1])
-            codes[:, r0:r1] = c.reshape(r1 - r0, n_in // g, g).transpose(1, 0, 2)
+    def unpack_tiles(b0: int, b1: int) -> None:
+        for c0 in range(b0, b1, step):
+            c1 = min(c0 + step, b1)
+            r0, r1 = c0 * rows, min(c1 * rows, n_out)
+            c, s, m = unpack(raw[r0:r1])  # (r1 - r0, in), (r1 - r0, in // g) x 2
+            for b in range(c0, c1):
+                part = c[(b - c0) * rows: (b - c0 + 1) * rows]
+                codes[b, :, : len(part)] = part.T
             scales[:, r0:r1] = s.T
             if mins is not None:
                 mins[:, r0:r1] = m.T
 
-    _parallel_rows(unpack_rows, n_out, n_out * n_in)
+    _parallel(unpack_tiles, n_tiles, n_out * n_in)
     release_pages(tensor.data)  # unpacked: the file's bytes are not needed in memory
-    return QuantWeight(codes, scales, mins)
+    return QuantWeight(codes, scales, mins, n_out)
 
 
 def concat_weights(weights: Sequence[Weight]) -> Weight:
@@ -580,16 +657,20 @@ def concat_weights(weights: Sequence[Weight]) -> Weight:
         raise ValueError(f"cannot concatenate weights of shapes {[w.shape for w in weights]}")
     if all(isinstance(w, QuantWeight) for w in weights):
         g = min(w.group for w in weights)
-        weights = [w.regrouped(g) for w in weights]
-        codes = np.concatenate([w.codes for w in weights], axis=1)
-        scales = np.concatenate([w.scales for w in weights], axis=1)
+
+        def per_group(a: np.ndarray, w: QuantWeight) -> np.ndarray:
+            return np.repeat(a, w.group // g, axis=0)  # (in // g, out)
+
+        codes = np.concatenate([w.codes_rows() for w in weights])
+        scales = np.concatenate([per_group(w.scales[:, : w.shape[0]], w) for w in weights], axis=1)
         mins = None
         if any(w.mins is not None for w in weights):
             mins = np.concatenate([
-                w.mins if w.mins is not None else np.zeros((n_in // g, w.shape[0]), np.float32)
+                per_group(w.mins[:, : w.shape[0]], w) if w.mins is not None
+                else np.zeros((n_in // g, w.shape[0]), np.float32)
                 for w in weights
             ], axis=1)
-        return QuantWeight(codes, scales, mins)
+        return QuantWeight.from_rows(codes, scales, mins)
     kinds = {w.kind for w in weights if isinstance(w, DenseWeight)}
     if all(isinstance(w, DenseWeight) for w in weights) and len(kinds) == 1:
         return DenseWeight(np.concatenate([w.data for w in weights]), kinds.pop())

@@ -104,18 +104,22 @@ def test_resident_bytes():
 def two_threads(monkeypatch):
     """Split matmuls over two threads whatever the machine's load, in many small chunks."""
     monkeypatch.setattr(quants, "CHUNK_VALUES", 1 << 17)
+    monkeypatch.setattr(quants, "DECODE_PARALLEL_MIN_VALUES", 1 << 16)
     quants.set_num_threads(2)
     yield
     quants.set_num_threads(None)
 
 
+@pytest.mark.parametrize("n_out", [1001, 1013])  # 1013: tiles of 169 rows, the last one padded
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16, T.F32], ids=lambda t: t.name)
-def test_large_matrix_uses_tiles_and_threads(qtype, two_threads):
+def test_large_matrix_uses_tiles_and_threads(qtype, n_out, two_threads):
     """Bigger than a scratch tile, a thread chunk and the threading threshold, odd sizes."""
-    weight, reference = weight_and_reference(qtype, n_out=1001, n_in=768)
+    weight, reference = weight_and_reference(qtype, n_out=n_out, n_in=768)
     for n in (1, 3, 65):
         x = np.random.default_rng(n).standard_normal((n, 768)).astype(np.float32)
         assert_matmul_close(weight.matmul(x), x @ reference.T)
+    ids = [n_out - 1, 0, 500]
+    np.testing.assert_allclose(weight.rows(ids), reference[ids], rtol=1e-6, atol=0)
 
 
 def test_concurrent_matmuls_from_several_threads(two_threads):
@@ -190,7 +194,7 @@ def test_an_error_in_any_chunk_reaches_the_caller(two_threads):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        quants._parallel_rows(fn, 100, 1 << 20)
+        quants._parallel(fn, 100, 1 << 20)
     assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == 100  # every chunk ran
     weight, reference = weight_and_reference(T.Q8_0, n_out=1024)
     x = np.ones((1, N_IN), np.float32)
