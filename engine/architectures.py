@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .kv_cache import Sequence
+from .threads import parallel_for
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,9 @@ def llama_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, la
     x = x + attention(h, blk, hp, batch, layer)                # (n, d)
     h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (n, d)
     gate, up = split_gate_up(blk.gate_up.matmul(h))           # (n, n_ff) each
-    return x + blk.ffn_down.matmul(silu(gate) * up)            # (n, d)
+    h = silu(gate)                                             # (n, n_ff)
+    h *= up
+    return x + blk.ffn_down.matmul(h)                          # (n, d)
 
 
 def gemma3_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int) -> np.ndarray:
@@ -162,7 +165,9 @@ def gemma3_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, l
     x = x + rms_norm(h, blk.post_attention_norm, hp.norm_eps)  # (n, d)
     h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (n, d)
     gate, up = split_gate_up(blk.gate_up.matmul(h))           # (n, n_ff) each
-    h = blk.ffn_down.matmul(gelu_tanh(gate) * up)              # (n, d)
+    h = gelu_tanh(gate)                                        # (n, n_ff)
+    h *= up
+    h = blk.ffn_down.matmul(h)                                 # (n, d)
     return x + rms_norm(h, blk.post_ffw_norm, hp.norm_eps)     # (n, d)
 
 
@@ -211,11 +216,18 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     skips most of the masked half of a causal prefill.
     """
     T, n_head, hd = q.shape                                    # q: (T, n_head, hd)
-    if T > ATTENTION_BLOCK:
-        return np.concatenate([attend(q[i: i + ATTENTION_BLOCK], keys, values,
-                                      positions[i: i + ATTENTION_BLOCK], window, scale)
-                               for i in range(0, T, ATTENTION_BLOCK)])  # (T, n_head*hd_v)
     n_kv, _, hd_v = values.shape                               # keys: (n_kv, L, hd), values: (n_kv, L, hd_v)
+    if T > ATTENTION_BLOCK:  # blocks of queries, shared out over the threads
+        out = np.empty((T, n_head * hd_v), np.float32)         # (T, n_head*hd_v)
+
+        def blocks(b0: int, b1: int) -> None:
+            for i in range(b0 * ATTENTION_BLOCK, min(b1 * ATTENTION_BLOCK, T), ATTENTION_BLOCK):
+                j = min(i + ATTENTION_BLOCK, T)
+                out[i:j] = attend(q[i:j], keys, values, positions[i:j], window, scale)
+
+        n_blocks = -(-T // ATTENTION_BLOCK)
+        parallel_for(blocks, n_blocks, T * keys.shape[1] * n_head * hd)
+        return out
     group = n_head // n_kv
     first = max(0, int(positions[0]) - window + 1) if window else 0  # no query sees keys before this
     last = int(positions[-1]) + 1                                    # nor keys after the last query
@@ -238,8 +250,10 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / rms(x) * weight over the last axis. x: (..., k), weight: (k,)."""
-    ms = np.mean(np.square(x), axis=-1, keepdims=True)         # (..., 1)
-    return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight  # (..., k)
+    ms = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])  # (..., 1)
+    out = x * (1.0 / np.sqrt(ms + np.float32(eps)))            # (..., k)
+    out *= weight
+    return out
 
 
 def rope_angles(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
@@ -283,5 +297,17 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU, tanh approximation (what gemma and ggml_gelu use)."""
-    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))
+    """GELU, tanh approximation (what gemma and ggml_gelu use):
+
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed in one buffer.
+    """
+    t = x * x
+    t *= np.float32(0.044715)
+    t += 1
+    t *= x                                                     # x + 0.044715 x^3
+    t *= np.float32(0.7978845608028654)
+    np.tanh(t, out=t)
+    t += 1
+    t *= x
+    t *= 0.5
+    return t

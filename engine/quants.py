@@ -32,8 +32,7 @@ The kernels, for `y = x @ W.T` with x float32 (n, in):
 - many rows (prefill): each tile is dequantized (codes * scales + mins) into a float32
   buffer and multiplied with one BLAS GEMM, so the dequantization cost is shared by
   all n rows of x.
-Both split W's rows over threads (numpy's ufuncs and BLAS release the GIL; BLAS itself
-runs single-threaded, see `_single_threaded_blas`). Every thread has its own scratch
+Both split W's rows over threads (engine/threads.py). Every thread has its own scratch
 buffers, so several threads may call matmul at once.
 
 The unpackers read the block layouts as numpy views, the way gguf-py's quants.py
@@ -42,19 +41,15 @@ does; `gguf.quants.dequantize` is the reference the tests compare against.
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
-import queue
-import threading
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from engine.errors import UnsupportedModelError
 from engine.gguf_file import Tensor, release_pages
+from engine.threads import parallel_for, scratch
 
 # Decode tiles hold about this many float32 values (512 KiB): small enough to stay in a
 # core's L2 cache while BLAS reads them back.
@@ -64,134 +59,11 @@ PREFILL_TILE_VALUES = 1 << 20
 # Up to this many rows of x (decode, a batch of decoding sequences) the decode kernel is
 # used, above it the dequantize-and-GEMM one (measured crossover: ~48 rows).
 DECODE_MAX_ROWS = 32
-# Matrices with fewer values than this are not worth splitting across threads.
-PARALLEL_MIN_VALUES = 1 << 16
-# For the decode kernel the bar is higher: each thread's GIL hand-offs between its short
-# numpy calls cost more than half the work saves below a few million values (on 2 cores,
-# a 960x576 matrix took 0.13 ms on one thread and 0.23 ms on two; only output matrices
-# of 28M+ values gained, 1.2-1.5x).
+# The decode kernel splits a matrix over threads only from this many values: each
+# thread's GIL hand-offs between its short numpy calls cost more than the split saves
+# below a few million (on 2 cores a 960x576 matrix took 0.13 ms on one thread and 0.23 ms
+# on two; output matrices of 28M+ values gained 1.2-1.5x).
 DECODE_PARALLEL_MIN_VALUES = 1 << 22
-# Larger ones are split into chunks of about this many values, shared out dynamically.
-CHUNK_VALUES = 1 << 20
-
-
-# ---------------------------------------------------------------------------------------
-# Threads and per-thread scratch buffers
-
-def _single_threaded_blas() -> None:
-    """Make numpy's OpenBLAS run every call on the calling thread alone.
-
-    We split each matmul over threads ourselves, and those threads wait for work
-    by blocking. OpenBLAS's own threads spin while they wait: on a busy machine a
-    spinning thread holds the core the working one needs (a prefill GEMM ran 5x
-    slower with 2 OpenBLAS threads than with 1, 12 processes on 2 cores), and our
-    threads times its threads would oversubscribe the cores anyway.
-    """
-    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")
-    for path in glob.glob(libs):
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            if hasattr(lib, name):
-                getattr(lib, name)(1)
-                break
-
-
-_single_threaded_blas()
-
-
-def _default_threads() -> int:
-    """One thread per core, or `LMSP_THREADS` when set (e.g. to leave cores to other work)."""
-    configured = os.environ.get("LMSP_THREADS", "").strip()
-    if configured.isdigit() and int(configured) > 0:
-        return int(configured)
-    return os.cpu_count() or 1
-
-
-_threads = _default_threads()  # how many threads split a matmul (set_num_threads changes it)
-_jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, r0, r1, done queue) for the workers
-_workers: list[threading.Thread] = []
-_workers_lock = threading.Lock()
-_local = threading.local()  # per thread: scratch buffers, the queue our jobs report to
-
-
-def set_num_threads(n: int | None) -> None:
-    """Split each matmul over `n` threads (the caller's plus n - 1 workers).
-
-    None restores the default: `LMSP_THREADS`, else one thread per core.
-    """
-    global _threads
-    _threads = _default_threads() if n is None else max(1, int(n))
-
-
-def _run(job: tuple) -> None:
-    """Run one row range of somebody's matmul and report to that caller's queue."""
-    fn, r0, r1, done = job
-    try:
-        fn(r0, r1)
-    except BaseException as e:  # handed to the waiting caller, which raises it
-        done.put(e)
-    else:
-        done.put(None)
-
-
-def _work() -> None:
-    """A worker thread: run row ranges for whichever thread asks."""
-    while True:
-        _run(_jobs.get())
-
-
-def _parallel(fn: Callable[[int, int], None], n_items: int, n_values: int,
-              min_values: int = PARALLEL_MIN_VALUES) -> None:
-    """Run fn(i0, i1) over contiguous ranges covering [0, n_items) (rows or tiles), on all threads.
-
-    The items are cut into chunks of about CHUNK_VALUES values (at least one per
-    thread) fed through one queue to daemon worker threads (cheaper per call than
-    concurrent.futures, which matters for ~100 small matmuls per decoded token). The
-    caller works through the queue too, so it only ever waits for chunks a worker has
-    already started: on a busy machine a worker can wait milliseconds for a core, and
-    a matmul must not wait with it.
-    """
-    k = min(_threads, n_items) if n_values >= min_values else 1
-    if k == 1:
-        fn(0, n_items)
-        return
-    if len(_workers) < k - 1:
-        with _workers_lock:
-            while len(_workers) < k - 1:
-                t = threading.Thread(target=_work, name="lmsp-matmul", daemon=True)
-                t.start()
-                _workers.append(t)
-    done = getattr(_local, "done", None)
-    if done is None:
-        done = _local.done = queue.SimpleQueue()
-    n_chunks = min(n_items, max(k, n_values // CHUNK_VALUES))
-    bounds = [n_items * i // n_chunks for i in range(n_chunks + 1)]
-    for i in range(1, n_chunks):
-        _jobs.put((fn, bounds[i], bounds[i + 1], done))
-    _run((fn, bounds[0], bounds[1], done))
-    while True:  # take the chunks no worker has started yet
-        try:
-            job = _jobs.get_nowait()
-        except queue.Empty:
-            break
-        _run(job)
-    error = None
-    for _ in range(n_chunks):  # always wait for all: the workers write into the caller's arrays
-        error = done.get() or error
-    if error is not None:
-        raise error
-
-
-def _buffer(name: str, size: int) -> np.ndarray:
-    """A flat float32 scratch array of `size` items, private to the calling thread."""
-    buffers = getattr(_local, "buffers", None)
-    if buffers is None:
-        buffers = _local.buffers = {}
-    buf = buffers.get(name)
-    if buf is None or buf.size < size:
-        buf = buffers[name] = np.empty(max(size, TILE_VALUES), np.float32)
-    return buf[:size]
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,7 +94,7 @@ class Weight(ABC):
         if y.size == 0:
             return y
         if x.shape[0] <= DECODE_MAX_ROWS:
-            _parallel(lambda r0, r1: self._decode_rows(x, y, r0, r1), n_out, n_out * n_in,
+            parallel_for(lambda r0, r1: self._decode_rows(x, y, r0, r1), n_out, n_out * n_in,
                       DECODE_PARALLEL_MIN_VALUES)
         else:
             self._prefill(x, y)
@@ -234,13 +106,13 @@ class Weight(ABC):
 
     def _prefill(self, x: np.ndarray, y: np.ndarray) -> None:
         """y = x @ W.T for many rows of x: big tiles, rows split over the threads."""
-        _parallel(lambda r0, r1: self._tiled_matmul(x, y, r0, r1, PREFILL_TILE_VALUES),
+        parallel_for(lambda r0, r1: self._tiled_matmul(x, y, r0, r1, PREFILL_TILE_VALUES),
                        self.shape[0], self.shape[0] * self.shape[1])
 
     def _tiled_matmul(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int, tile_values: int) -> None:
         n_in = self.shape[1]
         tile_rows = max(1, tile_values // n_in)
-        buf = _buffer("tile", min(tile_rows, r1 - r0) * n_in)
+        buf = scratch("tile", min(tile_rows, r1 - r0) * n_in)
         for t0 in range(r0, r1, tile_rows):
             t1 = min(t0 + tile_rows, r1)
             w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in) float32
@@ -375,17 +247,17 @@ class QuantWeight(Weight):
         if x.shape[0] == 0:
             return y[:, :n_out]
         if x.shape[0] <= DECODE_MAX_ROWS:
-            _parallel(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
+            parallel_for(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
                       DECODE_PARALLEL_MIN_VALUES)
         else:
-            _parallel(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in)
+            parallel_for(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in)
         return y[:, :n_out] if y.shape[1] > n_out else y
 
     def _prefill_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
         """y[:, tiles b0:b1] = x @ W[those rows].T: dequantize a few tiles at once, one GEMM."""
         n_in, rows = self.shape[1], self.tile_rows
         step = max(1, PREFILL_TILE_VALUES // (n_in * rows))  # tiles per GEMM
-        buf = _buffer("tile", n_in * rows * min(step, b1 - b0))
+        buf = scratch("tile", n_in * rows * min(step, b1 - b0))
         for c0 in range(b0, b1, step):
             c1 = min(c0 + step, b1)
             r0, r1 = c0 * rows, c1 * rows
@@ -403,10 +275,10 @@ class QuantWeight(Weight):
         g, rows = self.group, self.tile_rows
         n_groups = n_in // g
         xg = np.ascontiguousarray(x.reshape(n, n_groups, g).transpose(1, 0, 2))  # (groups, n, g)
-        w = _buffer("tile", n_in * rows).reshape(n_groups, g, rows)  # a tile's codes as float32
+        w = scratch("tile", n_in * rows).reshape(n_groups, g, rows)  # a tile's codes as float32
         # the partial sums of a span of tiles are scaled and reduced together (fewer numpy calls)
         span = max(1, TILE_VALUES // (n_groups * n * rows))  # tiles
-        pbuf = _buffer("partial", n_groups * n * rows * min(span, b1 - b0))
+        pbuf = scratch("partial", n_groups * n * rows * min(span, b1 - b0))
         for s0 in range(b0, b1, span):
             s1 = min(s0 + span, b1)
             r0, r1 = s0 * rows, s1 * rows
@@ -643,7 +515,7 @@ def load_weight(tensor: Tensor) -> Weight:
             if mins is not None:
                 mins[:, r0:r1] = m.T
 
-    _parallel(unpack_tiles, n_tiles, n_out * n_in)
+    parallel_for(unpack_tiles, n_tiles, n_out * n_in)
     release_pages(tensor.data)  # unpacked: the file's bytes are not needed in memory
     return QuantWeight(codes, scales, mins, n_out)
 

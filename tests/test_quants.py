@@ -7,7 +7,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as ref_quants
 
-from engine import quants
+from engine import quants, threads
 from engine.gguf_file import SUPPORTED_TYPES, GGUFFile, Tensor
 from engine.quants import concat_weights, load_weight
 
@@ -103,11 +103,11 @@ def test_resident_bytes():
 @pytest.fixture
 def two_threads(monkeypatch):
     """Split matmuls over two threads whatever the machine's load, in many small chunks."""
-    monkeypatch.setattr(quants, "CHUNK_VALUES", 1 << 17)
+    monkeypatch.setattr(threads, "CHUNK_VALUES", 1 << 17)
     monkeypatch.setattr(quants, "DECODE_PARALLEL_MIN_VALUES", 1 << 16)
-    quants.set_num_threads(2)
+    threads.set_num_threads(2)
     yield
-    quants.set_num_threads(None)
+    threads.set_num_threads(None)
 
 
 @pytest.mark.parametrize("n_out", [1001, 1013])  # 1013: tiles of 169 rows, the last one padded
@@ -194,7 +194,7 @@ def test_an_error_in_any_chunk_reaches_the_caller(two_threads):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        quants._parallel(fn, 100, 1 << 20)
+        threads.parallel_for(fn, 100, 1 << 20)
     assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == 100  # every chunk ran
     weight, reference = weight_and_reference(T.Q8_0, n_out=1024)
     x = np.ones((1, N_IN), np.float32)
@@ -205,7 +205,7 @@ def test_single_thread_gives_the_same_result(two_threads):
     weight, reference = weight_and_reference(T.Q5_K, n_out=512, n_in=1024)
     x = np.random.default_rng(5).standard_normal((2, 1024)).astype(np.float32)
     y = weight.matmul(x)
-    quants.set_num_threads(1)
+    threads.set_num_threads(1)
     np.testing.assert_array_equal(weight.matmul(x), y)
 
 
