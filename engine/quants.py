@@ -270,25 +270,31 @@ class QuantWeight(Weight):
             np.matmul(x, w, out=y[:, r0:r1])
 
     def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
-        """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing."""
+        """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing.
+
+        The loop over tiles is two numpy calls on prepared views: with several threads
+        every return from numpy waits for the GIL, so Python work between them costs
+        twice.
+        """
         n, n_in = x.shape
         g, rows = self.group, self.tile_rows
         n_groups = n_in // g
         xg = np.ascontiguousarray(x.reshape(n, n_groups, g).transpose(1, 0, 2))  # (groups, n, g)
-        w = scratch("tile", n_in * rows).reshape(n_groups, g, rows)  # a tile's codes as float32
-        # the partial sums of a span of tiles are scaled and reduced together (fewer numpy calls)
-        span = max(1, TILE_VALUES // (n_groups * n * rows))  # tiles
-        pbuf = scratch("partial", n_groups * n * rows * min(span, b1 - b0))
+        w = scratch("tile", n_in * rows)
+        w_codes, w_groups = w.reshape(n_in, rows), w.reshape(n_groups, g, rows)  # one tile, as float32
+        # the partial sums of a span of tiles are scaled and reduced together
+        span = max(1, min(b1 - b0, TILE_VALUES // (n_groups * n * rows)))
+        p = scratch("partial", span * n_groups * n * rows).reshape(span, n_groups, n, rows)
         for s0 in range(b0, b1, span):
-            s1 = min(s0 + span, b1)
-            r0, r1 = s0 * rows, s1 * rows
-            p = pbuf[: n_groups * n * (r1 - r0)].reshape(n_groups, n, r1 - r0)
-            for b in range(s0, s1):
-                np.copyto(w.reshape(n_in, rows), self.codes[b])
-                # p[k, :, r] = x[:, group k] . codes[group k, r]
-                np.matmul(xg, w, out=p[:, :, (b - s0) * rows: (b - s0 + 1) * rows])
-            np.multiply(p, self.scales[:, None, r0:r1], out=p)
-            np.add.reduce(p, axis=0, out=y[:, r0:r1])  # y[:, r] = sum_k scales[k, r] * p[k, :, r]
+            m = min(span, b1 - s0)
+            for j in range(m):
+                np.copyto(w_codes, self.codes[s0 + j])
+                np.matmul(xg, w_groups, out=p[j])  # p[j, k, :, r] = x[:, group k] . codes[group k, r]
+            r0, r1 = s0 * rows, (s0 + m) * rows
+            scales = self.scales[:, r0:r1].reshape(n_groups, m, rows).transpose(1, 0, 2)  # (m, groups, rows)
+            np.multiply(p[:m], scales[:, :, None, :], out=p[:m])
+            # y[:, r] = sum_k scales[k, r] * p[k, :, r]
+            np.add.reduce(p[:m], axis=1, out=y[:, r0:r1].reshape(n, m, rows).transpose(1, 0, 2))
         if self.mins is not None:
             # y[:, r] += sum_k mins[k, r] * sum(x[:, group k])
             x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)
