@@ -21,6 +21,7 @@ The architectures differ in small, named ways (see `Hyperparameters`):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +249,35 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     return out.reshape(n_head, T, hd_v).transpose(1, 0, 2).reshape(T, n_head * hd_v)  # (T, n_head*hd_v)
 
 
+
+POSITION_WISE_MIN_VALUES = 1 << 18  # below this (decode) a position-wise op runs on the calling thread
+
+
+def position_wise(n_row_args: int = 0):
+    """Decorate an op that treats each position (row) on its own, so that a big batch
+    (a prefill chunk) is cut into row blocks shared out over the threads.
+
+    The op's first argument, and the n_row_args positional ones after it, are per-row
+    arrays (rows on axis 0); the output has the first argument's shape.
+    """
+    def decorate(op):
+        @functools.wraps(op)
+        def run(x: np.ndarray, *args, **kwargs):
+            if x.size < POSITION_WISE_MIN_VALUES:
+                return op(x, *args, **kwargs)
+            out = np.empty(x.shape, np.float32)
+
+            def rows(i0: int, i1: int) -> None:
+                row_args = [a[i0:i1] for a in args[:n_row_args]]
+                out[i0:i1] = op(x[i0:i1], *row_args, *args[n_row_args:], **kwargs)
+
+            parallel_for(rows, x.shape[0], x.size)
+            return out
+        return run
+    return decorate
+
+
+@position_wise()
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / rms(x) * weight over the last axis. x: (..., k), weight: (k,)."""
     ms = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])  # (..., 1)
@@ -266,6 +296,7 @@ def rope_angles(positions: np.ndarray, rope_dim: int, base: float, scale: float 
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+@position_wise(n_row_args=2)
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
     """Rotate pairs of each head's first rope_dim dimensions. x: (n, heads, hd), cos/sin: (n, rope_dim/2)."""
     half = cos.shape[1]
@@ -288,6 +319,7 @@ def split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return gate_up[:, :n_ff], gate_up[:, n_ff:]
 
 
+@position_wise()
 def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x) = x / (1 + exp(-x)); where exp overflows to inf the result is the right 0."""
     with np.errstate(over="ignore"):
@@ -296,6 +328,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     return np.divide(x, e, out=e)
 
 
+@position_wise()
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (what gemma and ggml_gelu use):
 
