@@ -221,12 +221,14 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     if T > ATTENTION_BLOCK:  # blocks of queries, shared out over the threads
         out = np.empty((T, n_head * hd_v), np.float32)         # (T, n_head*hd_v)
 
+        n_blocks = -(-T // ATTENTION_BLOCK)
+
         def blocks(b0: int, b1: int) -> None:
-            for i in range(b0 * ATTENTION_BLOCK, min(b1 * ATTENTION_BLOCK, T), ATTENTION_BLOCK):
+            for b in range(b0, b1):  # last block first: the later the queries, the more keys they read
+                i = (n_blocks - 1 - b) * ATTENTION_BLOCK
                 j = min(i + ATTENTION_BLOCK, T)
                 out[i:j] = attend(q[i:j], keys, values, positions[i:j], window, scale)
 
-        n_blocks = -(-T // ATTENTION_BLOCK)
         parallel_for(blocks, n_blocks, T * keys.shape[1] * n_head * hd)
         return out
     group = n_head // n_kv
