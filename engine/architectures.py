@@ -235,14 +235,15 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     first = max(0, int(positions[0]) - window + 1) if window else 0  # no query sees keys before this
     last = int(positions[-1]) + 1                                    # nor keys after the last query
     keys, values = keys[:, first:last], values[:, first:last]  # (n_kv, L', hd), (n_kv, L', hd_v)
-    key_pos = np.arange(first, last)                           # (L',)
     q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)
     scores = (q @ keys.transpose(0, 2, 1)).reshape(n_kv, group, T, -1)  # (n_kv, group, T, L')
-    hidden = key_pos[None, :] > positions[:, None]             # (T, L')
-    if window:
-        hidden |= positions[:, None] - key_pos[None, :] >= window
-    if hidden.any():
-        scores += np.where(hidden, np.float32(-np.inf), np.float32(0))  # broadcast over heads
+    if T > 1:  # one query (decoding) sees every key from `first` to itself: nothing to mask
+        key_pos = np.arange(first, last)                       # (L',)
+        hidden = key_pos[None, :] > positions[:, None]         # (T, L')
+        if window:
+            hidden |= positions[:, None] - key_pos[None, :] >= window
+        if hidden.any():
+            scores += np.where(hidden, np.float32(-np.inf), np.float32(0))  # broadcast over heads
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores, out=scores)                       # unnormalized softmax
     total = weights.sum(axis=-1, keepdims=True).reshape(n_kv, group * T, 1)
