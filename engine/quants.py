@@ -64,11 +64,12 @@ PREFILL_CHUNK_TILES = 8
 # Up to this many rows of x (decode, a batch of decoding sequences) the decode kernel is
 # used, above it the dequantize-and-GEMM one (measured crossover: ~48 rows).
 DECODE_MAX_ROWS = 32
-# The decode kernel splits a matrix over threads only from this many values: each
-# thread's GIL hand-offs between its short numpy calls cost more than the split saves
-# below a few million (on 2 cores a 960x576 matrix took 0.13 ms on one thread and 0.23 ms
-# on two; output matrices of 28M+ values gained 1.2-1.5x).
-DECODE_PARALLEL_MIN_VALUES = 1 << 22
+# The decode kernel splits a matmul over threads only from this much work (values of W
+# times rows of x): each thread's GIL hand-offs between its short numpy calls cost more
+# than the split saves below that (on 2 cores, one row of x times a 960x576 matrix took
+# 0.13 ms on one thread and 0.23 ms on two; a SmolLM2 step of 8 sequences, every matrix
+# split, took 68 ms against 86 ms on one thread).
+DECODE_PARALLEL_MIN_WORK = 1 << 21
 
 
 # ---------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ class Weight(ABC):
             return y
         if x.shape[0] <= DECODE_MAX_ROWS:
             parallel_for(lambda r0, r1: self._decode_rows(x, y, r0, r1), n_out, n_out * n_in,
-                      DECODE_PARALLEL_MIN_VALUES)
+                         DECODE_PARALLEL_MIN_WORK // x.shape[0])
         else:
             self._prefill(x, y)
         return y
@@ -253,7 +254,7 @@ class QuantWeight(Weight):
             return y[:, :n_out]
         if x.shape[0] <= DECODE_MAX_ROWS:
             parallel_for(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
-                      DECODE_PARALLEL_MIN_VALUES)
+                         DECODE_PARALLEL_MIN_WORK // x.shape[0])
         else:
             parallel_for(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles,
                          n_out * n_in * CHUNK_VALUES // (PREFILL_CHUNK_TILES * n_in * self.tile_rows))

@@ -104,7 +104,7 @@ def test_resident_bytes():
 def two_threads(monkeypatch):
     """Split matmuls over two threads whatever the machine's load, in many small chunks."""
     monkeypatch.setattr(threads, "CHUNK_VALUES", 1 << 17)
-    monkeypatch.setattr(quants, "DECODE_PARALLEL_MIN_VALUES", 1 << 16)
+    monkeypatch.setattr(quants, "DECODE_PARALLEL_MIN_WORK", 1 << 16)
     threads.set_num_threads(2)
     yield
     threads.set_num_threads(None)
