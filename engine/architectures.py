@@ -205,6 +205,14 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
 ATTENTION_BLOCK = 128  # queries per block when a chunk is long
 
 
+@functools.lru_cache(maxsize=8)
+def causal_mask(T: int) -> np.ndarray:
+    """(T, T) float32: 0 where key j <= query i, -inf above the diagonal (shared: read-only)."""
+    mask = np.triu(np.full((T, T), -np.inf, np.float32), k=1)
+    mask.flags.writeable = False
+    return mask
+
+
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
            window: int, scale: float) -> np.ndarray:
     """Softmax attention of one sequence's new queries over its cached keys/values.
@@ -237,13 +245,14 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     keys, values = keys[:, first:last], values[:, first:last]  # (n_kv, L', hd), (n_kv, L', hd_v)
     q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)
     scores = (q @ keys.transpose(0, 2, 1)).reshape(n_kv, group, T, -1)  # (n_kv, group, T, L')
-    if T > 1:  # one query (decoding) sees every key from `first` to itself: nothing to mask
+    # one query (decoding) sees every key from `first` to itself: nothing to mask
+    if T > 1 and window and int(positions[-1]) - window + 1 > first:  # the window hides keys too
         key_pos = np.arange(first, last)                       # (L',)
         hidden = key_pos[None, :] > positions[:, None]         # (T, L')
-        if window:
-            hidden |= positions[:, None] - key_pos[None, :] >= window
-        if hidden.any():
-            scores += np.where(hidden, np.float32(-np.inf), np.float32(0))  # broadcast over heads
+        hidden |= positions[:, None] - key_pos[None, :] >= window
+        scores += np.where(hidden, np.float32(-np.inf), np.float32(0))  # broadcast over heads
+    elif T > 1:  # the last T keys are the queries' own positions: hide the ones after each query
+        scores[..., -T:] += causal_mask(T)                     # (T, T) broadcast over heads
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores, out=scores)                       # unnormalized softmax
     total = weights.sum(axis=-1, keepdims=True).reshape(n_kv, group * T, 1)
