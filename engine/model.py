@@ -27,8 +27,10 @@ from .constrain import can_constrain
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, Sequence
-from .quants import concat_weights, load_weight
+from .helper import Helper, start as start_helper
+from .quants import QuantWeight, StackedWeight, concat_weights, load_weight
 from .scheduler import Scheduler
+from .threads import num_threads
 from .tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512  # tokens of one sequence per forward step while prefilling
@@ -58,8 +60,24 @@ def load_model(path: str | Path, n_ctx: int | None = None) -> Model:
     file = GGUFFile(path)
     hp = read_hyperparameters(file)
     weights = load_weights(file, hp)
-    tokenizer = Tokenizer.from_metadata(file.metadata)
-    return Model(file, hp, weights, tokenizer, n_ctx)
+    helper = start_helper(quantized_matrices(weights), num_threads())
+    tokenizer = Tokenizer.from_metadata(file.metadata)  # while the helper process starts
+    model = Model(file, hp, weights, tokenizer, n_ctx)
+    model.helper = helper
+    return model
+
+
+def quantized_matrices(weights: Weights) -> list[QuantWeight]:
+    """Every quantized matrix of the model, once each (the output matrix may be the embeddings)."""
+    found: dict[int, QuantWeight] = {}
+    matrices = [weights.token_embd, weights.output]
+    for blk in weights.blocks:
+        matrices += [blk.qkv, blk.attn_output, blk.gate_up, blk.ffn_down]
+    for m in matrices:
+        for part in (m.parts if isinstance(m, StackedWeight) else [m]):
+            if isinstance(part, QuantWeight):
+                found[id(part)] = part
+    return list(found.values())
 
 
 class Model:
@@ -82,6 +100,7 @@ class Model:
             add_bos=self.add_bos,
             add_eos=bool(file.get("tokenizer.ggml.add_eos_token", False)),
         )
+        self.helper: Helper | None = None      # computes part of each decode matmul (engine/helper.py)
         self.steps = 0                       # forward steps run so far (tests watch it)
         self._forward_lock = threading.Lock()  # one forward at a time over the shared weights
         self.scheduler = Scheduler(self)       # batches the forward steps of concurrent generations

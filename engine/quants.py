@@ -206,6 +206,9 @@ class QuantWeight(Weight):
     far apart: 2x slower for a 49k-row output matrix.)
     """
 
+    helper = None       # an engine.helper.Helper that computes part of decode matmuls, if any
+    helper_index = -1   # this weight's number in that helper
+
     def __init__(self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, n_out: int):
         self.codes = codes  # (n_tiles, in, tile_rows) int8: W's codes, transposed, tile by tile
         self.scales = scales  # (in // g, n_tiles * tile_rows) float32 (padding: 0)
@@ -253,6 +256,10 @@ class QuantWeight(Weight):
         if x.shape[0] == 0:
             return y[:, :n_out]
         if x.shape[0] <= DECODE_MAX_ROWS:
+            helper = self.helper
+            if (helper is not None and self.n_tiles > 1 and n_out * n_in * x.shape[0] >= helper.min_work
+                    and helper.alive):
+                return helper.matmul(self, x)
             parallel_for(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
                          DECODE_PARALLEL_MIN_WORK // x.shape[0])
         else:

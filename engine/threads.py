@@ -74,6 +74,11 @@ def set_num_threads(n: int | None) -> None:
     _threads = _default_threads() if n is None else max(1, int(n))
 
 
+def num_threads() -> int:
+    """How many threads work is split over (the caller's included)."""
+    return _threads
+
+
 def _run(job: tuple) -> None:
     """Run one range of somebody's work and report to that caller's queue."""
     fn, r0, r1, done = job

@@ -1,0 +1,242 @@
+"""A helper process that computes part of every decode matmul.
+
+Why a process and not one more thread: numpy releases the GIL inside its loops, but a
+decode matmul is many short numpy calls (per tile of about 100k weights: one int8 ->
+float32 conversion and one small batched matmul, ~10 us each), and every return from
+numpy has to take the GIL back. Two threads splitting such a matmul spend their time
+handing the GIL to each other. Measured on 2 cores, the matmuls of one SmolLM2 decode
+step took 54 ms on one thread, 48 ms split over two threads and 35 ms split with a
+second process.
+
+So on Linux, with two or more threads configured, `Helper.start` moves a model's
+quantized weights into shared memory (a memfd: no file, no /dev/shm size limit) and
+starts a Python process running `serve`, which maps the same pages read-only. For a decode
+matmul (`Helper.matmul`):
+
+    model's thread                              helper process
+    x -> shared I/O area
+    "weight i, n rows, tiles b0:b1" -> pipe ->  reads the command
+    computes tiles 0:b0 into the I/O area       computes tiles b0:b1 into the I/O area
+    waits on the answer pipe            <-      writes one byte
+    copies y out of the I/O area
+
+Nothing depends on the helper being there: until it has said it is ready, or once it
+has died or not answered within HELPER_TIMEOUT (then it is killed first, so that it
+cannot write into the I/O area later), the model computes every tile itself, on
+threads, exactly as without a helper (the same kernel on the same tiles: the same
+floats). The helper exits when its command pipe closes: the model was dropped, or
+this process ended, however it ended.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+
+import numpy as np
+
+from .quants import DECODE_MAX_ROWS, QuantWeight
+
+HELPER_TIMEOUT = 30.0        # seconds a helper may take for its part of one matmul
+HELPER_MIN_VALUES = 1 << 24  # smaller models (tests' tiny ones) are not worth a process
+HELPER_MIN_WORK = 1 << 18    # values of W times rows of x: below this a matmul stays here
+SHARE_STEP = 0.01            # how fast the helper's share of the tiles adapts
+_COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
+_READY, _DONE = b"r", b"d"
+_ALIGN = 64
+
+
+def start(weights: list[QuantWeight], n_threads: int) -> Helper | None:
+    """A helper for a model with these quantized weights, or None where it would not pay.
+
+    Only on Linux (memfd), with at least two threads configured (`LMSP_THREADS`), for
+    models of HELPER_MIN_VALUES weights or more, and not with `LMSP_HELPER=0`. A helper
+    that cannot be started is no error: the model computes everything itself.
+    """
+    if not (sys.platform == "linux" and hasattr(os, "memfd_create") and n_threads >= 2
+            and os.environ.get("LMSP_HELPER", "1") != "0"
+            and sum(w.shape[0] * w.shape[1] for w in weights) >= HELPER_MIN_VALUES):
+        return None
+    try:
+        return Helper(weights)
+    except OSError:
+        return None
+
+
+class Helper:
+    """The model's side of a helper process (see the module docstring)."""
+
+    def __init__(self, weights: list[QuantWeight]):
+        weights_fd, weights_size, layout = _share(weights)
+        self.x_values = DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
+        y_values = DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
+        io_size = 4 * (self.x_values + y_values)
+        io_fd = os.memfd_create("lmsp-helper-io")
+        os.ftruncate(io_fd, io_size)
+        self.io = np.frombuffer(mmap.mmap(io_fd, io_size), np.float32)  # x, then y
+        cmd_r, self._cmd = os.pipe()
+        self._answers, ans_w = os.pipe()
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from engine.helper import serve; serve()"], stdin=subprocess.PIPE,
+                env=env, pass_fds=(weights_fd, io_fd, cmd_r, ans_w))
+        except BaseException:
+            os.close(self._cmd)
+            os.close(self._answers)
+            raise
+        finally:
+            for fd in (weights_fd, io_fd, cmd_r, ans_w):  # the child has its own copies
+                os.close(fd)
+        try:
+            with self.process.stdin as stdin:
+                pickle.dump({"weights": (weights_fd, weights_size, layout), "io": (io_fd, io_size),
+                             "commands": cmd_r, "answers": ans_w}, stdin)
+        except OSError:  # it died at once: the model works without it
+            pass
+        self.min_work = HELPER_MIN_WORK
+        self.share = 0.5  # of each matrix's tiles, computed by the helper
+        self._state = "starting"
+        self._lock = threading.Lock()
+        for i, w in enumerate(weights):
+            w.helper, w.helper_index = self, i
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._cmd, self._answers)
+
+    @property
+    def alive(self) -> bool:
+        """Ready to take work (checks, without waiting, whether a starting helper is ready)."""
+        if self._state == "starting" and select.select([self._answers], [], [], 0)[0]:
+            self._state = "ready" if os.read(self._answers, 1) == _READY else "dead"
+        return self._state == "ready"
+
+    def matmul(self, w: QuantWeight, x: np.ndarray) -> np.ndarray:
+        """x @ w.T for a few rows of x, the last `share` of w's tiles computed by the helper.
+
+        The two cores of a VM need not be equally fast (here one often ran the same
+        tiles 1.5x slower than the other), so the share follows what happens: when
+        the helper's answer is already there as we finish our part, it takes more
+        next time, when we have to wait for it, less.
+        """
+        n, n_in = x.shape
+        split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - self.share))))
+        with self._lock:
+            xs = self.io[: n * n_in].reshape(n, n_in)
+            ys = self.io[self.x_values: self.x_values + n * w.n_tiles * w.tile_rows].reshape(n, -1)
+            xs[...] = x
+            if not self._send(_COMMAND.pack(w.helper_index, n, split, w.n_tiles)):
+                split = w.n_tiles
+            w._decode_tiles(xs, ys, 0, split)
+            if split < w.n_tiles:
+                early = bool(select.select([self._answers], [], [], 0)[0])
+                self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
+                if not self._answered():
+                    w._decode_tiles(xs, ys, split, w.n_tiles)  # it is gone: do its part
+            return ys[:, : w.shape[0]].copy()
+
+    def close(self) -> None:
+        """Stop the helper (the model keeps working without it)."""
+        self._state = "dead"
+        self._finalizer()
+
+    def _send(self, command: bytes) -> bool:
+        try:
+            os.write(self._cmd, command)
+            return True
+        except OSError:  # its end of the pipe is closed: it died
+            self._give_up()
+            return False
+
+    def _answered(self) -> bool:
+        """Wait for the helper's answer; False (and the helper killed) when none comes."""
+        if select.select([self._answers], [], [], HELPER_TIMEOUT)[0] and os.read(self._answers, 1) == _DONE:
+            return True
+        self._give_up()
+        return False
+
+    def _give_up(self) -> None:
+        self._state = "dead"
+        self.process.kill()  # before we write the I/O area ourselves: it must not write later
+        self.process.wait()
+
+
+def _stop(process: subprocess.Popen, *fds: int) -> None:
+    """Close our ends of the pipes (the helper reads end-of-file and exits) and reap it."""
+    for fd in fds:
+        os.close(fd)
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _share(weights: list[QuantWeight]) -> tuple[int, int, list]:
+    """Move the weights' arrays into one memfd; their layout for the helper to map them."""
+    arrays = [(w, name) for w in weights for name in ("codes", "scales", "mins") if getattr(w, name) is not None]
+    size = sum(-(-getattr(w, name).nbytes // _ALIGN) * _ALIGN for w, name in arrays)
+    fd = os.memfd_create("lmsp-weights")
+    os.ftruncate(fd, max(size, 1))
+    memory = mmap.mmap(fd, max(size, 1))
+    layout: list[list] = [[None, None, None, w.shape[0]] for w in weights]
+    offset = 0
+    index = {id(w): i for i, w in enumerate(weights)}
+    for w, name in arrays:
+        a = getattr(w, name)
+        shared = np.frombuffer(memory, a.dtype, a.size, offset).reshape(a.shape)
+        shared[...] = a
+        shared.flags.writeable = False
+        setattr(w, name, shared)
+        layout[index[id(w)]][("codes", "scales", "mins").index(name)] = (offset, a.shape, a.dtype.str)
+        offset += -(-a.nbytes // _ALIGN) * _ALIGN
+    return fd, max(size, 1), layout
+
+
+def serve() -> None:
+    """The helper process: map the weights, then compute tiles on command until the pipe closes."""
+    spec = pickle.load(sys.stdin.buffer)
+    weights_fd, weights_size, layout = spec["weights"]
+    memory = mmap.mmap(weights_fd, weights_size, prot=mmap.PROT_READ)
+
+    def array(entry):
+        if entry is None:
+            return None
+        offset, shape, dtype = entry
+        return np.frombuffer(memory, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
+
+    weights = [QuantWeight(array(c), array(s), array(m), n_out) for c, s, m, n_out in layout]
+    io_fd, io_size = spec["io"]
+    io = np.frombuffer(mmap.mmap(io_fd, io_size), np.float32)
+    x_values = DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
+    commands, answers = spec["commands"], spec["answers"]
+    os.write(answers, _READY)
+    while True:
+        command = _read_exactly(commands, _COMMAND.size)
+        if command is None:
+            return
+        i, n, b0, b1 = _COMMAND.unpack(command)
+        w = weights[i]
+        x = io[: n * w.shape[1]].reshape(n, w.shape[1])
+        y = io[x_values: x_values + n * w.n_tiles * w.tile_rows].reshape(n, -1)
+        w._decode_tiles(x, y, b0, b1)
+        os.write(answers, _DONE)
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    """size bytes from a pipe, or None at end of file."""
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+

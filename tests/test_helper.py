@@ -1,0 +1,95 @@
+"""The helper process (engine/helper.py): the same floats with it or without it, and no harm when it dies."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine import helper as helper_module
+from engine import quants, threads
+from engine.model import load_model, quantized_matrices
+from engine.tiny import write_tiny_model
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "memfd_create"),
+                                reason="the helper process needs Linux's memfd")
+
+
+@pytest.fixture
+def model_with_helper(tmp_path, monkeypatch):
+    """A tiny model whose matrices have several tiles, with a helper that takes every matmul."""
+    monkeypatch.setattr(helper_module, "HELPER_MIN_VALUES", 0)
+    monkeypatch.setattr(quants, "TILE_VALUES", 1024)  # tiles of 16 rows for 64 inputs
+    monkeypatch.delenv("LMSP_HELPER", raising=False)
+    threads.set_num_threads(2)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "llama")
+    model = load_model(path)
+    threads.set_num_threads(None)
+    helper = model.helper
+    assert helper is not None
+    helper.min_work = 0
+    deadline = time.monotonic() + 60
+    while not helper.alive:
+        assert time.monotonic() < deadline, "the helper did not start"
+        time.sleep(0.05)
+    yield model
+    helper.close()
+
+
+def decode_logits(model, steps: int = 6) -> list[np.ndarray]:
+    seq = model.new_sequence([1, 5, 9, 13])
+    out = [model.step([seq])[0]]
+    for i in range(steps):
+        seq.append(int(np.argmax(out[-1])))
+        out.append(model.step([seq])[0])
+    return out
+
+
+def test_the_same_floats_with_and_without_the_helper(model_with_helper, monkeypatch):
+    model = model_with_helper
+    calls = []
+    matmul = helper_module.Helper.matmul
+    monkeypatch.setattr(helper_module.Helper, "matmul", lambda self, w, x: calls.append(w) or matmul(self, w, x))
+    with_helper = decode_logits(model)
+    embeddings_only = model.weights.token_embd if model.weights.output is not model.weights.token_embd else None
+    multiplied = {id(w) for w in quantized_matrices(model.weights) if w is not embeddings_only}
+    assert {id(w) for w in calls} == multiplied  # every quantized matrix went through the helper
+    model.helper.min_work = 1 << 62  # every matmul computed here
+    alone = decode_logits(model)
+    for a, b in zip(with_helper, alone):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_killed_helper_is_replaced_by_the_model_itself(model_with_helper):
+    model = model_with_helper
+    before = decode_logits(model)
+    model.helper.process.kill()
+    model.helper.process.wait()
+    after = decode_logits(model)
+    assert not model.helper.alive
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_helper_exits_when_closed(model_with_helper):
+    process = model_with_helper.helper.process
+    model_with_helper.helper.close()
+    assert process.wait(timeout=10) == 0
+    assert decode_logits(model_with_helper)  # and the model still works
+
+
+def test_no_helper_for_small_models_or_when_turned_off(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "llama")
+    assert load_model(path).helper is None  # far below HELPER_MIN_VALUES
+    monkeypatch.setattr(helper_module, "HELPER_MIN_VALUES", 0)
+    monkeypatch.setenv("LMSP_HELPER", "0")
+    threads.set_num_threads(2)
+    try:
+        assert load_model(path).helper is None
+    finally:
+        threads.set_num_threads(None)
