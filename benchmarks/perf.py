@@ -10,9 +10,10 @@ For each model:
   chat prompt, through the scheduler; time to first token of that chat prompt;
   second-turn TTFT of a ~1,000-token conversation, from the prefix cache and cold
   (cache cleared); the bytes the engine keeps for the weights, the growth of
-  resident memory over loading and one step (anonymous: weights, tokenizer,
-  buffers; file: pages of the GGUF read while unpacking, clean and reclaimable)
-  and peak RSS.
+  resident memory over loading and one step (shared: the quantized weights, in
+  the memory the helper process maps too; anonymous: tokenizer, buffers, weights
+  when there is no helper; file: pages of the GGUF read while unpacking, clean and
+  reclaimable), peak RSS, and the helper process's own (anonymous) memory.
 - HTTP (`lmsp-min serve` in a child process, this model only): aggregate tok/s of
   1, 4 and 8 concurrent streamed responses (output tokens from `usage` over the
   wall time of the whole burst), the mean time to the first text event, and the
@@ -53,11 +54,12 @@ STREAM_TOKENS = 64  # max_output_tokens of each concurrent stream
 # --- the engine, in a child process ----------------------------------------------------
 
 
-def rss_mb() -> dict[str, float]:
-    """Resident memory of this process now, in MiB: anonymous (our arrays) and file-backed (mapped pages)."""
-    with open("/proc/self/status") as f:
+def rss_mb(pid: int | str = "self") -> dict[str, float]:
+    """Resident memory of a process now, in MiB: anonymous (private arrays), file-backed
+    (mapped pages) and shared memory (the weights a helper process maps too)."""
+    with open(f"/proc/{pid}/status") as f:
         fields = dict(line.split(":", 1) for line in f)
-    return {key: int(fields[key].split()[0]) / 1024 for key in ("RssAnon", "RssFile")}
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("RssAnon", "RssFile", "RssShmem")}
 
 
 def weights_mb(weights) -> float:
@@ -142,6 +144,9 @@ def engine_figures(name: str, repeats: int = 2) -> dict:
         "weights_mb": weights_mb(model.weights),
         "rss_anon_mb": rss_after["RssAnon"] - rss_before["RssAnon"],  # weights, tokenizer, buffers
         "rss_file_mb": rss_after["RssFile"] - rss_before["RssFile"],  # pages of the GGUF read while loading
+        "rss_shmem_mb": rss_after["RssShmem"] - rss_before["RssShmem"],  # the weights, shared with the helper
+        "helper_rss_anon_mb": rss_mb(model.helper.process.pid)["RssAnon"]
+        if model.helper and model.helper.process.poll() is None else 0.0,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "prefill_ids": prefill_ids,
         "short_ids": short_ids,
@@ -263,9 +268,11 @@ ROWS = [
     ("turn2_ttft_cold_s", "2nd turn TTFT, cold", "s", None, None, False),
     ("turn2_ttft_warm_s", "2nd turn TTFT, prefix cache", "s", "turn2_ttft_cold_s*", 0.3, False),
     ("weights_mb", "resident weights", "MiB", "gguf_mb*", 2.0, False),
+    ("rss_shmem_mb", "RSS after load, shared", "MiB", "gguf_mb*", None, False),
     ("rss_anon_mb", "RSS after load, anonymous", "MiB", "gguf_mb*", None, False),
     ("rss_file_mb", "RSS after load, file pages", "MiB", "gguf_mb*", None, False),
     ("peak_rss_mb", "peak RSS, engine", "MiB", "peak_rss_mb", None, False),
+    ("helper_rss_anon_mb", "helper process, own memory", "MiB", None, None, False),
     ("server_peak_rss_mb", "peak RSS, HTTP server", "MiB", None, None, False),
     ("load_s", "load", "s", "load_s", None, False),
 ]
