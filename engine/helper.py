@@ -144,8 +144,9 @@ class Helper:
 
     def close(self) -> None:
         """Stop the helper (the model keeps working without it)."""
-        self._state = "dead"
-        self._finalizer()
+        with self._lock:  # not in the middle of a matmul
+            self._state = "dead"
+            self._finalizer()
 
     def _send(self, command: bytes) -> bool:
         try:
