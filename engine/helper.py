@@ -38,6 +38,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -48,6 +49,7 @@ HELPER_TIMEOUT = 30.0        # seconds a helper may take for its part of one mat
 HELPER_MIN_VALUES = 1 << 24  # smaller models (tests' tiny ones) are not worth a process
 HELPER_MIN_WORK = 1 << 18    # values of W times rows of x: below this a matmul stays here
 SHARE_STEP = 0.01            # how fast the helper's share of the tiles adapts
+SPIN_SECONDS = 0.0003        # a wait on a pipe polls this long before it sleeps (see _poll)
 _COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
 _READY, _DONE = b"r", b"d"
 _ALIGN = 64
@@ -158,7 +160,7 @@ class Helper:
 
     def _answered(self) -> bool:
         """Wait for the helper's answer; False (and the helper killed) when none comes."""
-        if select.select([self._answers], [], [], HELPER_TIMEOUT)[0] and os.read(self._answers, 1) == _DONE:
+        if _poll(self._answers, SPIN_SECONDS, HELPER_TIMEOUT) and os.read(self._answers, 1) == _DONE:
             return True
         self._give_up()
         return False
@@ -220,6 +222,7 @@ def serve() -> None:
     commands, answers = spec["commands"], spec["answers"]
     os.write(answers, _READY)
     while True:
+        _poll(commands, SPIN_SECONDS, None)  # the next matmul is usually microseconds away
         command = _read_exactly(commands, _COMMAND.size)
         if command is None:
             return
@@ -229,6 +232,21 @@ def serve() -> None:
         y = io[x_values: x_values + n * w.n_tiles * w.tile_rows].reshape(n, -1)
         w._decode_tiles(x, y, b0, b1)
         os.write(answers, _DONE)
+
+
+def _poll(fd: int, spin: float, timeout: float) -> bool:
+    """Whether fd has data within `timeout` seconds, asking without sleeping for the first `spin`.
+
+    A process that sleeps on a pipe takes tens of microseconds to wake up when the
+    data comes (longer on a VM whose idle core was handed back to the host), and a
+    decode step waits on the pipes twice per matmul, ~250 times: for the short waits,
+    asking again costs less than sleeping.
+    """
+    end = time.perf_counter() + spin
+    while time.perf_counter() < end:
+        if select.select([fd], [], [], 0)[0]:
+            return True
+    return bool(select.select([fd], [], [], timeout)[0])
 
 
 def _read_exactly(fd: int, size: int) -> bytes | None:
