@@ -7,7 +7,7 @@ thing: `w = code * scale + min`, with one scale (and, for some formats, one min)
 group of `g` consecutive values of a row. So at load time each format is unpacked
 ONCE into one uniform representation, and one pair of kernels serves every format:
 
-    codes  int8     (in, out)        the integer codes, transposed like W.T (see QuantWeight)
+    codes  int8     (n_tiles, in, tile_rows)  W.T cut into tiles of rows (see QuantWeight)
     scales float32  (in // g, out)   one per group: ggml's d (K-quants: d * sub-block scale)
     mins   float32  (in // g, out)   formats with an offset only (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K)
 
@@ -29,11 +29,12 @@ The kernels, for `y = x @ W.T` with x float32 (n, in):
   at a time, then BLAS computes the per-group partial dot products
   P[k, r] = x[group k] . codes[group k, r], and y[r] = sum_k scales[k, r] * P[k, r]
   (+ sum_k mins[k, r] * sum(x[group k])): no pass multiplies the weights by scales.
-- many rows (prefill): each tile is dequantized (codes * scales + mins) into a float32
-  buffer and multiplied with one BLAS GEMM, so the dequantization cost is shared by
-  all n rows of x.
-Both split W's rows over threads (engine/threads.py). Every thread has its own scratch
-buffers, so several threads may call matmul at once.
+  With a helper process (engine/helper.py) it computes part of the tiles; otherwise
+  big enough matmuls are split over threads.
+- many rows (prefill): a few tiles at a time are dequantized (codes * scales + mins)
+  into a float32 buffer and multiplied with one BLAS GEMM, so the dequantization cost
+  is shared by all n rows of x; the tiles are split over threads (engine/threads.py).
+Every thread has its own scratch buffers, so several threads may call matmul at once.
 
 The unpackers read the block layouts as numpy views, the way gguf-py's quants.py
 does; `gguf.quants.dequantize` is the reference the tests compare against.
