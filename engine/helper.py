@@ -8,9 +8,9 @@ handing the GIL to each other. Measured on 2 cores, the matmuls of one SmolLM2 d
 step took 54 ms on one thread, 48 ms split over two threads and 35 ms split with a
 second process.
 
-So on Linux, with two or more threads configured, `Helper.start` moves a model's
-quantized weights into shared memory (a memfd: no file, no /dev/shm size limit) and
-starts a Python process running `serve`, which maps the same pages read-only. For a decode
+So on Linux, with two or more threads configured, `start` moves a model's quantized
+weights into shared memory (a memfd: no file, no /dev/shm size limit) and starts a
+Python process running `serve`, which maps the same pages read-only. For a decode
 matmul (`Helper.matmul`):
 
     model's thread                              helper process
