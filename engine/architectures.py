@@ -221,14 +221,14 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     A query at position p sees keys at positions j <= p, and with a sliding
     window only those with p - j < window. `positions` ascend by one (a chunk of
     one sequence), so a block of queries needs only the keys from its first
-    visible position to its last query: long chunks go block by block, which
-    skips most of the masked half of a causal prefill.
+    visible position to its last query: long chunks go block by block (the blocks
+    shared out over the threads), which skips most of the masked half of a causal
+    prefill, and only a block's last T keys, its own positions, need the causal mask.
     """
     T, n_head, hd = q.shape                                    # q: (T, n_head, hd)
     n_kv, _, hd_v = values.shape                               # keys: (n_kv, L, hd), values: (n_kv, L, hd_v)
     if T > ATTENTION_BLOCK:  # blocks of queries, shared out over the threads
         out = np.empty((T, n_head * hd_v), np.float32)         # (T, n_head*hd_v)
-
         n_blocks = -(-T // ATTENTION_BLOCK)
 
         def blocks(b0: int, b1: int) -> None:
@@ -259,7 +259,6 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     out = weights.reshape(n_kv, group * T, -1) @ values        # (n_kv, group*T, hd_v)
     out /= total
     return out.reshape(n_head, T, hd_v).transpose(1, 0, 2).reshape(T, n_head * hd_v)  # (T, n_head*hd_v)
-
 
 
 POSITION_WISE_MIN_VALUES = 1 << 18  # below this (decode) a position-wise op runs on the calling thread
