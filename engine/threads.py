@@ -22,8 +22,6 @@ import numpy as np
 PARALLEL_MIN_VALUES = 1 << 16
 # Larger ones are split into chunks of about this many values, shared out dynamically.
 CHUNK_VALUES = 1 << 20
-
-
 # Scratch buffers are never smaller than this (they grow to the largest size asked for).
 MIN_SCRATCH_VALUES = 1 << 17
 
