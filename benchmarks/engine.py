@@ -11,8 +11,9 @@ For each model, in a child process of its own (so memory figures are its own):
   token (the raw engine, without the scheduler or trio);
 - memory: the bytes of the weight matrices as the kernels hold them (the
   figure to compare with the file: issue 3 asks for at most 2x), resident set size after loading, the weights' share of it (RSS after
-  load minus RSS before, split into heap — the unpacked weights — and pages of
-  the memory-mapped file, which the kernel can drop), and the peak RSS of the
+  load minus RSS before, split into shared memory and heap — the unpacked weights,
+  shared when a helper process maps them (engine/helper.py) — and pages of the
+  memory-mapped file, which the kernel can drop), and the peak RSS of the
   whole run, against the file size.
 Timings on a shared machine are noisy; run it when the machine is quiet.
 """
@@ -33,14 +34,17 @@ from benchmarks import prompts
 
 
 def rss_bytes() -> dict[str, int]:
-    """Resident bytes of this process: total, anonymous (heap: unpacked weights), file-backed (mmap)."""
+    """Resident bytes of this process: total, shared memory (the unpacked weights, when a
+    helper process maps them too), anonymous (heap: the weights without a helper, buffers)
+    and file-backed (mmap)."""
     fields = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "RssShmem", "RssAnon", "RssFile"):
                 fields[key] = int(value.split()[0]) * 1024
-    return {"total": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"]}
+    return {"total": fields["VmRSS"], "shared": fields["RssShmem"], "anon": fields["RssAnon"],
+            "file": fields["RssFile"]}
 
 
 def weight_bytes(model) -> int:
@@ -85,6 +89,7 @@ def measure(name: str) -> dict:
         "weights_mb": round(weight_bytes(model) / 2**20, 1),
         "rss_after_load_mb": round(after_load["total"] / 2**20, 1),
         "weights_rss_mb": round((after_load["total"] - before["total"]) / 2**20, 1),
+        "weights_shared_mb": round((after_load["shared"] - before["shared"]) / 2**20, 1),
         "weights_anon_mb": round((after_load["anon"] - before["anon"]) / 2**20, 1),
         "weights_mmap_mb": round((after_load["file"] - before["file"]) / 2**20, 1),
         "peak_rss_mb": round(peak / 2**20, 1),
@@ -100,7 +105,8 @@ def rows(result: dict) -> list[dict]:
         {"name": "weight matrices", "value": result["weights_mb"], "unit": "MiB", "model": model,
          "x_file": round(result["weights_mb"] / result["file_mb"], 2)},
         {"name": "weights RSS", "value": result["weights_rss_mb"], "unit": "MiB", "model": model,
-         "file_mb": result["file_mb"], "anon_mb": result["weights_anon_mb"],
+         "file_mb": result["file_mb"], "shared_mb": result["weights_shared_mb"],
+         "anon_mb": result["weights_anon_mb"],
          "mmap_mb": result["weights_mmap_mb"]},
         {"name": "peak RSS", "value": result["peak_rss_mb"], "unit": "MiB", "model": model},
     ]
@@ -126,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(f"{name}: load {result['load_s']} s, prefill {result['prefill_tok_s']} tok/s, "
               f"decode {result['decode_tok_s']} tok/s, weight matrices {result['weights_mb']} MiB, weights RSS {result['weights_rss_mb']} MiB "
-              f"(heap {result['weights_anon_mb']} + mapped file pages {result['weights_mmap_mb']}; "
+              f"(shared {result['weights_shared_mb']} + heap {result['weights_anon_mb']} "
+              f"+ mapped file pages {result['weights_mmap_mb']}; "
               f"file {result['file_mb']} MiB), peak RSS {result['peak_rss_mb']} MiB", flush=True)
     if args.json:
         with open(args.json, "w") as f:
