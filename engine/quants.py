@@ -94,9 +94,7 @@ class Weight(ABC):
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x float32 (n, in) -> x @ W.T float32 (n, out)."""
         n_out, n_in = self.shape
-        if x.ndim != 2 or x.shape[1] != n_in:
-            raise ValueError(f"matmul of a {self.shape} weight with x of shape {x.shape}")
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self._input(x)
         y = np.empty((x.shape[0], n_out), np.float32)
         if y.size == 0:
             return y
@@ -106,6 +104,12 @@ class Weight(ABC):
         else:
             self._prefill(x, y)
         return y
+
+    def _input(self, x: np.ndarray) -> np.ndarray:
+        """x checked to be (n, in), as contiguous float32."""
+        if x.ndim != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"matmul of a {self.shape} weight with x of shape {x.shape}")
+        return np.ascontiguousarray(x, dtype=np.float32)
 
     def _decode_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
         """y[:, r0:r1] = x @ W[r0:r1].T for a few rows of x, one cache-sized tile at a time."""
@@ -225,9 +229,7 @@ class QuantWeight(Weight):
         rows = _tile_rows(n_out, n_in)
         n_tiles = -(-n_out // rows)
         tiles = np.zeros((n_tiles, n_in, rows), np.int8)
-        for b in range(n_tiles):
-            part = codes[b * rows: (b + 1) * rows]
-            tiles[b, :, : len(part)] = part.T
+        _store_tiles(tiles, 0, codes)
         return cls(tiles, _pad_columns(scales, n_tiles * rows),
                    None if mins is None else _pad_columns(mins, n_tiles * rows), n_out)
 
@@ -243,24 +245,26 @@ class QuantWeight(Weight):
         ids = np.arange(self.shape[0])[rows]
         out_t = out.T  # (in, n_rows)
         np.copyto(out_t, self.codes[ids // self.tile_rows, :, ids % self.tile_rows].T)
-        w = out_t.reshape(self.scales.shape[0], self.group, len(ids))  # (groups, g, rows)
-        np.multiply(w, self.scales[:, None, ids], out=w)
+        self._scale(out_t, ids)
+
+    def _scale(self, w_t: np.ndarray, rows: slice | np.ndarray) -> None:
+        """Codes -> weights in place: w_t (in, n_rows) float32 holds W[rows].T's codes."""
+        w = w_t.reshape(self.scales.shape[0], self.group, w_t.shape[1])  # (groups, g, rows)
+        np.multiply(w, self.scales[:, None, rows], out=w)
         if self.mins is not None:
-            np.add(w, self.mins[:, None, ids], out=w)
+            np.add(w, self.mins[:, None, rows], out=w)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         n_out, n_in = self.shape
-        if x.ndim != 2 or x.shape[1] != n_in:
-            raise ValueError(f"matmul of a {self.shape} weight with x of shape {x.shape}")
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self._input(x)
+        helper = self.helper
+        if (helper is not None and 0 < x.shape[0] <= DECODE_MAX_ROWS and self.n_tiles > 1
+                and n_out * n_in * x.shape[0] >= helper.min_work and helper.alive):
+            return helper.matmul(self, x)
         y = np.empty((x.shape[0], self.n_tiles * self.tile_rows), np.float32)  # padded
         if x.shape[0] == 0:
             return y[:, :n_out]
         if x.shape[0] <= DECODE_MAX_ROWS:
-            helper = self.helper
-            if (helper is not None and self.n_tiles > 1 and n_out * n_in * x.shape[0] >= helper.min_work
-                    and helper.alive):
-                return helper.matmul(self, x)
             parallel_for(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
                          DECODE_PARALLEL_MIN_WORK // x.shape[0])
         else:
@@ -278,10 +282,7 @@ class QuantWeight(Weight):
             r0, r1 = c0 * rows, c1 * rows
             w = buf[: n_in * (r1 - r0)].reshape(n_in, r1 - r0)  # (in, rows): W[r0:r1].T
             np.copyto(w.reshape(n_in, c1 - c0, rows), self.codes[c0:c1].transpose(1, 0, 2))
-            wg = w.reshape(self.scales.shape[0], self.group, r1 - r0)  # (groups, g, rows)
-            np.multiply(wg, self.scales[:, None, r0:r1], out=wg)
-            if self.mins is not None:
-                np.add(wg, self.mins[:, None, r0:r1], out=wg)
+            self._scale(w, slice(r0, r1))
             np.matmul(x, w, out=y[:, r0:r1])
 
     def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
@@ -314,6 +315,14 @@ class QuantWeight(Weight):
             # y[:, r] += sum_k mins[k, r] * sum(x[:, group k])
             x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)
             y[:, b0 * rows: b1 * rows] += x_sums @ self.mins[:, b0 * rows: b1 * rows]
+
+
+def _store_tiles(tiles: np.ndarray, first: int, codes: np.ndarray) -> None:
+    """Write row-major codes (k, in) into tiles (n_tiles, in, rows) from tile `first` on."""
+    rows = tiles.shape[2]
+    for b in range(-(-len(codes) // rows)):
+        part = codes[b * rows: (b + 1) * rows]
+        tiles[first + b, :, : len(part)] = part.T
 
 
 def _pad_columns(a: np.ndarray, n: int) -> np.ndarray:
@@ -529,9 +538,7 @@ def load_weight(tensor: Tensor) -> Weight:
             c1 = min(c0 + step, b1)
             r0, r1 = c0 * rows, min(c1 * rows, n_out)
             c, s, m = unpack(raw[r0:r1])  # (r1 - r0, in), (r1 - r0, in // g) x 2
-            for b in range(c0, c1):
-                part = c[(b - c0) * rows: (b - c0 + 1) * rows]
-                codes[b, :, : len(part)] = part.T
+            _store_tiles(codes, c0, c)
             scales[:, r0:r1] = s.T
             if mins is not None:
                 mins[:, r0:r1] = m.T
