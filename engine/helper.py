@@ -101,8 +101,8 @@ class Helper:
                 os.close(fd)
         try:
             with self.process.stdin as stdin:
-                pickle.dump({"weights": (weights_fd, weights_size, layout), "io": (io_fd, io_size),
-                             "commands": cmd_r, "answers": ans_w}, stdin)
+                pickle.dump({"weights": (weights_fd, weights_size, layout),
+                             "io": (io_fd, io_size, self.x_values), "commands": cmd_r, "answers": ans_w}, stdin)
         except OSError:  # it died at once: the model works without it
             pass
         self.min_work = HELPER_MIN_WORK
@@ -128,11 +128,10 @@ class Helper:
         the helper's answer is already there as we finish our part, it takes more
         next time, when we have to wait for it, less.
         """
-        n, n_in = x.shape
+        n = x.shape[0]
         split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - self.share))))
         with self._lock:
-            xs = self.io[: n * n_in].reshape(n, n_in)
-            ys = self.io[self.x_values: self.x_values + n * w.n_tiles * w.tile_rows].reshape(n, -1)
+            xs, ys = _io_views(self.io, self.x_values, w, n)
             xs[...] = x
             if not self._send(_COMMAND.pack(w.helper_index, n, split, w.n_tiles)):
                 split = w.n_tiles
@@ -216,9 +215,8 @@ def serve() -> None:
         return np.frombuffer(memory, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
 
     weights = [QuantWeight(array(c), array(s), array(m), n_out) for c, s, m, n_out in layout]
-    io_fd, io_size = spec["io"]
+    io_fd, io_size, x_values = spec["io"]
     io = np.frombuffer(mmap.mmap(io_fd, io_size), np.float32)
-    x_values = DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
     commands, answers = spec["commands"], spec["answers"]
     os.write(answers, _READY)
     while True:
@@ -228,10 +226,16 @@ def serve() -> None:
             return
         i, n, b0, b1 = _COMMAND.unpack(command)
         w = weights[i]
-        x = io[: n * w.shape[1]].reshape(n, w.shape[1])
-        y = io[x_values: x_values + n * w.n_tiles * w.tile_rows].reshape(n, -1)
+        x, y = _io_views(io, x_values, w, n)
         w._decode_tiles(x, y, b0, b1)
         os.write(answers, _DONE)
+
+
+def _io_views(io: np.ndarray, x_values: int, w: QuantWeight, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shared I/O area as both processes read it: x (n, in) first, y (n, padded out) after it."""
+    x = io[: n * w.shape[1]].reshape(n, w.shape[1])
+    y = io[x_values: x_values + n * w.n_tiles * w.tile_rows].reshape(n, -1)
+    return x, y
 
 
 def _poll(fd: int, spin: float, timeout: float) -> bool:
