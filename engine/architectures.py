@@ -64,8 +64,7 @@ class Block:
     attn_norm: np.ndarray            # (d,)
     qkv: Any                         # Weight (n_head*hd + 2*n_head_kv*hd, d): Q, K, V merged
     qkv_bias: np.ndarray | None      # (n_head*hd + 2*n_head_kv*hd,) qwen2
-    q_norm: np.ndarray | None        # (hd,) qwen3, gemma3
-    k_norm: np.ndarray | None        # (hd,)
+    qk_norm: np.ndarray | None       # (n_head + n_head_kv, hd) qwen3, gemma3: q_norm per query head, then k_norm per key head
     attn_output: Any                 # Weight (d, n_head*hd_v)
     post_attention_norm: np.ndarray | None  # (d,) gemma3
     ffn_norm: np.ndarray             # (d,)
@@ -182,16 +181,15 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     qkv = blk.qkv.matmul(h)                                    # (n, n_q + n_k + n_kv*hd_v)
     if blk.qkv_bias is not None:
         qkv += blk.qkv_bias
-    q = qkv[:, :n_q].reshape(n, hp.n_head, hp.head_dim)        # (n, n_head, hd)
-    k = qkv[:, n_q: n_q + n_k].reshape(n, hp.n_head_kv, hp.head_dim)      # (n, n_head_kv, hd)
+    # queries and keys are normalized and rotated together: one call each instead of two
+    qk = qkv[:, : n_q + n_k].reshape(n, hp.n_head + hp.n_head_kv, hp.head_dim)  # (n, n_head + n_head_kv, hd)
     v = qkv[:, n_q + n_k:].reshape(n, hp.n_head_kv, hp.head_dim_v)        # (n, n_head_kv, hd_v)
-    if blk.q_norm is not None:
-        q = rms_norm(q, blk.q_norm, hp.norm_eps)               # (n, n_head, hd)
-        k = rms_norm(k, blk.k_norm, hp.norm_eps)               # (n, n_head_kv, hd)
+    if blk.qk_norm is not None:
+        qk = rms_norm(qk, blk.qk_norm, hp.norm_eps)            # (n, n_head + n_head_kv, hd)
     local = hp.local_layers[layer]
     cos, sin = batch.rope_angles(hp, local)                    # (n, rope_dim/2) each
-    q = rope(q, cos, sin, hp.rope_neox)                        # (n, n_head, hd)
-    k = rope(k, cos, sin, hp.rope_neox)                        # (n, n_head_kv, hd)
+    qk = rope(qk, cos, sin, hp.rope_neox)                      # (n, n_head + n_head_kv, hd)
+    q, k = qk[:, : hp.n_head], qk[:, hp.n_head:]               # (n, n_head, hd), (n, n_head_kv, hd)
     window = hp.sliding_window if local else 0
 
     out = np.empty((n, hp.n_head * hp.head_dim_v), np.float32)  # (n, n_head*hd_v)
@@ -312,15 +310,14 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndar
     """Rotate pairs of each head's first rope_dim dimensions. x: (n, heads, hd), cos/sin: (n, rope_dim/2)."""
     half = cos.shape[1]
     cos, sin = cos[:, None, :], sin[:, None, :]                # (n, 1, rope_dim/2)
-    out = x.copy()
-    if neox:  # pairs (i, i + rope_dim/2)
-        a, b = x[..., :half], x[..., half: 2 * half]           # (n, heads, rope_dim/2)
-        out[..., :half] = a * cos - b * sin
-        out[..., half: 2 * half] = a * sin + b * cos
-    else:     # adjacent pairs (2i, 2i + 1)
-        a, b = x[..., 0: 2 * half: 2], x[..., 1: 2 * half: 2]  # (n, heads, rope_dim/2)
-        out[..., 0: 2 * half: 2] = a * cos - b * sin
-        out[..., 1: 2 * half: 2] = a * sin + b * cos
+    out = np.empty_like(x) if 2 * half == x.shape[-1] else x.copy()  # dimensions past rope_dim pass through
+    pairs = (slice(0, half), slice(half, 2 * half)) if neox else (slice(0, 2 * half, 2), slice(1, 2 * half, 2))
+    a, b = x[..., pairs[0]], x[..., pairs[1]]                  # (n, heads, rope_dim/2): neox (i, i + rope_dim/2),
+    out_a, out_b = out[..., pairs[0]], out[..., pairs[1]]      # else adjacent (2i, 2i + 1)
+    np.multiply(a, cos, out=out_a)
+    out_a -= b * sin                                           # a cos - b sin
+    np.multiply(a, sin, out=out_b)
+    out_b += b * cos                                           # a sin + b cos
     return out
 
 

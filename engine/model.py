@@ -310,8 +310,9 @@ def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights:
             attn_norm=vector(b + "attn_norm.weight", d),
             qkv=concat_weights([q, k, v]),
             qkv_bias=np.concatenate(biases) if biases[0] is not None else None,
-            q_norm=vector(b + "attn_q_norm.weight", hd) if has_qk_norm else None,
-            k_norm=vector(b + "attn_k_norm.weight", hd) if has_qk_norm else None,
+            qk_norm=np.concatenate([np.tile(vector(b + "attn_q_norm.weight", hd), (hp.n_head, 1)),
+                                    np.tile(vector(b + "attn_k_norm.weight", hd), (hp.n_head_kv, 1))])
+            if has_qk_norm else None,
             attn_output=matrix(b + "attn_output.weight", (d, hp.n_head * hd_v)),
             post_attention_norm=vector(b + "post_attention_norm.weight", d) if gemma else None,
             ffn_norm=vector(b + "ffn_norm.weight", d),
