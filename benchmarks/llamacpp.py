@@ -9,8 +9,10 @@ see exactly the same prompts (benchmarks/prompts.py):
 - time to first token: fresh context, short prompt evaluated, first token picked.
 
 Each figure is the best of `repeats` runs: the machine is shared, and the best run
-is the one least disturbed by other processes. `measure_in_subprocess` runs the
-same in a child process, so llama.cpp's threads and memory do not mix with ours.
+is the one least disturbed by other processes. `start_worker` runs llama.cpp in a
+child process (its threads and memory do not mix with ours) that measures on
+request, so benchmarks/perf.py can take its turns between our engine's
+(benchmarks/worker.py).
 
     python -m benchmarks.llamacpp            # both real models, 2 threads, a table
 """
@@ -20,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-from benchmarks import prompts
+from benchmarks import prompts, worker
 
 
 def load(path: str, threads: int = 2, n_ctx: int = 2048, extra_buffer_types: bool = False):
@@ -138,17 +139,30 @@ def available() -> bool:
     return True
 
 
-def measure_in_subprocess(path: str, prefill_ids: list[int], short_ids: list[int], **kwargs) -> dict:
-    """`measure` in a child Python, so its threads, memory and peak RSS are its own."""
-    job = {"path": str(path), "prefill_ids": prefill_ids, "short_ids": short_ids, **kwargs}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.llamacpp", "--job"],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(done.stdout)
+def start_worker(path: str, prefill_ids: list[int], short_ids: list[int], threads: int = 2,
+                 n_decode: int = prompts.N_DECODE) -> worker.Worker:
+    """A child process with llama.cpp loaded that measures on request (`prefill`, `decode`, `finish`)."""
+    job = {"path": str(path), "prefill_ids": prefill_ids, "short_ids": short_ids, "threads": threads,
+           "n_decode": n_decode}
+    return worker.Worker([sys.executable, "-m", "benchmarks.llamacpp", "--worker"], job)
+
+
+def _worker_main() -> None:
+    """The child side of start_worker: the job on the first line of stdin, then commands."""
+    reply = worker.take_stdout()
+    job = json.loads(sys.stdin.readline())
+    prefill_ids, short_ids, n_decode = job["prefill_ids"], job["short_ids"], job["n_decode"]
+    start = time.perf_counter()
+    llm = load(job["path"], job["threads"])
+    load_s = time.perf_counter() - start
+    llm.eval(short_ids[:8])  # warm up: first-touch of the weights, thread pool start
+    reply({"engine": "llama.cpp", "threads": job["threads"], "load_s": load_s})
+    worker.serve({
+        "prefill": lambda: {"prefill_s": prefill_seconds(llm, prefill_ids)},
+        "decode": lambda: {"ttft_s": ttft_seconds(llm, short_ids),
+                           "decode_s": decode_seconds(llm, short_ids, n_decode)[0]},
+        "finish": lambda: {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
+    }, reply)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,11 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("models", nargs="*", default=list(prompts.MODELS), help="model names (default: both)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--job", action="store_true", help="read one job as JSON on stdin, print JSON (internal)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.job:
-        job = json.load(sys.stdin)
-        print(json.dumps(measure(job.pop("path"), job.pop("prefill_ids"), job.pop("short_ids"), **job)))
+    if args.worker:
+        _worker_main()
         return
     print(f"{'model':<28} {'prefill tok/s':>14} {'decode tok/s':>13} {'TTFT ms':>8} {'load s':>7}")
     for name in args.models:

@@ -24,15 +24,20 @@ For each model:
   less: llama.cpp's threads spin while they wait for each other, so when other
   processes hold the cores its 2-thread figures collapse, 5-10x for decode).
 
-Each figure is printed with its ratio to llama.cpp's and the target of issue 7;
-the run is written as JSON to benchmarks/results/perf-<time>.json (and a PNG chart
-of the ratios when matplotlib is installed). Timings on a shared machine are
-noisy: compare the ratios of one run, not figures across runs.
+The engines are loaded side by side and measured in turns, round after round
+(`--rounds`, 3 by default; see benchmarks/worker.py): a prefill from each, a decode
+from each, the server's bursts, and for each figure the best round counts. On a
+machine whose speed drifts, that compares measurements seconds apart instead of
+minutes apart. Each figure is printed with its ratio to llama.cpp's and the target
+of issue 7; the run is written as JSON to benchmarks/results/perf-<time>.json, every
+round's figures included (and a PNG chart of the ratios when matplotlib is
+installed). Compare the ratios of one run, not figures across runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -44,7 +49,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import llamacpp, prompts
+from benchmarks import llamacpp, prompts, worker
 
 RESULTS = Path(__file__).parent / "results"
 STREAMS = (1, 4, 8)
@@ -73,8 +78,13 @@ def weights_mb(weights) -> float:
     return total / (1 << 20)
 
 
-def engine_figures(name: str, repeats: int = 2) -> dict:
-    """Everything measured on the engine directly (see the module docstring)."""
+def engine_worker(name: str) -> None:
+    """Measure the engine on request (see the module docstring): the child side of `Worker`.
+
+    Prints its setup figures, then answers each command line on stdin with one JSON line:
+    `prefill`, `decode` (TTFT and the 128 steps after it, through the scheduler) and
+    `finish` (second-turn TTFT, memory; then it exits).
+    """
     import numpy as np
     import trio
 
@@ -82,6 +92,7 @@ def engine_figures(name: str, repeats: int = 2) -> dict:
     from engine.chat import ChatRequest
     from engine.sampling import SamplingParams
 
+    reply = worker.take_stdout()
     path = prompts.model_path(name)
     rss_before = rss_mb()
     start = time.perf_counter()
@@ -93,14 +104,14 @@ def engine_figures(name: str, repeats: int = 2) -> dict:
     model.step([model.new_sequence(short_ids)])  # warm up: every weight read once
     rss_after = rss_mb()
 
-    def prefill_seconds() -> float:
+    def prefill() -> dict:
         seq = model.new_sequence(prefill_ids)
         start = time.perf_counter()
         model.step([seq], chunk=len(prefill_ids))
-        return time.perf_counter() - start
+        return {"prefill_s": time.perf_counter() - start}
 
-    async def decode_and_ttft() -> tuple[float, float]:
-        """(TTFT, seconds of the 128 steps after the first token) of one greedy stream."""
+    async def decode() -> dict:
+        """TTFT and the seconds of the 128 steps after the first token, of one greedy stream."""
         model.scheduler.prefix_cache.clear()
         start = time.perf_counter()
         times = []
@@ -108,7 +119,7 @@ def engine_figures(name: str, repeats: int = 2) -> dict:
                                     max_tokens=prompts.N_DECODE + 1) as steps:
             async for _ in steps:
                 times.append(time.perf_counter())
-        return times[0] - start, times[-1] - times[0]
+        return {"ttft_s": times[0] - start, "decode_s": times[-1] - times[0]}
 
     async def chat_seconds(messages: list[dict]) -> tuple[float, int]:
         """Seconds to the end of a 1-token answer (prefill + first token) and the cached tokens."""
@@ -129,37 +140,21 @@ def engine_figures(name: str, repeats: int = 2) -> dict:
         return {"turn2_tokens": n, "turn2_cached_tokens": cached, "turn2_ttft_warm_s": warm,
                 "turn2_ttft_cold_s": cold}
 
-    prefill = min(prefill_seconds() for _ in range(repeats))
-    runs = [trio.run(decode_and_ttft) for _ in range(repeats)]
-    figures = {
-        "engine": "lmsp-min",
-        "load_s": load_s,
-        "prefill_tokens": len(prefill_ids),
-        "prefill_tok_s": len(prefill_ids) / prefill,
-        "decode_tokens": prompts.N_DECODE,
-        "decode_tok_s": prompts.N_DECODE / min(r[1] for r in runs),
-        "ttft_s": min(r[0] for r in runs),
-        **trio.run(second_turn),
-        "gguf_mb": path.stat().st_size / (1 << 20),
-        "weights_mb": weights_mb(model.weights),
-        "rss_anon_mb": rss_after["RssAnon"] - rss_before["RssAnon"],  # weights, tokenizer, buffers
-        "rss_file_mb": rss_after["RssFile"] - rss_before["RssFile"],  # pages of the GGUF read while loading
-        "rss_shmem_mb": rss_after["RssShmem"] - rss_before["RssShmem"],  # the weights, shared with the helper
-        "helper_rss_anon_mb": rss_mb(model.helper.process.pid)["RssAnon"]
-        if model.helper and model.helper.process.poll() is None else 0.0,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "prefill_ids": prefill_ids,
-        "short_ids": short_ids,
-    }
-    return figures
+    def finish() -> dict:
+        return {
+            **trio.run(second_turn),
+            "gguf_mb": path.stat().st_size / (1 << 20),
+            "weights_mb": weights_mb(model.weights),
+            "rss_anon_mb": rss_after["RssAnon"] - rss_before["RssAnon"],  # weights, tokenizer, buffers
+            "rss_file_mb": rss_after["RssFile"] - rss_before["RssFile"],  # pages of the GGUF read while loading
+            "rss_shmem_mb": rss_after["RssShmem"] - rss_before["RssShmem"],  # the weights, shared with the helper
+            "helper_rss_anon_mb": rss_mb(model.helper.process.pid)["RssAnon"]
+            if model.helper and model.helper.process.poll() is None else 0.0,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
 
-
-def engine_in_subprocess(name: str, repeats: int) -> dict:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.perf", "--engine-job", name, "--repeats", str(repeats)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"engine benchmark of {name} failed:\n{done.stderr}")
-    return json.loads(done.stdout)
+    reply({"engine": "lmsp-min", "load_s": load_s, "prefill_ids": prefill_ids, "short_ids": short_ids})
+    worker.serve({"prefill": prefill, "decode": lambda: trio.run(decode), "finish": finish}, reply)
 
 
 # --- the HTTP server, in a child process ------------------------------------------------
@@ -180,33 +175,54 @@ def peak_rss_of(pid: int) -> float:
     return float("nan")
 
 
-def server_figures(name: str) -> dict:
-    """Aggregate tok/s and TTFT of 1, 4 and 8 concurrent streams through `lmsp-min serve`."""
-    from lmsp_min.client import Client
+class Server:
+    """`lmsp-min serve` with this one model, in a child process: bursts of concurrent streams on request."""
 
-    path = prompts.model_path(name)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "models").mkdir()
-        (Path(tmp) / "models" / path.name).symlink_to(path)
+    def __init__(self, name: str):
+        from lmsp_min.client import Client
+
+        path = prompts.model_path(name)
+        self._tmp = tempfile.TemporaryDirectory()
+        models = Path(self._tmp.name) / "models"
+        models.mkdir()
+        (models / path.name).symlink_to(path)
         port = free_port()
-        server = subprocess.Popen(
-            [sys.executable, "-m", "lmsp_min.cli", "serve", "--models-dir", f"{tmp}/models", "--port", str(port),
-             "--no-store", "--data-dir", f"{tmp}/data"],
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lmsp_min.cli", "serve", "--models-dir", str(models), "--port", str(port),
+             "--no-store", "--data-dir", f"{self._tmp.name}/data"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.client = Client(f"http://127.0.0.1:{port}")
+        self.prompts_sent = 0  # every stream gets a question of its own (see burst)
         try:
-            client = Client(f"http://127.0.0.1:{port}")
-            model_id = wait_for_server(client, server)
-            client.create_response(model_id, "Hello", max_output_tokens=1)  # loads the model
-            figures = {}
-            for n in STREAMS:
-                tokens, wall, ttfts = burst(client, model_id, n)
-                figures[f"aggregate_{n}_tok_s"] = tokens / wall
-                figures[f"http_ttft_{n}_s"] = sum(ttfts) / len(ttfts)
-            figures["server_peak_rss_mb"] = peak_rss_of(server.pid)
-            return figures
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+            self.model_id = wait_for_server(self.client, self.process)
+            self.client.create_response(self.model_id, "Hello", max_output_tokens=1)  # loads the model
+        except BaseException:
+            self.close()
+            raise
+
+    def bursts(self) -> dict:
+        """Aggregate tok/s and mean TTFT of 1, 4 and 8 concurrent streams, one burst each."""
+        figures = {}
+        for n in STREAMS:
+            tokens, wall, ttfts = burst(self.client, self.model_id, n, first_number=self.prompts_sent + 1)
+            self.prompts_sent += n
+            figures[f"aggregate_{n}_tok_s"] = tokens / wall
+            figures[f"http_ttft_{n}_s"] = sum(ttfts) / len(ttfts)
+        return figures
+
+    def peak_rss_mb(self) -> float:
+        return peak_rss_of(self.process.pid)
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self._tmp.cleanup()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def wait_for_server(client, server: subprocess.Popen, timeout: float = 120.0) -> str:
@@ -222,8 +238,13 @@ def wait_for_server(client, server: subprocess.Popen, timeout: float = 120.0) ->
     raise RuntimeError("lmsp-min serve did not answer in time")
 
 
-def burst(client, model_id: str, n: int) -> tuple[int, float, list[float]]:
-    """n streamed responses at once: (output tokens, wall seconds, time to first text of each)."""
+def burst(client, model_id: str, n: int, first_number: int = 1) -> tuple[int, float, list[float]]:
+    """n streamed responses at once: (output tokens, wall seconds, time to first text of each).
+
+    The questions are numbered, near their start, so that the prefix cache knows only
+    the chat template's opening of any of them: their TTFT is a cold prefill's, as
+    llama.cpp's is.
+    """
     results: list[tuple[int, float]] = []
     errors: list[BaseException] = []
 
@@ -231,7 +252,7 @@ def burst(client, model_id: str, n: int) -> tuple[int, float, list[float]]:
         try:
             start = time.perf_counter()
             first = None
-            question = f"{prompts.SHORT_QUESTION} Call the keeper {['Ann', 'Bo', 'Cy', 'Di', 'Ed', 'Flo', 'Gus', 'Hal'][i % 8]}."
+            question = f"Story {first_number + i}. {prompts.SHORT_QUESTION}"
             for event in client.stream_response(model_id, question, max_output_tokens=STREAM_TOKENS, temperature=0):
                 if first is None and event.event == "response.output_text.delta":
                     first = time.perf_counter() - start
@@ -345,34 +366,76 @@ def chart(results: dict, path: Path) -> bool:
     return True
 
 
+# --- the rounds ------------------------------------------------------------------------
+
+
+def measure_model(name: str, n_rounds: int, with_server: bool, with_llama: bool) -> dict:
+    """Every figure of one model: the engines loaded side by side, measured in turns.
+
+    Each round asks every engine for a prefill, then every engine for a decode (TTFT
+    included), then the server for its bursts, alternating who goes first; for each
+    figure the best round counts (benchmarks/worker.py says why). Returns
+    {"engine": ..., "server": ..., "llama.cpp": ..., "llama.cpp 1 thread": ..., "rounds": ...}.
+    """
+    with contextlib.ExitStack() as stack:
+        print(f"{name}: loading ...", file=sys.stderr)
+        engine = stack.enter_context(worker.Worker([sys.executable, "-m", "benchmarks.perf", "--engine-worker", name]))
+        prefill_ids, short_ids = engine.ready["prefill_ids"], engine.ready["short_ids"]
+        engines = {"engine": engine}
+        if with_llama:
+            for threads, key in ((2, "llama.cpp"), (1, "llama.cpp 1 thread")):
+                engines[key] = stack.enter_context(
+                    llamacpp.start_worker(prompts.model_path(name), prefill_ids, short_ids, threads))
+        server = stack.enter_context(Server(name)) if with_server else None
+        rounds: list[dict] = []
+        for i in range(n_rounds):
+            print(f"{name}: round {i + 1} of {n_rounds} ...", file=sys.stderr)
+            order = list(engines.items())[:: -1 if i % 2 else 1]
+            measured = {key: {} for key in engines}
+            for command in ("prefill", "decode"):
+                for key, w in order:
+                    measured[key] |= w.ask(command)
+            if server:
+                measured["server"] = server.bursts()
+            rounds.append(measured)
+        results = {}
+        for key, w in engines.items():
+            figures = {k: v for k, v in w.ready.items() if k not in ("prefill_ids", "short_ids")}
+            figures |= best(r[key] for r in rounds) | w.ask("finish")
+            results[key] = figures | {
+                "prefill_tokens": len(prefill_ids), "prefill_tok_s": len(prefill_ids) / figures["prefill_s"],
+                "decode_tokens": prompts.N_DECODE, "decode_tok_s": prompts.N_DECODE / figures["decode_s"]}
+        if server:
+            results["server"] = best(r["server"] for r in rounds) | {"server_peak_rss_mb": server.peak_rss_mb()}
+        results["rounds"] = rounds
+        return results
+
+
+def best(rounds) -> dict:
+    """Per figure, the best of the rounds: the least seconds, the most tokens per second."""
+    out: dict[str, float] = {}
+    for figures in rounds:
+        for key, value in figures.items():
+            better = min if key.endswith("_s") and not key.endswith("tok_s") else max
+            out[key] = better(out[key], value) if key in out else value
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(prompts.MODELS))
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per figure; the best counts")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of turns; the best of them counts")
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP streams")
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp even when installed")
-    parser.add_argument("--engine-job", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-worker", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.engine_job:
-        print(json.dumps(engine_figures(args.engine_job, args.repeats)))
+    if args.engine_worker:
+        engine_worker(args.engine_worker)
         return
 
     with_llama = not args.no_llama and llamacpp.available()
     load_before = os.getloadavg()[0]
-    results = {}
-    for name in args.models:
-        r = results[name] = {}
-        print(f"{name}: engine ...", file=sys.stderr)
-        r["engine"] = engine_in_subprocess(name, args.repeats)
-        ids = {"prefill_ids": r["engine"].pop("prefill_ids"), "short_ids": r["engine"].pop("short_ids")}
-        if not args.no_server:
-            print(f"{name}: HTTP streams ...", file=sys.stderr)
-            r["server"] = server_figures(name)
-        if with_llama:
-            print(f"{name}: llama.cpp ...", file=sys.stderr)
-            for threads, key in ((2, "llama.cpp"), (1, "llama.cpp 1 thread")):
-                r[key] = llamacpp.measure_in_subprocess(prompts.model_path(name), ids["prefill_ids"],
-                                                        ids["short_ids"], threads=threads, repeats=args.repeats)
+    results = {name: measure_model(name, args.rounds, not args.no_server, with_llama) for name in args.models}
     load_after = os.getloadavg()[0]
     print(table(results))
     print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cores: "
