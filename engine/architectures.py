@@ -267,18 +267,19 @@ def position_wise(n_row_args: int = 0):
     (a prefill chunk) is cut into row blocks shared out over the threads.
 
     The op's first argument, and the n_row_args positional ones after it, are per-row
-    arrays (rows on axis 0); the output has the first argument's shape.
+    arrays (rows on axis 0); the op writes its result, of the first argument's shape,
+    into `out` (a new array when None), so each thread writes its rows in place.
     """
     def decorate(op):
         @functools.wraps(op)
         def run(x: np.ndarray, *args, **kwargs):
             if x.size < POSITION_WISE_MIN_VALUES:
-                return op(x, *args, **kwargs)
+                return op(x, *args, out=None, **kwargs)
             out = np.empty(x.shape, np.float32)
 
             def rows(i0: int, i1: int) -> None:
                 row_args = [a[i0:i1] for a in args[:n_row_args]]
-                out[i0:i1] = op(x[i0:i1], *row_args, *args[n_row_args:], **kwargs)
+                op(x[i0:i1], *row_args, *args[n_row_args:], out=out[i0:i1], **kwargs)
 
             parallel_for(rows, x.shape[0], x.size)
             return out
@@ -287,10 +288,10 @@ def position_wise(n_row_args: int = 0):
 
 
 @position_wise()
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x / rms(x) * weight over the last axis. x: (..., k), weight: (k,)."""
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None) -> np.ndarray:
+    """x / rms(x) * weight over the last axis. x: (..., k), weight: (k,) or broadcastable."""
     ms = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])  # (..., 1)
-    out = x * (1.0 / np.sqrt(ms + np.float32(eps)))            # (..., k)
+    out = np.multiply(x, 1.0 / np.sqrt(ms + np.float32(eps)), out=out)        # (..., k)
     out *= weight
     return out
 
@@ -306,11 +307,12 @@ def rope_angles(positions: np.ndarray, rope_dim: int, base: float, scale: float 
 
 
 @position_wise(n_row_args=2)
-def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool, out: np.ndarray | None) -> np.ndarray:
     """Rotate pairs of each head's first rope_dim dimensions. x: (n, heads, hd), cos/sin: (n, rope_dim/2)."""
     half = cos.shape[1]
     cos, sin = cos[:, None, :], sin[:, None, :]                # (n, 1, rope_dim/2)
-    out = np.empty_like(x) if 2 * half == x.shape[-1] else x.copy()  # dimensions past rope_dim pass through
+    out = np.empty_like(x) if out is None else out
+    out[..., 2 * half:] = x[..., 2 * half:]                    # dimensions past rope_dim pass through
     pairs = (slice(0, half), slice(half, 2 * half)) if neox else (slice(0, 2 * half, 2), slice(1, 2 * half, 2))
     a, b = x[..., pairs[0]], x[..., pairs[1]]                  # (n, heads, rope_dim/2): neox (i, i + rope_dim/2),
     out_a, out_b = out[..., pairs[0]], out[..., pairs[1]]      # else adjacent (2i, 2i + 1)
@@ -328,21 +330,22 @@ def split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @position_wise()
-def silu(x: np.ndarray) -> np.ndarray:
+def silu(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     """x * sigmoid(x) = x / (1 + exp(-x)); where exp overflows to inf the result is the right 0."""
+    e = np.negative(x, out=out)
     with np.errstate(over="ignore"):
-        e = np.exp(-x)
+        np.exp(e, out=e)
     e += 1.0
     return np.divide(x, e, out=e)
 
 
 @position_wise()
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
+def gelu_tanh(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     """GELU, tanh approximation (what gemma and ggml_gelu use):
 
     0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed in one buffer.
     """
-    t = x * x
+    t = np.multiply(x, x, out=out)
     t *= np.float32(0.044715)
     t += 1
     t *= x                                                     # x + 0.044715 x^3

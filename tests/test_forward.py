@@ -186,7 +186,7 @@ def test_rope_pair_layouts():
     pos = np.array([0, 1, 5])
     angles = pos[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)  # (n, 4)
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    norm, neox = rope(x, cos, sin, neox=False), rope(x, cos, sin, neox=True)
+    norm, neox = rope(x, cos, sin, False), rope(x, cos, sin, True)
     for t in range(3):
         for i in range(4):
             c, s = cos[t, i], sin[t, i]
