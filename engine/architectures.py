@@ -153,8 +153,7 @@ def llama_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, la
     x = x + attention(h, blk, hp, batch, layer)                # (n, d)
     h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (n, d)
     gate, up = split_gate_up(blk.gate_up.matmul(h))           # (n, n_ff) each
-    h = silu(gate)                                             # (n, n_ff)
-    h *= up
+    h = swiglu(gate, up)                                       # (n, n_ff)
     return x + blk.ffn_down.matmul(h)                          # (n, d)
 
 
@@ -165,8 +164,7 @@ def gemma3_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, l
     x = x + rms_norm(h, blk.post_attention_norm, hp.norm_eps)  # (n, d)
     h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (n, d)
     gate, up = split_gate_up(blk.gate_up.matmul(h))           # (n, n_ff) each
-    h = gelu_tanh(gate)                                        # (n, n_ff)
-    h *= up
+    h = geglu(gate, up)                                        # (n, n_ff)
     h = blk.ffn_down.matmul(h)                                 # (n, d)
     return x + rms_norm(h, blk.post_ffw_norm, hp.norm_eps)     # (n, d)
 
@@ -329,29 +327,36 @@ def split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return gate_up[:, :n_ff], gate_up[:, n_ff:]
 
 
-@position_wise()
-def silu(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """x * sigmoid(x) = x / (1 + exp(-x)); where exp overflows to inf the result is the right 0."""
-    e = np.negative(x, out=out)
-    with np.errstate(over="ignore"):
-        np.exp(e, out=e)
-    e += 1.0
-    return np.divide(x, e, out=e)
+@position_wise(n_row_args=1)
+def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """silu(gate) * up = gate / (1 + exp(-gate)) * up, the llama feed-forward's gating.
 
-
-@position_wise()
-def gelu_tanh(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """GELU, tanh approximation (what gemma and ggml_gelu use):
-
-    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed in one buffer.
+    Where exp overflows to inf, silu is the right 0.
     """
-    t = np.multiply(x, x, out=out)
+    t = np.negative(gate, out=out)
+    with np.errstate(over="ignore"):
+        np.exp(t, out=t)
+    t += 1.0
+    np.divide(gate, t, out=t)
+    t *= up
+    return t
+
+
+@position_wise(n_row_args=1)
+def geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """gelu(gate) * up, the gemma feed-forward's gating, in one buffer.
+
+    GELU in its tanh approximation (what gemma and ggml_gelu use):
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    """
+    t = np.multiply(gate, gate, out=out)
     t *= np.float32(0.044715)
     t += 1
-    t *= x                                                     # x + 0.044715 x^3
+    t *= gate                                                  # x + 0.044715 x^3
     t *= np.float32(0.7978845608028654)
     np.tanh(t, out=t)
     t += 1
-    t *= x
+    t *= gate
     t *= 0.5
+    t *= up
     return t

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFWriter
 
 from engine import ModelFileError, ModelInfo, SamplingParams, UnsupportedModelError, load_model
-from engine.architectures import attend, rope, rope_angles
+from engine.architectures import attend, geglu, rms_norm, rope, rope_angles, swiglu
 from engine.sampling import Sampler
 from engine.tiny import ARCHITECTURES, write_tiny_model
 
@@ -224,3 +224,19 @@ def test_rope_angles_scaling_and_frequency_factors():
     angles = 0.5 * 3 * np.array([1.0, 0.1 / 2.0])              # base^(-2i/4) / factor_i
     np.testing.assert_allclose(cos[0], np.cos(angles), rtol=1e-6)
     np.testing.assert_allclose(sin[0], np.sin(angles), rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [3, 600])  # 600 x 512 values: split over the threads in row blocks
+def test_gated_activations_and_rms_norm_against_plain_formulas(rows):
+    rng = np.random.default_rng(1)
+    gate = (rng.standard_normal((rows, 512)) * 4).astype(np.float32)
+    gate[0, :4] = [-100.0, -1000.0, 100.0, 0.0]                # exp(-x) overflows, and saturation
+    up = rng.standard_normal((rows, 512)).astype(np.float32)
+    x, up64 = gate.astype(np.float64), up.astype(np.float64)
+    silu = x / (1 + np.exp(np.minimum(-x, 700)))
+    gelu = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(swiglu(gate, up), silu * up64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(geglu(gate, up), gelu * up64, rtol=1e-5, atol=1e-6)
+    weight = rng.standard_normal(512).astype(np.float32)
+    norm = x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-6) * weight
+    np.testing.assert_allclose(rms_norm(gate, weight, 1e-6), norm, rtol=1e-5, atol=1e-6)
