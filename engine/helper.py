@@ -203,8 +203,19 @@ def _share(weights: list[QuantWeight]) -> tuple[int, int, list]:
 
 
 def serve() -> None:
-    """The helper process: map the weights, then compute tiles on command until the pipe closes."""
-    spec = pickle.load(sys.stdin.buffer)
+    """The helper process: map the weights, then compute tiles on command until the pipe closes.
+
+    It exits quietly when the model's process is gone, whenever that shows: an
+    unfinished start-up message, a closed command pipe, or nobody left to answer.
+    """
+    try:
+        _serve(pickle.load(sys.stdin.buffer))
+    except (EOFError, pickle.UnpicklingError, BrokenPipeError):
+        pass
+
+
+def _serve(spec: dict) -> None:
+    """Map the weights and the I/O area, say ready, then compute the tiles each command asks for."""
     weights_fd, weights_size, layout = spec["weights"]
     memory = mmap.mmap(weights_fd, weights_size, prot=mmap.PROT_READ)
 

@@ -93,3 +93,17 @@ def test_no_helper_for_small_models_or_when_turned_off(tmp_path, monkeypatch):
         assert load_model(path).helper is None
     finally:
         threads.set_num_threads(None)
+
+
+def test_a_helper_whose_model_is_gone_exits_quietly(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(helper_module, "HELPER_MIN_VALUES", 0)
+    monkeypatch.delenv("LMSP_HELPER", raising=False)
+    threads.set_num_threads(2)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "llama")
+    model = load_model(path)
+    threads.set_num_threads(None)
+    process = model.helper.process
+    model.helper.close()  # at once: before the helper has said it is ready, most likely
+    assert process.wait(timeout=30) == 0
+    assert "Traceback" not in capfd.readouterr().err
