@@ -330,7 +330,7 @@ def table(results: dict) -> str:
 
 
 def fmt_ratio(x) -> str:
-    return f"{x:.2f}x" if x is not None else ""
+    return f"{x:.3f}x" if x is not None else ""  # three places: 1.498x must not read as 1.50x
 
 
 def fmt(x) -> str:
