@@ -18,17 +18,23 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "memf
                                 reason="the helper process needs Linux's memfd")
 
 
-@pytest.fixture
-def model_with_helper(tmp_path, monkeypatch):
-    """A tiny model whose matrices have several tiles, with a helper that takes every matmul."""
+def tiny_model_starting_a_helper(tmp_path, monkeypatch):
+    """A tiny model loaded as a big one would be: on two threads, with a helper starting."""
     monkeypatch.setattr(helper_module, "HELPER_MIN_VALUES", 0)
-    monkeypatch.setattr(quants, "TILE_VALUES", 1024)  # tiles of 16 rows for 64 inputs
     monkeypatch.delenv("LMSP_HELPER", raising=False)
     threads.set_num_threads(2)
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, "llama")
     model = load_model(path)
     threads.set_num_threads(None)
+    return model
+
+
+@pytest.fixture
+def model_with_helper(tmp_path, monkeypatch):
+    """A tiny model whose matrices have several tiles, with a helper that takes every matmul."""
+    monkeypatch.setattr(quants, "TILE_VALUES", 1024)  # tiles of 16 rows for 64 inputs
+    model = tiny_model_starting_a_helper(tmp_path, monkeypatch)
     helper = model.helper
     assert helper is not None
     helper.min_work = 0
@@ -96,13 +102,7 @@ def test_no_helper_for_small_models_or_when_turned_off(tmp_path, monkeypatch):
 
 
 def test_a_helper_whose_model_is_gone_exits_quietly(tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(helper_module, "HELPER_MIN_VALUES", 0)
-    monkeypatch.delenv("LMSP_HELPER", raising=False)
-    threads.set_num_threads(2)
-    path = tmp_path / "tiny.gguf"
-    write_tiny_model(path, "llama")
-    model = load_model(path)
-    threads.set_num_threads(None)
+    model = tiny_model_starting_a_helper(tmp_path, monkeypatch)
     process = model.helper.process
     model.helper.close()  # at once: before the helper has said it is ready, most likely
     assert process.wait(timeout=30) == 0
