@@ -187,14 +187,15 @@ class Server:
         models.mkdir()
         (models / path.name).symlink_to(path)
         port = free_port()
+        self._log = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe would block the server
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lmsp_min.cli", "serve", "--models-dir", str(models), "--port", str(port),
              "--no-store", "--data-dir", f"{self._tmp.name}/data"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=self._log, text=True)
         self.client = Client(f"http://127.0.0.1:{port}")
         self.prompts_sent = 0  # every stream gets a question of its own (see burst)
         try:
-            self.model_id = wait_for_server(self.client, self.process)
+            self.model_id = wait_for_server(self.client, self.process, self._log)
             self.client.create_response(self.model_id, "Hello", max_output_tokens=1)  # loads the model
         except BaseException:
             self.close()
@@ -216,6 +217,7 @@ class Server:
     def close(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=30)
+        self._log.close()
         self._tmp.cleanup()
 
     def __enter__(self) -> Server:
@@ -225,12 +227,13 @@ class Server:
         self.close()
 
 
-def wait_for_server(client, server: subprocess.Popen, timeout: float = 120.0) -> str:
-    """The id of the one model the server lists, once it answers."""
+def wait_for_server(client, server: subprocess.Popen, log, timeout: float = 120.0) -> str:
+    """The id of the one model the server lists, once it answers (`log`: the file of its stderr)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"lmsp-min serve exited:\n{server.stderr.read()}")
+            log.seek(0)
+            raise RuntimeError(f"lmsp-min serve exited:\n{log.read()}")
         try:
             return client.list_models()[0]["id"]
         except OSError:
@@ -379,7 +382,8 @@ def measure_model(name: str, n_rounds: int, with_server: bool, with_llama: bool)
     """
     with contextlib.ExitStack() as stack:
         print(f"{name}: loading ...", file=sys.stderr)
-        engine = stack.enter_context(worker.Worker([sys.executable, "-m", "benchmarks.perf", "--engine-worker", name]))
+        engine = stack.enter_context(
+            worker.Worker([sys.executable, "-m", "benchmarks.perf", "--engine-worker", name]))
         prefill_ids, short_ids = engine.ready["prefill_ids"], engine.ready["short_ids"]
         engines = {"engine": engine}
         if with_llama:

@@ -64,7 +64,8 @@ class Block:
     attn_norm: np.ndarray            # (d,)
     qkv: Any                         # Weight (n_head*hd + 2*n_head_kv*hd, d): Q, K, V merged
     qkv_bias: np.ndarray | None      # (n_head*hd + 2*n_head_kv*hd,) qwen2
-    qk_norm: np.ndarray | None       # (n_head + n_head_kv, hd) qwen3, gemma3: q_norm per query head, then k_norm per key head
+    qk_norm: np.ndarray | None       # (n_head + n_head_kv, hd) qwen3, gemma3: the file's q_norm
+                                     # repeated for each query head, then its k_norm for each key head
     attn_output: Any                 # Weight (d, n_head*hd_v)
     post_attention_norm: np.ndarray | None  # (d,) gemma3
     ffn_norm: np.ndarray             # (d,)
