@@ -30,7 +30,7 @@ from .kv_cache import KVCache, Sequence
 from .helper import Helper, start as start_helper
 from .quants import QuantWeight, StackedWeight, concat_weights, load_weight
 from .scheduler import Scheduler
-from .threads import num_threads
+from .threads import num_threads, release_freed_memory
 from .tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512  # tokens of one sequence per forward step while prefilling
@@ -64,6 +64,7 @@ def load_model(path: str | Path, n_ctx: int | None = None) -> Model:
     tokenizer = Tokenizer.from_metadata(file.metadata)  # while the helper process starts
     model = Model(file, hp, weights, tokenizer, n_ctx)
     model.helper = helper
+    release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd
     return model
 
 

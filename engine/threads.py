@@ -137,6 +137,29 @@ def parallel_for(fn: Callable[[int, int], None], n_items: int, n_values: int,
         raise error
 
 
+def _libc_malloc_trim():
+    """glibc's malloc_trim, where the C library has one (not musl, not macOS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand back to the OS the memory malloc keeps after big jobs on the threads (loading).
+
+    Each thread that allocates gets its own malloc arena, and glibc returns an arena's
+    free pages only from the top of its heap: after a model is unpacked on the threads,
+    depending on the order the temporaries were freed in, up to 80 MiB of them (Gemma 3
+    270M, one load in five) stayed resident. malloc_trim(0) releases every free page.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 def scratch(name: str, size: int) -> np.ndarray:
     """A flat float32 scratch array of `size` items, private to the calling thread."""
     buffers = getattr(_local, "buffers", None)

@@ -1,5 +1,6 @@
 """Every weight format and kernel against gguf-py's reference dequantization."""
 
+import os
 import threading
 
 import numpy as np
@@ -207,6 +208,28 @@ def test_single_thread_gives_the_same_result(two_threads):
     y = weight.matmul(x)
     threads.set_num_threads(1)
     np.testing.assert_array_equal(weight.matmul(x), y)
+
+
+def _rss_anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(dict(line.split(":", 1) for line in f)["RssAnon"].split()[0]) / 1024
+
+
+@pytest.mark.skipif(threads._malloc_trim is None or not os.path.exists("/proc/self/status"),
+                    reason="glibc's malloc_trim and Linux's /proc are what this checks")
+def test_memory_a_thread_freed_goes_back_to_the_os():
+    kept = []
+
+    def work():
+        arrays = [np.ones(12_500) for _ in range(4000)]  # 100 KB each: from this thread's malloc arena
+        kept.extend(arrays[::50])  # a few survivors keep the freed pages below them from being returned
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    before = _rss_anon_mib()
+    threads.release_freed_memory()
+    assert before - _rss_anon_mib() > 200  # of the 400 MB freed
 
 
 def _check_real_model(path):
