@@ -215,8 +215,13 @@ class Server:
         return peak_rss_of(self.process.pid)
 
     def close(self) -> None:
+        """Stop the server: SIGTERM, then SIGKILL if it has not exited within 30 s."""
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         self._log.close()
         self._tmp.cleanup()
 
