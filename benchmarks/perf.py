@@ -217,19 +217,9 @@ class Server:
     def close(self) -> None:
         """Stop the server: SIGTERM, then SIGKILL if it has not exited within 30 s."""
         self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        worker.wait_or_kill(self.process)
         self._log.close()
         self._tmp.cleanup()
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def wait_for_server(client, server: subprocess.Popen, log, timeout: float = 120.0) -> str:
@@ -395,7 +385,7 @@ def measure_model(name: str, n_rounds: int, with_server: bool, with_llama: bool)
             for threads, key in ((2, "llama.cpp"), (1, "llama.cpp 1 thread")):
                 engines[key] = stack.enter_context(
                     llamacpp.start_worker(prompts.model_path(name), prefill_ids, short_ids, threads))
-        server = stack.enter_context(Server(name)) if with_server else None
+        server = stack.enter_context(contextlib.closing(Server(name))) if with_server else None
         rounds: list[dict] = []
         for i in range(n_rounds):
             print(f"{name}: round {i + 1} of {n_rounds} ...", file=sys.stderr)

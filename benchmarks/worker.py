@@ -44,11 +44,7 @@ class Worker:
                 self.process.stdin.close()
             except OSError:
                 pass
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            wait_or_kill(self.process)
         self._stderr.close()
 
     def __enter__(self) -> Worker:
@@ -74,6 +70,15 @@ class Worker:
         self.process.wait()
         self._stderr.seek(0)
         return RuntimeError(f"{' '.join(self.argv)} exited with {self.process.returncode}:\n{self._stderr.read()}")
+
+
+def wait_or_kill(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Wait for a child asked to exit; kill it if it has not within `timeout` seconds."""
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def take_stdout() -> Callable[[dict], None]:
