@@ -93,6 +93,11 @@ class Batch:
     positions: np.ndarray            # (n,) position of each token in its sequence
     rope_cache: dict = field(default_factory=dict)  # local/global -> (cos, sin), shared by the layers
 
+    @property
+    def last_rows(self) -> list[int]:
+        """The row of each sequence's last token."""
+        return [span.stop - 1 for span in self.spans]
+
     def rope_angles(self, hp: Hyperparameters, local: bool) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin (n, rope_dim/2) of this batch's positions, computed once per step."""
         if local not in self.rope_cache:
@@ -133,10 +138,12 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
     x = w.token_embd.rows(batch.tokens)                        # (n, d)
     if hp.embedding_scale != 1.0:
         x = x * np.float32(hp.embedding_scale)                 # (n, d)
-    for layer, blk in enumerate(w.blocks):
+    for layer, blk in enumerate(w.blocks[:-1]):
         x = block(x, blk, hp, batch, layer)                    # (n, d)
-    if not all_logits:
-        x = x[[span.stop - 1 for span in batch.spans]]         # (n_seq, d)
+    # Of the last block's output only the rows of the wanted logits are read, so (as in
+    # llama.cpp) it computes every token's keys and values, which the cache keeps, and
+    # the rest for those rows only: one block's attention and feed-forward less, bar a row.
+    x = block(x, w.blocks[-1], hp, batch, hp.n_layer - 1, all_rows=all_logits)  # (n or n_seq, d)
     x = rms_norm(x, w.output_norm, hp.norm_eps)                # (n or n_seq, d)
     logits = w.output.matmul(x)                                # (n or n_seq, V)
     if hp.logit_softcap:
@@ -148,33 +155,50 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
     return [logits[i: i + 1] for i in range(len(batch.spans))]
 
 
-def llama_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int) -> np.ndarray:
-    """Pre-norm attention and SwiGLU feed-forward, each added to the residual (llama, qwen2, qwen3)."""
+def llama_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int,
+                all_rows: bool = True) -> np.ndarray:
+    """Pre-norm attention and SwiGLU feed-forward, each added to the residual (llama, qwen2, qwen3).
+
+    With `all_rows` False, the output has only each sequence's last row (n_seq of them).
+    """
     h = rms_norm(x, blk.attn_norm, hp.norm_eps)                # (n, d)
-    x = x + attention(h, blk, hp, batch, layer)                # (n, d)
-    h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (n, d)
-    gate, up = split_gate_up(blk.gate_up.matmul(h))           # (n, n_ff) each
-    h = swiglu(gate, up)                                       # (n, n_ff)
-    return x + blk.ffn_down.matmul(h)                          # (n, d)
+    if not all_rows:
+        x = x[batch.last_rows]                                 # (n_seq, d): m = n_seq from here
+    x = x + attention(h, blk, hp, batch, layer, all_rows)      # (m, d)
+    h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (m, d)
+    gate, up = split_gate_up(blk.gate_up.matmul(h))           # (m, n_ff) each
+    h = swiglu(gate, up)                                       # (m, n_ff)
+    return x + blk.ffn_down.matmul(h)                          # (m, d)
 
 
-def gemma3_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int) -> np.ndarray:
-    """Sandwich norms: each sub-layer's input and output are normalized before the residual add."""
+def gemma3_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int,
+                 all_rows: bool = True) -> np.ndarray:
+    """Sandwich norms: each sub-layer's input and output are normalized before the residual add.
+
+    With `all_rows` False, the output has only each sequence's last row (n_seq of them).
+    """
     h = rms_norm(x, blk.attn_norm, hp.norm_eps)                # (n, d)
-    h = attention(h, blk, hp, batch, layer)                    # (n, d)
-    x = x + rms_norm(h, blk.post_attention_norm, hp.norm_eps)  # (n, d)
-    h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (n, d)
-    gate, up = split_gate_up(blk.gate_up.matmul(h))           # (n, n_ff) each
-    h = geglu(gate, up)                                        # (n, n_ff)
-    h = blk.ffn_down.matmul(h)                                 # (n, d)
-    return x + rms_norm(h, blk.post_ffw_norm, hp.norm_eps)     # (n, d)
+    h = attention(h, blk, hp, batch, layer, all_rows)          # (m, d): m = n, or n_seq
+    if not all_rows:
+        x = x[batch.last_rows]                                 # (m, d)
+    x = x + rms_norm(h, blk.post_attention_norm, hp.norm_eps)  # (m, d)
+    h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (m, d)
+    gate, up = split_gate_up(blk.gate_up.matmul(h))           # (m, n_ff) each
+    h = geglu(gate, up)                                        # (m, n_ff)
+    h = blk.ffn_down.matmul(h)                                 # (m, d)
+    return x + rms_norm(h, blk.post_ffw_norm, hp.norm_eps)     # (m, d)
 
 
 BLOCKS = {"llama": llama_block, "qwen2": llama_block, "qwen3": llama_block, "gemma3": gemma3_block}
 
 
-def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int) -> np.ndarray:
-    """Multi-head (grouped-query) self-attention of the batch; stores the new K/V in each cache."""
+def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int,
+              all_rows: bool = True) -> np.ndarray:
+    """Multi-head (grouped-query) self-attention of the batch; stores the new K/V in each cache.
+
+    Every token's keys and values are stored; the output has a row per token, or with
+    `all_rows` False only each sequence's last one (its other queries are not computed).
+    """
     n = h.shape[0]
     n_q, n_k = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     qkv = blk.qkv.matmul(h)                                    # (n, n_q + n_k + n_kv*hd_v)
@@ -191,12 +215,16 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     q, k = qk[:, : hp.n_head], qk[:, hp.n_head:]               # (n, n_head, hd), (n, n_head_kv, hd)
     window = hp.sliding_window if local else 0
 
-    out = np.empty((n, hp.n_head * hp.head_dim_v), np.float32)  # (n, n_head*hd_v)
-    for seq, span, start in zip(batch.sequences, batch.spans, batch.starts):
+    queries = batch.spans if all_rows else [slice(span.stop - 1, span.stop) for span in batch.spans]
+    out = np.empty((sum(r.stop - r.start for r in queries), hp.n_head * hp.head_dim_v), np.float32)  # (m, n_head*hd_v)
+    row = 0
+    for seq, span, start, rows in zip(batch.sequences, batch.spans, batch.starts, queries):
         seq.cache.store(layer, start, k[span], v[span])
         keys, values = seq.cache.view(layer, span.stop - span.start + start)  # (n_head_kv, L, hd)
-        out[span] = attend(q[span], keys, values, batch.positions[span], window, hp.attention_scale)
-    return blk.attn_output.matmul(out)                         # (n, d)
+        out[row: row + rows.stop - rows.start] = attend(q[rows], keys, values, batch.positions[rows], window,
+                                                        hp.attention_scale)
+        row += rows.stop - rows.start
+    return blk.attn_output.matmul(out)                         # (m, d)
 
 
 ATTENTION_BLOCK = 128  # queries per block when a chunk is long

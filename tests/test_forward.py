@@ -76,6 +76,22 @@ def test_batched_sequences_equal_each_alone(model, ids):
     assert_close(last[1], model.logits(b + [9])[-1:])
 
 
+def test_last_rows_only_give_the_same_logits_and_cache(model, ids):
+    """Without all_logits the last block computes each sequence's last row only, but
+    stores every token's keys and values: the next step must see them all."""
+    a, b = ids, ids[3:12]
+    seqs = [model.new_sequence(a), model.new_sequence(b)]
+    last = model.step(seqs)
+    assert [x.shape[0] for x in last] == [1, 1]
+    assert_close(last[0], model.logits(a)[-1:])
+    assert_close(last[1], model.logits(b)[-1:])
+    seqs[0].append(7)
+    seqs[1].append(9)
+    last = model.step(seqs)
+    assert_close(last[0], model.logits(a + [7])[-1:])
+    assert_close(last[1], model.logits(b + [9])[-1:])
+
+
 def test_forked_cache_continues_like_a_fresh_one(model, ids):
     seq = model.new_sequence(ids[:12])
     model.step([seq])
