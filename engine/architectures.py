@@ -215,15 +215,14 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     q, k = qk[:, : hp.n_head], qk[:, hp.n_head:]               # (n, n_head, hd), (n, n_head_kv, hd)
     window = hp.sliding_window if local else 0
 
+    # the queries attended: every token's, or each sequence's last one
     queries = batch.spans if all_rows else [slice(span.stop - 1, span.stop) for span in batch.spans]
-    out = np.empty((sum(r.stop - r.start for r in queries), hp.n_head * hp.head_dim_v), np.float32)  # (m, n_head*hd_v)
-    row = 0
+    out = []
     for seq, span, start, rows in zip(batch.sequences, batch.spans, batch.starts, queries):
         seq.cache.store(layer, start, k[span], v[span])
         keys, values = seq.cache.view(layer, span.stop - span.start + start)  # (n_head_kv, L, hd)
-        out[row: row + rows.stop - rows.start] = attend(q[rows], keys, values, batch.positions[rows], window,
-                                                        hp.attention_scale)
-        row += rows.stop - rows.start
+        out.append(attend(q[rows], keys, values, batch.positions[rows], window, hp.attention_scale))
+    out = out[0] if len(out) == 1 else np.concatenate(out)     # (m, n_head*hd_v)
     return blk.attn_output.matmul(out)                         # (m, d)
 
 
