@@ -181,25 +181,37 @@ def _stop(process: subprocess.Popen, *fds: int) -> None:
         process.wait()
 
 
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of _ALIGN."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def _share(weights: list[QuantWeight]) -> tuple[int, int, list]:
-    """Move the weights' arrays into one memfd; their layout for the helper to map them."""
-    arrays = [(w, name) for w in weights for name in ("codes", "scales", "mins") if getattr(w, name) is not None]
-    size = sum(-(-getattr(w, name).nbytes // _ALIGN) * _ALIGN for w, name in arrays)
+    """Move the weights' arrays into one memfd; their layout for the helper to map them.
+
+    The layout has one entry per weight: [codes, scales, mins, n_out], each array as
+    (offset, shape, dtype) or None.
+    """
+    size = max(1, sum(_aligned(a.nbytes) for w in weights for a in (w.codes, w.scales, w.mins) if a is not None))
     fd = os.memfd_create("lmsp-weights")
-    os.ftruncate(fd, max(size, 1))
-    memory = mmap.mmap(fd, max(size, 1))
-    layout: list[list] = [[None, None, None, w.shape[0]] for w in weights]
-    offset = 0
-    index = {id(w): i for i, w in enumerate(weights)}
-    for w, name in arrays:
-        a = getattr(w, name)
-        shared = np.frombuffer(memory, a.dtype, a.size, offset).reshape(a.shape)
-        shared[...] = a
-        shared.flags.writeable = False
-        setattr(w, name, shared)
-        layout[index[id(w)]][("codes", "scales", "mins").index(name)] = (offset, a.shape, a.dtype.str)
-        offset += -(-a.nbytes // _ALIGN) * _ALIGN
-    return fd, max(size, 1), layout
+    os.ftruncate(fd, size)
+    memory = mmap.mmap(fd, size)
+    layout, offset = [], 0
+    for w in weights:
+        entry = []
+        for name in ("codes", "scales", "mins"):
+            a = getattr(w, name)
+            if a is None:
+                entry.append(None)
+                continue
+            shared = np.frombuffer(memory, a.dtype, a.size, offset).reshape(a.shape)
+            shared[...] = a
+            shared.flags.writeable = False
+            setattr(w, name, shared)
+            entry.append((offset, a.shape, a.dtype.str))
+            offset += _aligned(a.nbytes)
+        layout.append([*entry, w.shape[0]])
+    return fd, size, layout
 
 
 def serve() -> None:
