@@ -53,6 +53,7 @@ SPIN_SECONDS = 0.0003        # a wait on a pipe polls this long before it sleeps
 _COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
 _READY, _DONE = b"r", b"d"
 _ALIGN = 64
+_HELPER_MAIN = "import sys; sys.path.insert(0, sys.argv[1]); from engine.helper import serve; serve()"
 
 
 def start(weights: list[QuantWeight], n_threads: int) -> Helper | None:
@@ -85,13 +86,13 @@ class Helper:
         self.io = np.frombuffer(mmap.mmap(io_fd, io_size), np.float32)  # x, then y
         cmd_r, self._cmd = os.pipe()
         self._answers, ans_w = os.pipe()
+        # the helper must run this very code: its package's directory goes first on its
+        # path, before the working directory, which `python -c` puts first
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", "from engine.helper import serve; serve()"], stdin=subprocess.PIPE,
-                env=env, pass_fds=(weights_fd, io_fd, cmd_r, ans_w))
+                [sys.executable, "-c", _HELPER_MAIN, package_root], stdin=subprocess.PIPE,
+                pass_fds=(weights_fd, io_fd, cmd_r, ans_w))
         except BaseException:
             os.close(self._cmd)
             os.close(self._answers)

@@ -101,6 +101,22 @@ def test_no_helper_for_small_models_or_when_turned_off(tmp_path, monkeypatch):
         threads.set_num_threads(None)
 
 
+def test_the_helper_runs_this_engine_whatever_the_working_directory(tmp_path, monkeypatch):
+    """`python -c` puts the working directory first on the path: an `engine` package there
+    (a user's project, another checkout) must not be the one the helper imports."""
+    decoy = tmp_path / "workdir" / "engine"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the wrong engine package')\n")
+    monkeypatch.chdir(decoy.parent)
+    model = tiny_model_starting_a_helper(tmp_path, monkeypatch)
+    deadline = time.monotonic() + 60
+    while not model.helper.alive:
+        assert model.helper.process.poll() is None, "the helper died"
+        assert time.monotonic() < deadline, "the helper did not start"
+        time.sleep(0.05)
+    model.helper.close()
+
+
 def test_a_helper_whose_model_is_gone_exits_quietly(tmp_path, monkeypatch, capfd):
     model = tiny_model_starting_a_helper(tmp_path, monkeypatch)
     process = model.helper.process
