@@ -18,7 +18,8 @@ matmul (`Helper.matmul`):
     "weight i, n rows, tiles b0:b1" -> pipe ->  reads the command
     computes tiles 0:b0 into the I/O area       computes tiles b0:b1 into the I/O area
     waits on the answer pipe            <-      writes one byte
-    copies y out of the I/O area
+    copies y out of the I/O area                converts ahead the first tiles of the
+    runs the ops up to the next matmul          matmul it expects next (_ConvertAhead)
 
 Nothing depends on the helper being there: until it has said it is ready, or once it
 has died or not answered within HELPER_TIMEOUT (then it is killed first, so that it
@@ -50,6 +51,7 @@ HELPER_MIN_VALUES = 1 << 24  # smaller models (tests' tiny ones) are not worth a
 HELPER_MIN_WORK = 1 << 18    # values of W times rows of x: below this a matmul stays here
 SHARE_STEP = 0.01            # how fast the helper's share of the tiles adapts
 SPIN_SECONDS = 0.0003        # a wait on a pipe polls this long before it sleeps (see _poll)
+CONVERT_AHEAD = 3            # tiles of its next matmul the helper converts while it waits (_ConvertAhead)
 _COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
 _READY, _DONE = b"r", b"d"
 _ALIGN = 64
@@ -242,8 +244,11 @@ def _serve(spec: dict) -> None:
     io_fd, io_size, x_values = spec["io"]
     io = np.frombuffer(mmap.mmap(io_fd, io_size), np.float32)
     commands, answers = spec["commands"], spec["answers"]
+    ahead = _ConvertAhead(weights, CONVERT_AHEAD)
     os.write(answers, _READY)
     while True:
+        while not select.select([commands], [], [], 0)[0] and ahead.convert_one():
+            pass
         _poll(commands, SPIN_SECONDS, None)  # the next matmul is usually microseconds away
         command = _read_exactly(commands, _COMMAND.size)
         if command is None:
@@ -251,8 +256,61 @@ def _serve(spec: dict) -> None:
         i, n, b0, b1 = _COMMAND.unpack(command)
         w = weights[i]
         x, y = _io_views(io, x_values, w, n)
-        w._decode_tiles(x, y, b0, b1)
+        w._decode_tiles(x, y, b0, b1, ahead.received(i, b0, b1))
         os.write(answers, _DONE)
+        ahead.plan(i)
+
+
+class _ConvertAhead:
+    """The helper's idle time put to use: converting the tiles of its next matmul ahead.
+
+    While the model's process finishes its part of a matmul and runs the ops between
+    two matmuls, the helper has nothing to do. A decode step runs the same matmuls in
+    the same order every time, so the next matmul is most likely the one that came
+    after this one last time, and the helper's tiles of it those it was given last
+    time (its share moves by one tile at a time). Converting a tile's codes to float32
+    is most of a tile's work and does not depend on x, so the helper does it while it
+    waits: the same floats, sooner. A guess that turns out wrong costs a tile's
+    conversion at most (a command that comes in meanwhile waits for it).
+    """
+
+    def __init__(self, weights: list[QuantWeight], n_buffers: int):
+        self.weights = weights
+        values = max(w.shape[1] * w.tile_rows for w in weights)
+        self.free = [np.empty(values, np.float32) for _ in range(n_buffers)]
+        self.successor: dict[int, int] = {}        # weight -> the weight of the matmul after it, last time
+        self.given: dict[int, tuple[int, int]] = {}  # weight -> the tiles the helper computed, last time
+        self.last: int | None = None
+        self.target: int | None = None             # the weight the tiles below are of
+        self.converted: dict[int, np.ndarray] = {}  # tile -> its codes as float32 (flat)
+        self.todo: list[int] = []                  # tiles of `target` still to convert
+
+    def received(self, i: int, b0: int, b1: int) -> dict[int, np.ndarray]:
+        """A command for weight i's tiles b0:b1: note it, and return the tiles converted for it."""
+        if self.last is not None:
+            self.successor[self.last] = i
+        self.last = i
+        self.given[i] = (b0, b1)
+        return self.converted if self.target == i else {}
+
+    def plan(self, i: int) -> None:
+        """Weight i's matmul is done: take the buffers back, and plan the next matmul's tiles."""
+        self.free.extend(self.converted.values())
+        self.converted = {}
+        self.target = self.successor.get(i)
+        b0, b1 = self.given.get(self.target, (0, 0))
+        self.todo = list(range(b0, min(b1, b0 + len(self.free))))
+
+    def convert_one(self) -> bool:
+        """Convert the next planned tile; False when none is left."""
+        if not self.todo:
+            return False
+        b = self.todo.pop(0)
+        w = self.weights[self.target]
+        buffer = self.free.pop()
+        np.copyto(buffer[: w.shape[1] * w.tile_rows].reshape(w.shape[1], w.tile_rows), w.codes[b])
+        self.converted[b] = buffer
+        return True
 
 
 def _io_views(io: np.ndarray, x_values: int, w: QuantWeight, n: int) -> tuple[np.ndarray, np.ndarray]:

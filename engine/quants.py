@@ -285,12 +285,14 @@ class QuantWeight(Weight):
             self._scale(w, slice(r0, r1))
             np.matmul(x, w, out=y[:, r0:r1])
 
-    def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
+    def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int,
+                      converted: dict[int, np.ndarray] | None = None) -> None:
         """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing.
 
         The loop over tiles is two numpy calls on prepared views: with several threads
         every return from numpy waits for the GIL, so Python work between them costs
-        twice.
+        twice. `converted` may hold tiles already converted to float32 (flat, by tile
+        index: the helper process converts ahead while it waits).
         """
         n, n_in = x.shape
         g, rows = self.group, self.tile_rows
@@ -304,8 +306,13 @@ class QuantWeight(Weight):
         for s0 in range(b0, b1, span):
             m = min(span, b1 - s0)
             for j in range(m):
-                np.copyto(w_codes, self.codes[s0 + j])
-                np.matmul(xg, w_groups, out=p[j])  # p[j, k, :, r] = x[:, group k] . codes[group k, r]
+                ready = converted.get(s0 + j) if converted else None
+                if ready is None:
+                    np.copyto(w_codes, self.codes[s0 + j])
+                    tile = w_groups
+                else:
+                    tile = ready[: n_in * rows].reshape(n_groups, g, rows)
+                np.matmul(xg, tile, out=p[j])  # p[j, k, :, r] = x[:, group k] . codes[group k, r]
             r0, r1 = s0 * rows, (s0 + m) * rows
             scales = self.scales[:, r0:r1].reshape(n_groups, m, rows).transpose(1, 0, 2)  # (m, groups, rows)
             np.multiply(p[:m], scales[:, :, None, :], out=p[:m])

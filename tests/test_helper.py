@@ -70,6 +70,53 @@ def test_the_same_floats_with_and_without_the_helper(model_with_helper, monkeypa
         np.testing.assert_array_equal(a, b)
 
 
+def test_tiles_converted_ahead_give_the_same_floats(monkeypatch):
+    monkeypatch.setattr(quants, "TILE_VALUES", 1024)
+    rng = np.random.default_rng(0)
+    w = quants.QuantWeight.from_rows(rng.integers(-8, 8, (60, 64)).astype(np.int8),
+                                     rng.random((2, 60)).astype(np.float32), rng.random((2, 60)).astype(np.float32))
+    assert w.n_tiles == 4
+    x = rng.random((3, 64)).astype(np.float32)
+    converted = {}
+    for b in (1, 3):  # in buffers bigger than a tile, as the helper's are
+        converted[b] = np.full(w.shape[1] * w.tile_rows + 100, np.nan, np.float32)
+        converted[b][: w.shape[1] * w.tile_rows] = w.codes[b].ravel()
+    expected, got = (np.zeros((3, w.n_tiles * w.tile_rows), np.float32) for _ in range(2))
+    w._decode_tiles(x, expected, 1, 4)
+    w._decode_tiles(x, got, 1, 4, converted)
+    np.testing.assert_array_equal(got, expected)
+    converted[3][:] = np.nan  # and they are what tile 3 is computed from
+    w._decode_tiles(x, got, 1, 4, converted)
+    rows = w.tile_rows
+    assert np.isnan(got[:, 3 * rows:]).all() and not np.isnan(got[:, : 3 * rows]).any()
+
+
+def test_the_helper_converts_ahead_the_tiles_of_the_matmul_that_came_next_last_time():
+    rng = np.random.default_rng(0)
+    weights = [quants.QuantWeight.from_rows(rng.integers(-8, 8, (n, 64)).astype(np.int8),
+                                            rng.random((2, n)).astype(np.float32), None) for n in (4000, 6000)]
+    ahead = helper_module._ConvertAhead(weights, n_buffers=2)
+    assert [w.n_tiles for w in weights] == [2, 3]
+
+    def matmul(i, b0, b1):
+        converted = ahead.received(i, b0, b1)
+        ahead.plan(i)
+        return converted
+
+    assert matmul(0, 1, 2) == {} and not ahead.convert_one()  # nothing seen yet: nothing to guess
+    assert matmul(1, 1, 3) == {} and not ahead.convert_one()  # 1 came after 0, but what comes after 1?
+    assert matmul(0, 1, 2) == {}                              # 0 came after 1: expect 1, tiles 1:3, next
+    assert ahead.convert_one() and ahead.convert_one() and not ahead.convert_one()  # two buffers
+    converted = ahead.received(1, 0, 3)                       # the share moved: it gets tile 0 too
+    assert sorted(converted) == [1, 2]
+    for b in (1, 2):
+        tile = converted[b][: 64 * weights[1].tile_rows].reshape(64, -1)
+        np.testing.assert_array_equal(tile, weights[1].codes[b])
+    ahead.plan(1)
+    assert ahead.target == 0 and ahead.todo == [1]             # after 1 comes 0: its tile 1
+    assert ahead.received(1, 0, 3) == {}                      # a wrong guess converts nothing for 1
+
+
 def test_a_killed_helper_is_replaced_by_the_model_itself(model_with_helper):
     model = model_with_helper
     before = decode_logits(model)
