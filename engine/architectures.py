@@ -216,7 +216,7 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     window = hp.sliding_window if local else 0
 
     # the queries attended: every token's, or each sequence's last one
-    queries = batch.spans if all_rows else [slice(span.stop - 1, span.stop) for span in batch.spans]
+    queries = batch.spans if all_rows else [slice(row, row + 1) for row in batch.last_rows]
     out = []
     for seq, span, start, rows in zip(batch.sequences, batch.spans, batch.starts, queries):
         seq.cache.store(layer, start, k[span], v[span])
