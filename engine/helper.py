@@ -247,8 +247,8 @@ def _serve(spec: dict) -> None:
     ahead = _ConvertAhead(weights, CONVERT_AHEAD)
     os.write(answers, _READY)
     while True:
-        while not select.select([commands], [], [], 0)[0] and ahead.convert_one():
-            pass
+        while ahead.todo and not select.select([commands], [], [], 0)[0]:
+            ahead.convert_one()
         _poll(commands, SPIN_SECONDS, None)  # the next matmul is usually microseconds away
         command = _read_exactly(commands, _COMMAND.size)
         if command is None:
