@@ -267,8 +267,16 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     first = max(0, int(positions[0]) - window + 1) if window else 0  # no query sees keys before this
     last = int(positions[-1]) + 1                                    # nor keys after the last query
     keys, values = keys[:, first:last], values[:, first:last]  # (n_kv, L', hd), (n_kv, L', hd_v)
-    q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)
-    scores = (q @ keys.transpose(0, 2, 1)).reshape(n_kv, group, T, -1)  # (n_kv, group, T, L')
+    # Decoding (one query), OpenBLAS computes keys @ q.T much faster than q @ keys.T once
+    # the cache is long (SmolLM2's heads, 520 keys: 73 against 136 us; 2,000: 284 against
+    # 587), for a few us more below ~300 keys.
+    if T == 1:
+        q_t = np.empty((n_kv, hd, group), np.float32)          # (n_kv, hd, group)
+        np.multiply(q.reshape(n_kv, group, hd).transpose(0, 2, 1), np.float32(scale), out=q_t)
+        scores = np.ascontiguousarray((keys @ q_t).transpose(0, 2, 1)).reshape(n_kv, group, 1, -1)  # (n_kv, group, 1, L')
+    else:
+        q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)
+        scores = (q @ keys.transpose(0, 2, 1)).reshape(n_kv, group, T, -1)  # (n_kv, group, T, L')
     # one query (decoding) sees every key from `first` to itself: nothing to mask
     if T > 1 and window and int(positions[-1]) - window + 1 > first:  # the window hides keys too
         key_pos = np.arange(first, last)                       # (L',)
