@@ -204,13 +204,15 @@ def test_rope_pair_layouts():
 
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("block", [128, 2])
-def test_attend_matches_a_loop(window, block, monkeypatch):
+@pytest.mark.parametrize("T", [5, 1])  # a chunk of a prompt; one decoding query
+def test_attend_matches_a_loop(window, block, T, monkeypatch):
     monkeypatch.setattr("engine.architectures.ATTENTION_BLOCK", block)
     rng = np.random.default_rng(1)
-    T, L, n_head, n_kv, hd = 5, 9, 4, 2, 8
+    L, n_head, n_kv, hd = 9, 4, 2, 8
     q = rng.standard_normal((T, n_head, hd)).astype(np.float32)
-    keys = rng.standard_normal((n_kv, L, hd)).astype(np.float32)
-    values = rng.standard_normal((n_kv, L, hd)).astype(np.float32)
+    # keys and values as the cache gives them: the first L positions of a longer buffer
+    keys = rng.standard_normal((n_kv, 16, hd)).astype(np.float32)[:, :L]
+    values = rng.standard_normal((n_kv, 16, hd)).astype(np.float32)[:, :L]
     positions = np.arange(L - T, L)
     out = attend(q, keys, values, positions, window, 0.3).reshape(T, n_head, hd)
     for t, p in enumerate(positions):
