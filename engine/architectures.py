@@ -227,6 +227,11 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
 
 
 ATTENTION_BLOCK = 128  # queries per block when a chunk is long
+# From this many keys on, one query's scores are computed as keys @ q.T: OpenBLAS computes
+# q @ keys.T for a single query 2x slower once the cache is long (SmolLM2's heads, 520
+# keys: 136 against 73 us; 2,000: 587 against 284; the step comes at 300 to 450 keys,
+# depending on the head size), and keys @ q.T costs about 5 us more below that.
+KEYS_FIRST_MIN_KEYS = 256
 
 
 @functools.lru_cache(maxsize=8)
@@ -267,12 +272,8 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     first = max(0, int(positions[0]) - window + 1) if window else 0  # no query sees keys before this
     last = int(positions[-1]) + 1                                    # nor keys after the last query
     keys, values = keys[:, first:last], values[:, first:last]  # (n_kv, L', hd), (n_kv, L', hd_v)
-    # Decoding (one query), OpenBLAS computes keys @ q.T much faster than q @ keys.T once
-    # the cache is long (SmolLM2's heads, 520 keys: 73 against 136 us; 2,000: 284 against
-    # 587), for a few us more below ~300 keys.
-    if T == 1:
-        q_t = np.empty((n_kv, hd, group), np.float32)          # (n_kv, hd, group)
-        np.multiply(q.reshape(n_kv, group, hd).transpose(0, 2, 1), np.float32(scale), out=q_t)
+    if T == 1 and keys.shape[1] >= KEYS_FIRST_MIN_KEYS:  # one query, a long cache: keys @ q.T
+        q_t = np.multiply(q.reshape(n_kv, group, hd).transpose(0, 2, 1), np.float32(scale), order="C")  # (n_kv, hd, group)
         scores = np.ascontiguousarray((keys @ q_t).transpose(0, 2, 1)).reshape(n_kv, group, 1, -1)  # (n_kv, group, 1, L')
     else:
         q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)

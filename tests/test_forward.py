@@ -205,8 +205,10 @@ def test_rope_pair_layouts():
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("block", [128, 2])
 @pytest.mark.parametrize("T", [5, 1])  # a chunk of a prompt; one decoding query
-def test_attend_matches_a_loop(window, block, T, monkeypatch):
+@pytest.mark.parametrize("keys_first_min_keys", [1, 10**9])  # one query's scores as keys @ q.T, or not
+def test_attend_matches_a_loop(window, block, T, keys_first_min_keys, monkeypatch):
     monkeypatch.setattr("engine.architectures.ATTENTION_BLOCK", block)
+    monkeypatch.setattr("engine.architectures.KEYS_FIRST_MIN_KEYS", keys_first_min_keys)
     rng = np.random.default_rng(1)
     L, n_head, n_kv, hd = 9, 4, 2, 8
     q = rng.standard_normal((T, n_head, hd)).astype(np.float32)
