@@ -242,7 +242,7 @@ class QuantWeight(Weight):
         return self.codes.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
     def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
-        ids = np.arange(self.shape[0])[rows]
+        ids = _row_ids(rows, self.shape[0])
         out_t = out.T  # (in, n_rows)
         np.copyto(out_t, self.codes[ids // self.tile_rows, :, ids % self.tile_rows].T)
         self._scale(out_t, ids)
@@ -322,6 +322,12 @@ class QuantWeight(Weight):
             # y[:, r] += sum_k mins[k, r] * sum(x[:, group k])
             x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)
             y[:, b0 * rows: b1 * rows] += x_sums @ self.mins[:, b0 * rows: b1 * rows]
+
+
+def _row_ids(rows: slice | np.ndarray, n_rows: int) -> np.ndarray:
+    """The rows of a matrix of n_rows as an index array (an embedding lookup: without
+    building all n_rows indices to pick a few)."""
+    return np.arange(*rows.indices(n_rows)) if isinstance(rows, slice) else np.asarray(rows)
 
 
 def _store_tiles(tiles: np.ndarray, first: int, codes: np.ndarray) -> None:
@@ -600,7 +606,7 @@ class StackedWeight(Weight):
         return np.concatenate([w.matmul(x) for w in self.parts], axis=1)
 
     def _dequantize(self, rows: slice | np.ndarray, out: np.ndarray) -> None:
-        ids = np.arange(self.shape[0])[rows]  # the rows as indices, whichever part they are in
+        ids = _row_ids(rows, self.shape[0])  # whichever part they are in
         part = np.searchsorted(self.starts, ids, side="right") - 1
         for i, w in enumerate(self.parts):
             mine = part == i
