@@ -270,6 +270,10 @@ def _response_format(value) -> dict | None:
     return schema
 
 
+_OBJECT_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties",
+                    "minProperties", "maxProperties", "propertyNames")
+
+
 def _tools(value) -> list[Tool]:
     if not isinstance(value, list):
         raise invalid("tools", "'tools' must be an array")
@@ -288,15 +292,26 @@ def _tools(value) -> list[Tool]:
             raise invalid(f"{param}.name", f"tool name {name!r} is used twice")
         description = entry.get("description")
         description = "" if description is None else _string(description, f"{param}.description")
-        parameters = entry.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        elif not isinstance(parameters, dict):
-            raise invalid(f"{param}.parameters", f"'{param}.parameters' must be a JSON Schema object")
         if entry.get("strict") is not None:
             _bool(entry["strict"], f"{param}.strict")
-        tools.append(Tool(name, description, parameters))
+        tools.append(Tool(name, description, _tool_parameters(entry.get("parameters"), param)))
     return tools
+
+
+def _tool_parameters(parameters, param: str) -> dict:
+    """A tool's `parameters`: the JSON Schema of an object, since a call's `arguments` is a
+    JSON object (6.5). Absent or `{}` means no parameters; without a `type`, a schema is an
+    object's when it has object keywords (`properties`, `required`, ...), as the schema
+    compiler reads it too."""
+    if parameters is None or parameters == {}:
+        return {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise invalid(f"{param}.parameters", f"'{param}.parameters' must be a JSON Schema object")
+    implied = "object" if any(key in parameters for key in _OBJECT_KEYWORDS) else None
+    if parameters.get("type", implied) != "object":
+        raise invalid(f"{param}.parameters", f"'{param}.parameters' must be the schema of an object "
+                      "(type 'object'): a function call's arguments are a JSON object")
+    return parameters
 
 
 def _tool_choice(value, tools: list[Tool]) -> str | dict:

@@ -85,6 +85,12 @@ async def test_malformed_json(server, payload):
     ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools[1].name"),
     ({"tools": [{"type": "retrieval", "name": "f"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "name": "f", "parameters": "none"}]}, "tools[0].parameters"),
+    # a call's arguments are a JSON object: a schema of anything else could never be sent back
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools[0].parameters"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": ["object", "integer"]}}]},
+     "tools[0].parameters"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"anyOf": [{"type": "integer"}]}}]},
+     "tools[0].parameters"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},

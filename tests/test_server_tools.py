@@ -87,6 +87,17 @@ async def test_round_trip_with_the_tool_result(server):
     assert (await server.responses(follow_up)).status == 200
 
 
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"n": {"type": "integer"}}, "required": ["n"]}])
+async def test_parameters_without_a_type_still_give_object_arguments(server, parameters):
+    tool = {"type": "function", "name": "count", "parameters": parameters}
+    response = (await server.responses(body(tools=[tool], tool_choice="required"))).json()
+    call = calls_of(response)[0]
+    assert isinstance(json.loads(call["arguments"]), dict)
+    follow_up = body(tools=[tool], max_output_tokens=8, input=[
+        *ASK, call, {"type": "function_call_output", "call_id": call["call_id"], "output": "3"}])
+    assert (await server.responses(follow_up)).status == 200  # the call goes back as it came
+
+
 async def test_structured_output_is_valid_json_for_the_schema(server):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
