@@ -303,11 +303,17 @@ async def _sse(generation: Generation, request: Request, service) -> AsyncIterat
 
 
 async def _finish(generation: Generation, request: Request, service) -> None:
-    """Before the final event goes out: note the tokens, store the response if asked (D6)."""
+    """Before the final event goes out: note the tokens, store the response if asked (D6).
+
+    A failed response is stored too when it was streamed, as a task's is: the client has
+    its id ("failed" appears in stored responses, 6.2). A synchronous request that fails
+    gets a problem document instead, which names no response to fetch later.
+    """
     usage = generation.run.usage
     if usage is not None:
         request.log_note = f"tokens={usage['input_tokens']}+{usage['output_tokens']}"
-    if generation.request.store and service.stores_responses and generation.run.status != "failed":
+    failed_unseen = generation.run.status == "failed" and not generation.request.stream
+    if generation.request.store and service.stores_responses and not failed_unseen:
         await service.store.put_response(
             generation.run.id, generation.principal, generation.input_items,
             json.dumps(generation.run.response_object(), ensure_ascii=False, separators=(",", ":")),

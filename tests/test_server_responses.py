@@ -169,6 +169,23 @@ async def test_streaming_generation_failure_ends_with_response_failed(server, mo
     assert events[-1].data["status"] == "failed" and events[-1].data["error"]["code"] == "generation_failed"
 
 
+async def test_a_failed_stream_is_stored_like_a_failed_task(nursery, tiny_path, tmp_path, monkeypatch):
+    from engine.chat import TextDelta
+
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
+    model = await server.service.registry.get(TINY_ID).load()
+
+    async def breaks_midway(prepared):
+        yield TextDelta("partial")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model, "generate_chat", breaks_midway)
+    events = parse_sse((await server.responses({**request(), "stream": True, "store": True})).body)
+    assert events[-1].event == "response.failed"
+    stored = await server.request("GET", f"/lmsp/v1/responses/{events[0].data['response_id']}")
+    assert stored.status == 200 and stored.json()["status"] == "failed"
+
+
 # -- cancellation: counted in engine steps, not timed ------------------------------------------
 
 
