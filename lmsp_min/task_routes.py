@@ -21,7 +21,10 @@ from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.problems import Problem
 
 TASKS = "/lmsp/v1/tasks"
-_SEQ = re.compile(r"[0-9]{1,18}")
+_SEQ = re.compile(r"[0-9]+")
+# An `after` past this (19 digits or more) is past every event a task can have: it replays
+# nothing, as any number past the last event does, without parsing thousands of digits.
+_PAST_EVERY_EVENT = 10**18
 
 
 def add_routes(router: Router) -> None:
@@ -81,7 +84,8 @@ def resume_point(request: Request) -> int:
     if not _SEQ.fullmatch(value):
         raise Problem("invalid_request", f"'{param}' must be a non-negative integer (an event id)",
                       param=param)
-    return int(value)
+    digits = value.lstrip("0")
+    return int(digits or "0") if len(digits) < 19 else _PAST_EVERY_EVENT
 
 
 async def task_events(request: Request, service) -> StreamingResponse:

@@ -115,6 +115,11 @@ async def test_resume_point_after_beats_last_event_id(server):
     both = await all_events(server, task["id"], query="?after=1", headers={"Last-Event-ID": "3"})
     assert [e.id for e in both] == list(range(2, n + 1))
     assert await all_events(server, task["id"], query=f"?after={n}") == []
+    # any non-negative integer is a resume point: leading zeros, and past any event id there is
+    assert [e.id for e in await all_events(server, task["id"], query="?after=0004")] == list(range(5, n + 1))
+    for huge in ("1" + "0" * 18, "9" * 40):
+        assert await all_events(server, task["id"], query=f"?after={huge}") == []
+        assert await all_events(server, task["id"], headers={"Last-Event-ID": huge}) == []
 
 
 @pytest.mark.parametrize("query, headers, param", [
