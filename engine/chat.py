@@ -14,8 +14,9 @@ input and the requested output fit the context window (decision D4). Then
 Tools and structured output are enforced while decoding (engine/tools.py,
 engine/constrain.py): prepare_chat renders the tools into the prompt and compiles
 the constraint (a schema it cannot enforce raises SchemaError there), and
-generate_chat splits the output into TextDelta and ToolCall events; a call cut
-off by max_tokens is dropped (Finished "length"), never given out half-made.
+generate_chat splits the output into TextDelta and ToolCall events (and the text
+around the calls into ReasoningDelta and TextDelta, for a model that reasons); a
+call cut off by max_tokens is dropped (Finished "length"), never given out half-made.
 With `json_schema` the message text is one JSON document valid for the schema.
 Stop sequences do not apply to constrained output: they could cut a document.
 """
@@ -114,24 +115,13 @@ async def generate_chat(model, prepared: PreparedChat):
     generation = model.generate(prepared.prompt_ids, max_tokens=prepared.max_tokens, sampling=request.sampling,
                                 stop=() if constraint is not None else request.stop, constraint=constraint)
     splitter = ReasoningSplitter(prepared.starts_in_reasoning) if "reasoning" in model.info.capabilities else None
-    calls = ToolCallParser() if prepared.tool_calls else None
+    output = OutputSplitter(ToolCallParser() if prepared.tool_calls else None, splitter)
     try:
         async for token in generation:
-            if calls is not None:
-                for event in _tool_events(calls.feed(token.text)):
-                    yield event
-            elif splitter is None:
-                if token.text:
-                    yield TextDelta(token.text)
-            else:
-                for event in splitter.feed(token.text):
-                    yield event
-        if calls is not None:
-            for event in _tool_events(calls.finish(complete=generation.finish_reason == "stop")):
+            for event in output.feed(token.text):
                 yield event
-        elif splitter is not None:
-            for event in splitter.flush():
-                yield event
+        for event in output.finish(complete=generation.finish_reason == "stop"):
+            yield event
     finally:
         await generation.aclose()
     yield Finished(generation.finish_reason or "stop", prepared.input_tokens,
@@ -174,6 +164,33 @@ class ReasoningSplitter:
             events.append(ReasoningDelta(text) if self.in_reasoning else TextDelta(text))
 
 
-def _tool_events(parts: list) -> list[TextDelta | ToolCall]:
-    """ToolCallParser output (text, parsed calls) -> chat events."""
-    return [TextDelta(p) if isinstance(p, str) else ToolCall(p.index, p.name, p.arguments) for p in parts if p]
+class OutputSplitter:
+    """Generated text -> chat events: tool calls are parsed out first (when the request has
+    tools), then the text around them is split into reasoning and message text (for models
+    that reason), so that a thought is never message text, with tools or without (D4)."""
+
+    def __init__(self, calls: ToolCallParser | None, reasoning: ReasoningSplitter | None):
+        self.calls = calls
+        self.reasoning = reasoning
+
+    def feed(self, text: str) -> list[TextDelta | ReasoningDelta | ToolCall]:
+        return self._events(self.calls.feed(text) if self.calls is not None else [text])
+
+    def finish(self, complete: bool) -> list[TextDelta | ReasoningDelta | ToolCall]:
+        """The text held back at the end (`complete` False: a call cut off by max_tokens is dropped)."""
+        events = self._events(self.calls.finish(complete=complete)) if self.calls is not None else []
+        if self.reasoning is not None:
+            events += self.reasoning.flush()
+        return events
+
+    def _events(self, parts: list) -> list[TextDelta | ReasoningDelta | ToolCall]:
+        events = []
+        for part in parts:
+            if isinstance(part, str):
+                if part:
+                    events += self.reasoning.feed(part) if self.reasoning is not None else [TextDelta(part)]
+            else:  # a call: the text held back before it comes first (no text follows a call)
+                if self.reasoning is not None:
+                    events += self.reasoning.flush()
+                events.append(ToolCall(part.index, part.name, part.arguments))
+        return events

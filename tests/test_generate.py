@@ -6,7 +6,8 @@ import trio
 
 from engine import (ChatRequest, ContextLengthExceeded, Finished, ReasoningDelta,
                     SamplingParams, TextDelta, load_model)
-from engine.chat import ReasoningSplitter
+from engine.chat import OutputSplitter, ReasoningSplitter, ToolCall
+from engine.tools import ToolCallParser
 from engine.generate import StopFilter
 from engine.tiny import write_tiny_chat_model
 
@@ -168,3 +169,16 @@ def test_reasoning_splitter():
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     thought = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     assert text == "Hello  answer" and thought == "pondering"
+
+
+@pytest.mark.parametrize("starts_in_reasoning", [False, True])
+def test_a_thought_before_a_tool_call_is_reasoning_not_text(starts_in_reasoning):
+    """D4 with tools on: the thought is split off the text around the calls too."""
+    out = OutputSplitter(ToolCallParser(), ReasoningSplitter(starts_in_reasoning))
+    opening = "" if starts_in_reasoning else "<thi" + "nk>"
+    pieces = [opening + "I need the ti", "me.</th", "ink>Checking <tool_", 'call>\n{"name": "get_time", ',
+              '"arguments": {}}\n</tool_call>']
+    events = [e for piece in pieces for e in out.feed(piece)] + out.finish(complete=True)
+    assert [type(e) for e in events][-1] is ToolCall and events[-1].name == "get_time"
+    assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == "I need the time."
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Checking "

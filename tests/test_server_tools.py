@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from server_harness import parse_sse, server, tiny_path  # noqa: F401
+from server_harness import make_service, parse_sse, server, start_server, tiny_path  # noqa: F401
 
 TINY_ID = "tiny:chat-q8_0"
 WEATHER = {
@@ -125,3 +125,17 @@ async def test_a_keyword_that_cannot_be_enforced_is_named(server):
 async def test_the_tiny_model_lists_what_it_can_do(server, capability):
     model = (await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")).json()
     assert capability in model["capabilities"]
+
+
+async def test_a_reasoning_model_keeps_its_thought_out_of_the_message_with_tools(nursery, tmp_path):
+    """D4 holds with tools on: the template opens <think>, so the text is a thought."""
+    from engine.tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
+
+    meta = load_tokenizer_meta(SMOLLM2_TOKENIZER)
+    meta["tokenizer.chat_template"] += "{% if add_generation_prompt %}<think>\n{% endif %}"
+    path = write_tiny_model(tmp_path / "think-chat-q8_0.gguf", "llama", tokenizer_meta=meta)
+    server = await start_server(nursery, await make_service([path]))
+    model_id = (await server.request("GET", "/lmsp/v1/models")).json()["data"][0]["id"]
+    response = (await server.responses({"model": model_id, "input": ASK, "temperature": 0, "max_output_tokens": 12,
+                                        "tools": [TIME], "tool_choice": "auto"})).json()
+    assert [item["type"] for item in response["output"]] == ["reasoning"]
