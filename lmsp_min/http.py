@@ -30,6 +30,7 @@ flushed as soon as it exists). `HTTPServer` listens and can stop gracefully.
 """
 
 import json
+import re
 import sys
 import time
 import traceback
@@ -541,7 +542,13 @@ def _protocol_problem(exc: h11.RemoteProtocolError) -> Problem:
         return Problem("request_too_large", "the request headers are too large", status=431)
     # h11 hints 501 for a transfer coding it does not know; for the client it is
     # all one thing, a request we cannot read: 400 (D9).
-    return Problem("invalid_request", f"malformed HTTP request: {str(exc)[:200]}", status=400)
+    return Problem("invalid_request", f"malformed HTTP request: {_unquoted(str(exc))}", status=400)
+
+
+def _unquoted(reason: str) -> str:
+    """h11's reason without the request bytes it quotes ("illegal header line: bytearray(b'...')"):
+    the line may be an Authorization header, and a token is never logged nor echoed (D7)."""
+    return re.split(r":? (?:bytearray\(|b['\"])", reason, maxsplit=1)[0][:200]
 
 
 class HTTPServer:

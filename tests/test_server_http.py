@@ -137,6 +137,17 @@ async def test_malformed_request_gets_400_and_close(server):
     assert body["code"] == "invalid_request" and body["status"] == 400
 
 
+@pytest.mark.parametrize("line", [b"Authorization : Bearer tok-SECRET", b"Authorization: Bearer tok-SECRET\x00"])
+async def test_an_unreadable_header_line_is_neither_echoed_nor_logged(server, line):
+    """It may hold a token (D7): the problem and the log name the fault, not the bytes."""
+    async with server.connection() as client:
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\n" + line + b"\r\n\r\n")
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 400 ")
+    assert json.loads(data.partition(b"\r\n\r\n")[2])["detail"].startswith("malformed HTTP request: ")
+    assert b"SECRET" not in data and not any("SECRET" in line for line in server.service.log_lines)
+
+
 @pytest.mark.parametrize("framing", [b"Content-Length: nope", b"Transfer-Encoding: gzip"])
 async def test_unreadable_body_framing_gets_400_and_close(server, framing):
     async with server.connection() as client:
