@@ -1114,11 +1114,14 @@ class _Compiler:
 def compile_schema(schema) -> Node:
     """JSON Schema (the supported subset) -> grammar node; SchemaError names what is not supported."""
     compiler = _Compiler(schema)
-    node = compiler.compile(schema)
-    done = 0
-    while done < len(compiler.lazy):  # resolve every $ref/anyOf now, so errors surface before generation
-        compiler.lazy[done].expand()
-        done += 1
+    try:
+        node = compiler.compile(schema)
+        done = 0
+        while done < len(compiler.lazy):  # resolve every $ref/anyOf now, so errors surface before generation
+            compiler.lazy[done].expand()
+            done += 1
+    except RecursionError:  # the compiler recurses once per level: a client's schema, not a bug
+        raise SchemaError("the schema is nested too deeply", "") from None
     return node
 
 

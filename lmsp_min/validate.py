@@ -242,7 +242,7 @@ def _validate_message(item: dict, param: str) -> None:
 def _arguments(text: str, param: str) -> dict:
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply to read
         raise invalid(param, f"'{param}' must be a JSON-encoded object") from None
     if not isinstance(value, dict):
         raise invalid(param, f"'{param}' must be a JSON-encoded object")

@@ -395,3 +395,12 @@ def test_properties_come_in_schema_order():
     ba = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
     assert accepts(ab, '{"a":1,"b":2}') and not accepts(ab, '{"b":2,"a":1}')
     assert accepts(ba, '{"b":2,"a":1}') and not accepts(ba, '{"a":1,"b":2}')   # not the cached ab grammar
+
+
+def test_a_schema_nested_too_deeply_to_compile_is_a_schema_error():
+    """The compiler recurses per level: a client's deep schema is refused (400), not a crash (500)."""
+    schema = {"type": "string"}
+    for _ in range(2000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(SchemaError, match="nested too deeply"):
+        compile_schema(schema)

@@ -68,6 +68,8 @@ async def test_malformed_json(server, payload):
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{nope"}]},
      "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "[" * 10**5 + "]" * 10**5}]},
+     "input[0].arguments"),  # nested too deeply to read
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": 5}]}, "input[0].output"),
     ({"stream": "yes"}, "stream"),
