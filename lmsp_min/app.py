@@ -17,7 +17,8 @@ method_not_allowed` with `Allow`. Every handler is
 
 import json
 import re
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -162,10 +163,21 @@ class Generation:
     model: object  # the engine model
     prepared: object  # the engine's prepared chat (prompt tokens, constraints)
     run: ResponseRun
+    count_out: Callable[[], None]  # ends the admission (ModelEntry.admit) of this response
 
-    def events(self):
+    def __post_init__(self):
+        # Counted out when its events end; one whose events never start (a stream whose
+        # client left before its body, a task that could not be created) when it is dropped.
+        weakref.finalize(self, self.count_out)
+
+    async def events(self):
         """The LMSP events of this response (start it once)."""
-        return self.run.events(_engine_events(self.model, self.prepared))
+        try:
+            async with aclosing(self.run.events(_engine_events(self.model, self.prepared))) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.count_out()
 
 
 async def _engine_events(model, prepared):
@@ -194,7 +206,7 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
                       "this service does not store responses, so previous_response_id cannot be used",
                       param="previous_response_id")
     model = await entry.load(service.log)
-    if model.scheduler.full:  # refused here, before a stream has sent its 200
+    if entry.full:  # refused before the work below (entry.admit at the end counts it in)
         raise Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
                       headers=[("Retry-After", "1")])
     if request.tools and "tools" not in entry.capabilities:
@@ -226,8 +238,9 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
+    count_out = entry.admit()  # nothing is awaited from here until the Generation holds it
     run = ResponseRun(entry.id, input_tokens=prepared.input_tokens, log=service.log)
-    return Generation(request, principal, items, model, prepared, run)
+    return Generation(request, principal, items, model, prepared, run, count_out)
 
 
 def _dotted(pointer: str) -> str:

@@ -27,7 +27,9 @@ import mmap
 import re
 import struct
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,7 +182,9 @@ class ModelEntry:
     parameters: int
     capabilities: tuple[str, ...]  # the engine's: among tools, structured_output, reasoning
     model: object | None = None
+    admitted: int = 0  # requests of this model admitted (`admit`) and not yet counted out
     _load_lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
+    _admit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def from_file(cls, path: Path) -> "ModelEntry":
@@ -244,6 +248,36 @@ class ModelEntry:
                 if log is not None:
                     log(f"loaded model {self.id} in {time.perf_counter() - started:.1f}s")
         return self.model
+
+
+    @property
+    def full(self) -> bool:
+        """Whether `admit` would refuse now (the model is loaded)."""
+        scheduler = self.model.scheduler
+        return self.admitted >= scheduler.max_batch + scheduler.max_queue
+
+    def admit(self) -> Callable[[], None]:
+        """Count in one more request of this (loaded) model, or 429 past what its scheduler
+        runs and queues at once (D9); returns the function that counts it out (once).
+
+        Requests are counted when admitted, not when they reach the engine's queue: a
+        burst of concurrent requests all passed a look at the queue before any of them
+        was in it, and got a 200 or a 202 whose response then failed `rate_limited`.
+        """
+        with self._admit_lock:  # the count-out may come from another thread (a finalizer)
+            if self.full:
+                raise Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
+                              headers=[("Retry-After", "1")])
+            self.admitted += 1
+        counted_out = []
+
+        def count_out() -> None:
+            with self._admit_lock:
+                if not counted_out:
+                    counted_out.append(True)
+                    self.admitted -= 1
+
+        return count_out
 
 
 class Registry:

@@ -9,6 +9,7 @@ request could be read.
 import json
 
 import pytest
+import trio
 
 from server_harness import server, tiny_path  # noqa: F401
 
@@ -246,12 +247,52 @@ async def test_a_full_queue_is_429_with_retry_after(server, monkeypatch):
 
 
 async def test_a_full_queue_refuses_a_stream_before_it_starts(server, monkeypatch):
-    from engine.scheduler import Scheduler
-
-    monkeypatch.setattr(Scheduler, "full", property(lambda self: True))
+    monkeypatch.setattr(server.service.registry.get(TINY_ID), "admitted", 10**6)
     reply = await server.responses(body(stream=True))
     assert_problem(reply, 429, "rate_limited")
     assert reply.headers["retry-after"] == "1"
+
+
+async def test_a_burst_past_the_queue_gets_429_at_once(server, monkeypatch):
+    """Concurrent requests are counted when admitted: past the bound a 429, never a 200 or
+    202 whose response fails later (D9); once they end, their places are free again."""
+    from engine.chat import Finished, TextDelta
+
+    entry = server.service.registry.get(TINY_ID)
+    monkeypatch.setattr(entry.model.scheduler, "max_batch", 1)
+    monkeypatch.setattr(entry.model.scheduler, "max_queue", 2)
+    go = trio.Event()
+
+    async def held(prepared):  # generates only once the test says so
+        await go.wait()
+        yield TextDelta("ok")
+        yield Finished("stop", prepared.input_tokens, 1)
+
+    monkeypatch.setattr(entry.model, "generate_chat", held)
+    statuses = []
+
+    async def post(path: str, fields: dict) -> None:
+        reply = await server.request("POST", path, json_body=body(**fields))
+        statuses.append(reply.status)
+        if reply.status == 429:
+            assert reply.json()["code"] == "rate_limited" and reply.headers["retry-after"] == "1"
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(post, "/lmsp/v1/tasks", {})
+        for fields in ({"stream": True}, {}):
+            nursery.start_soon(post, "/lmsp/v1/responses", fields)
+        await _until(lambda: statuses.count(429) == 2)  # the two past the bound, while none has run
+        assert entry.admitted == 3
+        go.set()
+    assert statuses.count(429) == 2 and all(status in (200, 202) for status in statuses if status != 429)
+    await _until(lambda: entry.admitted == 0)  # the tasks have ended too
+
+
+async def _until(condition) -> None:
+    with trio.fail_after(20):
+        while not condition():
+            await trio.sleep(0.005)
 
 
 async def test_a_byte_order_mark_is_ignored(server):
