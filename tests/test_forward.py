@@ -248,3 +248,6 @@ def test_gated_activations_and_rms_norm_against_plain_formulas(rows):
     weight = rng.standard_normal(512).astype(np.float32)
     norm = x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-6) * weight
     np.testing.assert_allclose(rms_norm(gate, weight, 1e-6), norm, rtol=1e-5, atol=1e-6)
+    # a row alone (decoding: scalar arithmetic) is the very same floats as in a batch
+    assert all(np.array_equal(rms_norm(gate[i:i + 1], weight, 1e-6), rms_norm(gate, weight, 1e-6)[i:i + 1])
+               for i in range(3))
