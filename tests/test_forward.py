@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFWriter
 
 from engine import ModelFileError, ModelInfo, SamplingParams, UnsupportedModelError, load_model
-from engine.architectures import attend, geglu, rms_norm, rope, rope_angles, swiglu
+from engine.architectures import attend, geglu, rms_norm, rope_angles, rope_halves, rope_pairs, swiglu
 from engine.sampling import Sampler
 from engine.tiny import ARCHITECTURES, write_tiny_model
 
@@ -184,13 +184,18 @@ def test_context_window_cap(tmp_path):
 # --- the building blocks against plain references ------------------------------------------
 
 
-def test_rope_pair_layouts():
+@pytest.mark.parametrize("hd", [8, 12])  # 12: the last 4 dimensions are not rotated
+def test_rope_pair_layouts(hd):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((3, 2, 8)).astype(np.float32)      # (n, heads, hd)
+    qkv = rng.standard_normal((3, 2 * hd + 5)).astype(np.float32)
+    x = qkv[:, : 2 * hd].reshape(3, 2, hd)                     # (n, heads, hd), rows strided as in attention
     pos = np.array([0, 1, 5])
-    angles = pos[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)  # (n, 4)
+    angles = pos[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)  # (n, 4): rope_dim 8
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    norm, neox = rope(x, cos, sin, False), rope(x, cos, sin, True)
+    turns = (cos + 1j * sin).astype(np.complex64)
+    norm, neox = rope_pairs(x, turns), rope_halves(x, cos, sin)
+    np.testing.assert_array_equal(norm[..., 8:], x[..., 8:])
+    np.testing.assert_array_equal(neox[..., 8:], x[..., 8:])
     for t in range(3):
         for i in range(4):
             c, s = cos[t, i], sin[t, i]
