@@ -13,6 +13,8 @@ The architectures differ in small, named ways (see `Hyperparameters`):
   SwiGLU feed-forward.
 - qwen2: llama plus Q/K/V biases, RoPE "NEOX" style (pairs i, i + hd/2).
 - qwen3: llama with an RMSNorm of each Q and K head, NEOX RoPE.
+  A NEOX model's Q/K rows are reordered at load (`neox_pairs_order`) so that its
+  pairs are adjacent too: every architecture runs the same `rope_pairs`.
 - gemma3: embeddings scaled by sqrt(d); four norms per block (the GGUF stores
   gemma's 1 + w, so they are plain RMSNorms); QK-norm; GELU-tanh gated
   feed-forward; five sliding-window layers with RoPE base 10k then one global
@@ -47,7 +49,7 @@ class Hyperparameters:
     rope_dim: int            # leading dimensions of each head that RoPE rotates
     rope_base: float
     rope_base_local: float   # sliding-window layers (gemma3)
-    rope_neox: bool          # pairs (i, i + rope_dim/2) instead of (2i, 2i+1)
+    rope_neox: bool          # the file pairs (i, i + rope_dim/2), not (2i, 2i+1): reordered at load
     rope_scale: float        # linear RoPE scaling of the global layers: positions × 1/factor
     rope_freq_factors: tuple[float, ...] | None  # (rope_dim/2,) divisors of the frequencies (Llama 3.1+)
     sliding_window: int      # 0: none
@@ -63,6 +65,7 @@ class Block:
 
     attn_norm: np.ndarray            # (d,)
     qkv: Any                         # Weight (n_head*hd + 2*n_head_kv*hd, d): Q, K, V merged
+                                     # (NEOX models: Q, K and their biases and norms reordered at load)
     qkv_bias: np.ndarray | None      # (n_head*hd + 2*n_head_kv*hd,) qwen2
     qk_norm: np.ndarray | None       # (n_head + n_head_kv, hd) qwen3, gemma3: the file's q_norm
                                      # repeated for each query head, then its k_norm for each key head
@@ -91,32 +94,25 @@ class Batch:
     spans: list[slice]               # rows of each sequence in the batch
     tokens: np.ndarray               # (n,) token ids
     positions: np.ndarray            # (n,) position of each token in its sequence
-    rope_cache: dict = field(default_factory=dict)  # local/global -> (cos, sin), shared by the layers
+    rope_cache: dict = field(default_factory=dict)  # local/global -> turns, shared by the layers
 
     @property
     def last_rows(self) -> list[int]:
         """The row of each sequence's last token."""
         return [span.stop - 1 for span in self.spans]
 
-    def rope_angles(self, hp: Hyperparameters, local: bool) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin (n, rope_dim/2) of this batch's positions, computed once per step."""
-        if local not in self.rope_cache:
-            if local:  # sliding-window layers: their own base, no scaling
-                angles = rope_angles(self.positions, hp.rope_dim, hp.rope_base_local)
-            else:
-                angles = rope_angles(self.positions, hp.rope_dim, hp.rope_base, hp.rope_scale,
-                                     hp.rope_freq_factors)
-            self.rope_cache[local] = angles
-        return self.rope_cache[local]
-
     def rope_turns(self, hp: Hyperparameters, local: bool) -> np.ndarray:
         """e^(i angle) (n, rope_dim/2) complex64 of this batch's positions, computed once per step."""
-        if ("turns", local) not in self.rope_cache:
-            cos, sin = self.rope_angles(hp, local)
+        if local not in self.rope_cache:
+            if local:  # sliding-window layers: their own base, no scaling
+                cos, sin = rope_angles(self.positions, hp.rope_dim, hp.rope_base_local)
+            else:
+                cos, sin = rope_angles(self.positions, hp.rope_dim, hp.rope_base, hp.rope_scale,
+                                       hp.rope_freq_factors)
             turns = np.empty(cos.shape, np.complex64)
             turns.real, turns.imag = cos, sin
-            self.rope_cache["turns", local] = turns
-        return self.rope_cache["turns", local]
+            self.rope_cache[local] = turns
+        return self.rope_cache[local]
 
 
 def make_batch(sequences: list[Sequence], max_tokens_each: int) -> Batch:
@@ -219,10 +215,7 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     if blk.qk_norm is not None:
         qk = rms_norm(qk, blk.qk_norm, hp.norm_eps)            # (n, n_head + n_head_kv, hd)
     local = hp.local_layers[layer]
-    if hp.rope_neox:
-        qk = rope_halves(qk, *batch.rope_angles(hp, local))   # (n, n_head + n_head_kv, hd)
-    else:
-        qk = rope_pairs(qk, batch.rope_turns(hp, local))      # (n, n_head + n_head_kv, hd)
+    qk = rope_pairs(qk, batch.rope_turns(hp, local))          # (n, n_head + n_head_kv, hd)
     q, k = qk[:, : hp.n_head], qk[:, hp.n_head:]               # (n, n_head, hd), (n, n_head_kv, hd)
     window = hp.sliding_window if local else 0
 
@@ -358,7 +351,7 @@ def rope_angles(positions: np.ndarray, rope_dim: int, base: float, scale: float 
 
 @position_wise(n_row_args=1)
 def rope_pairs(x: np.ndarray, turns: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """Rotate adjacent pairs (2i, 2i+1) of each head's first rope_dim dimensions (llama's layout).
+    """Rotate adjacent pairs (2i, 2i+1) of each head's first rope_dim dimensions (RoPE).
 
     Read as a complex number x_2i + i x_2i+1, a pair turned by an angle is that number
     times e^(i angle): one complex multiply instead of six real ones (4x faster).
@@ -372,24 +365,19 @@ def rope_pairs(x: np.ndarray, turns: np.ndarray, out: np.ndarray | None) -> np.n
     return out
 
 
-@position_wise(n_row_args=2)
-def rope_halves(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """Rotate pairs (i, i + rope_dim/2) of each head's first rope_dim dimensions (neox layout).
+def neox_pairs_order(head_dim: int, rope_dim: int) -> np.ndarray:
+    """The order of a head's dimensions that puts NEOX's rotated pairs (i, i + rope_dim/2)
+    side by side, at (2i, 2i + 1); the dimensions past rope_dim keep their places.
 
-    x: (n, heads, hd), cos/sin: (n, rope_dim/2).
+    Reordering a model's Q and K rows (and their biases and norms) this way changes no
+    attention score, since q . k sums over a head's dimensions in any order, and lets
+    every architecture rotate adjacent pairs (`rope_pairs`).
     """
-    half = cos.shape[1]
-    cos, sin = cos[:, None, :], sin[:, None, :]                # (n, 1, rope_dim/2)
-    out = np.empty_like(x) if out is None else out
-    if 2 * half < x.shape[-1]:
-        out[..., 2 * half:] = x[..., 2 * half:]                # dimensions past rope_dim pass through
-    a, b = x[..., :half], x[..., half:2 * half]                # (n, heads, rope_dim/2)
-    out_a, out_b = out[..., :half], out[..., half:2 * half]
-    np.multiply(a, cos, out=out_a)
-    out_a -= b * sin                                           # a cos - b sin
-    np.multiply(a, sin, out=out_b)
-    out_b += b * cos                                           # a sin + b cos
-    return out
+    half = rope_dim // 2
+    order = np.arange(head_dim)
+    order[0:rope_dim:2] = np.arange(half)
+    order[1:rope_dim:2] = np.arange(half, rope_dim)
+    return order
 
 
 def split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, Sequence
 from .helper import Helper, start as start_helper
-from .quants import QuantWeight, StackedWeight, concat_weights, load_weight
+from .quants import QuantWeight, StackedWeight, concat_weights, load_weight, reorder_rows
 from .scheduler import Scheduler
 from .threads import num_threads, release_freed_memory
 from .tokenizer import Tokenizer
@@ -296,11 +296,20 @@ def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights:
 
     d, hd, hd_v = hp.n_embd, hp.head_dim, hp.head_dim_v
     n_q, n_k, n_v = hp.n_head * hd, hp.n_head_kv * hd, hp.n_head_kv * hd_v
+    # A NEOX model's Q and K dimensions, head by head, in the order that makes its rotated
+    # pairs adjacent (see architectures.neox_pairs_order); identity for the others.
+    order = architectures.neox_pairs_order(hd, hp.rope_dim) if hp.rope_neox else np.arange(hd)
+    q_rows = (np.arange(hp.n_head)[:, None] * hd + order).reshape(-1)     # (n_q,)
+    k_rows = (np.arange(hp.n_head_kv)[:, None] * hd + order).reshape(-1)  # (n_k,)
+
+    def reordered(w, rows):
+        return reorder_rows(w, rows) if hp.rope_neox else w
+
     blocks = []
     for i in range(hp.n_layer):
         b = f"blk.{i}."
-        q = matrix(b + "attn_q.weight", (n_q, d))
-        k = matrix(b + "attn_k.weight", (n_k, d))
+        q = reordered(matrix(b + "attn_q.weight", (n_q, d)), q_rows)
+        k = reordered(matrix(b + "attn_k.weight", (n_k, d)), k_rows)
         v = matrix(b + "attn_v.weight", (n_v, d))
         biases = [vector(b + f"attn_{x}.bias", n, required=False) for x, n in (("q", n_q), ("k", n_k), ("v", n_v))]
         if any(x is not None for x in biases) and not all(x is not None for x in biases):
@@ -310,9 +319,10 @@ def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights:
         blocks.append(Block(
             attn_norm=vector(b + "attn_norm.weight", d),
             qkv=concat_weights([q, k, v]),
-            qkv_bias=np.concatenate(biases) if biases[0] is not None else None,
-            qk_norm=np.concatenate([np.tile(vector(b + "attn_q_norm.weight", hd), (hp.n_head, 1)),
-                                    np.tile(vector(b + "attn_k_norm.weight", hd), (hp.n_head_kv, 1))])
+            qkv_bias=np.concatenate([biases[0][q_rows], biases[1][k_rows], biases[2]])
+            if biases[0] is not None else None,
+            qk_norm=np.concatenate([np.tile(vector(b + "attn_q_norm.weight", hd)[order], (hp.n_head, 1)),
+                                    np.tile(vector(b + "attn_k_norm.weight", hd)[order], (hp.n_head_kv, 1))])
             if has_qk_norm else None,
             attn_output=matrix(b + "attn_output.weight", (d, hp.n_head * hd_v)),
             post_attention_norm=vector(b + "post_attention_norm.weight", d) if gemma else None,

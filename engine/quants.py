@@ -590,6 +590,17 @@ def concat_weights(weights: Sequence[Weight]) -> Weight:
     return StackedWeight(list(weights))
 
 
+def reorder_rows(w: Weight, order: np.ndarray) -> Weight:
+    """W[order]: the same rows in another order (a NEOX model's Q and K, see
+    engine/architectures.py neox_pairs_order)."""
+    if isinstance(w, QuantWeight):
+        return QuantWeight.from_rows(w.codes_rows()[order], w.scales[:, order],
+                                     None if w.mins is None else w.mins[:, order])
+    if isinstance(w, DenseWeight):
+        return DenseWeight(w.data[order], w.kind)
+    raise TypeError(f"cannot reorder the rows of {w!r}")
+
+
 class StackedWeight(Weight):
     """Weights of different kinds (say F16 and Q4_K) stacked along `out`, each kept as it is."""
 

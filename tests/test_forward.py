@@ -8,9 +8,11 @@ cache) must give the same logits, up to float32 rounding.
 import numpy as np
 import pytest
 from gguf import GGUFWriter
+from gguf.quants import dequantize
 
 from engine import ModelFileError, ModelInfo, SamplingParams, UnsupportedModelError, load_model
-from engine.architectures import attend, geglu, rms_norm, rope_angles, rope_halves, rope_pairs, swiglu
+from engine.architectures import (attend, geglu, neox_pairs_order, rms_norm, rope_angles, rope_pairs,
+                                  swiglu)
 from engine.sampling import Sampler
 from engine.tiny import ARCHITECTURES, write_tiny_model
 
@@ -185,7 +187,9 @@ def test_context_window_cap(tmp_path):
 
 
 @pytest.mark.parametrize("hd", [8, 12])  # 12: the last 4 dimensions are not rotated
-def test_rope_pair_layouts(hd):
+def test_rope_pairs_and_the_neox_order(hd):
+    """rope_pairs turns adjacent pairs (llama); with NEOX's dimensions reordered by
+    neox_pairs_order, it turns NEOX's pairs (i, i + rope_dim/2) as NEOX does."""
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((3, 2 * hd + 5)).astype(np.float32)
     x = qkv[:, : 2 * hd].reshape(3, 2, hd)                     # (n, heads, hd), rows strided as in attention
@@ -193,7 +197,10 @@ def test_rope_pair_layouts(hd):
     angles = pos[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)  # (n, 4): rope_dim 8
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     turns = (cos + 1j * sin).astype(np.complex64)
-    norm, neox = rope_pairs(x, turns), rope_halves(x, cos, sin)
+    norm = rope_pairs(x, turns)
+    order = neox_pairs_order(hd, 8)
+    neox = np.empty_like(x)
+    neox[..., order] = rope_pairs(np.ascontiguousarray(x[..., order]), turns)  # back in the file's order
     np.testing.assert_array_equal(norm[..., 8:], x[..., 8:])
     np.testing.assert_array_equal(neox[..., 8:], x[..., 8:])
     for t in range(3):
@@ -205,6 +212,27 @@ def test_rope_pair_layouts(hd):
             a, b = x[t, :, i], x[t, :, i + 4]                  # split halves (neox)
             np.testing.assert_allclose(neox[t, :, i], a * c - b * s, atol=1e-6)
             np.testing.assert_allclose(neox[t, :, i + 4], a * s + b * c, atol=1e-6)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_neox_q_and_k_are_reordered_at_load_with_their_biases_and_norms(tmp_path, architecture):
+    model = load_model(write_tiny_model(tmp_path / "m.gguf", architecture))
+    hp, blk, tensors = model.hp, model.weights.blocks[0], model.file.tensors
+    order = neox_pairs_order(hp.head_dim, hp.rope_dim)
+    n_q, n_k = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+
+    def file_rows(name: str, n_heads: int) -> np.ndarray:  # (n_heads * hd, ...) reordered head by head
+        t = tensors[f"blk.0.{name}"]
+        a = dequantize(t.data, t.type).reshape(n_heads, hp.head_dim, -1)
+        return a[:, order].reshape(n_heads * hp.head_dim, -1)
+
+    qkv = blk.qkv.dequantize()
+    np.testing.assert_allclose(qkv[:n_q], file_rows("attn_q.weight", hp.n_head), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(qkv[n_q:n_q + n_k], file_rows("attn_k.weight", hp.n_head_kv), rtol=1e-6, atol=1e-6)
+    if architecture == "qwen2":
+        np.testing.assert_array_equal(blk.qkv_bias[:n_q], file_rows("attn_q.bias", hp.n_head)[:, 0])
+    else:
+        np.testing.assert_array_equal(blk.qk_norm[0], file_rows("attn_q_norm.weight", 1)[:, 0])
 
 
 @pytest.mark.parametrize("window", [0, 3])
