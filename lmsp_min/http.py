@@ -304,6 +304,12 @@ class _Connection:
                 await self._refuse(_protocol_problem(exc))
                 return None
             if type(event) is h11.Request:
+                # h11 bounds the headers only while they are incomplete: a whole block that
+                # arrived in one read is parsed whatever its size, so the bound is checked here too
+                if _header_bytes(event) > self.limits.max_header_bytes:
+                    await self._refuse(Problem("request_too_large", "the request headers are too large",
+                                               status=431))
+                    return None
                 return event
             if event is not h11.NEED_DATA:
                 return None  # ConnectionClosed: the client is done with us
@@ -531,6 +537,12 @@ class _Connection:
             await self.stream.send_all(_raw_response(response))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+
+
+def _header_bytes(event: h11.Request) -> int:
+    """About the bytes of a request line and its headers as sent ("name: value\r\n" each)."""
+    return len(event.method) + len(event.target) + 12 + sum(len(name) + len(value) + 4
+                                                            for name, value in event.headers)
 
 
 def _too_large(limit: int) -> str:

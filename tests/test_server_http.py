@@ -165,6 +165,16 @@ async def test_oversized_headers_get_431_and_close(server):
     assert json.loads(data.partition(b"\r\n\r\n")[2])["code"] == "request_too_large"
 
 
+async def test_headers_past_the_bound_get_431_even_when_they_arrive_at_once(server):
+    """h11 bounds only headers still incomplete; 20 KiB in one piece is past our 16 KiB too."""
+    async with server.connection() as client:
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\nX-Big: "
+                                     + b"a" * (20 * 1024) + b"\r\n\r\n")
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 431 ")
+    assert json.loads(data.partition(b"\r\n\r\n")[2])["code"] == "request_too_large"
+
+
 async def test_slow_headers_time_out_with_408(nursery, tiny_path):
     limits = Limits(header_timeout=0.3, idle_timeout=5)
     server = await start_server(nursery, await make_service([tiny_path], limits=limits))
