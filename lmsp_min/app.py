@@ -325,8 +325,8 @@ async def _finish(generation: Generation, request: Request, service) -> None:
     usage = generation.run.usage
     if usage is not None:
         request.log_note = f"tokens={usage['input_tokens']}+{usage['output_tokens']}"
-    failed_unseen = generation.run.status == "failed" and not generation.request.stream
-    if generation.request.store and service.stores_responses and not failed_unseen:
+    failed_synchronously = generation.run.status == "failed" and not generation.request.stream
+    if generation.request.store and service.stores_responses and not failed_synchronously:
         await service.store.put_response(
             generation.run.id, generation.principal, generation.input_items,
             json.dumps(generation.run.response_object(), ensure_ascii=False, separators=(",", ":")),

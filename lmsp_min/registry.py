@@ -249,10 +249,9 @@ class ModelEntry:
                     log(f"loaded model {self.id} in {time.perf_counter() - started:.1f}s")
         return self.model
 
-
     @property
     def full(self) -> bool:
-        """Whether `admit` would refuse now (the model is loaded)."""
+        """Whether `admit` would refuse now (asked once the model is loaded)."""
         scheduler = self.model.scheduler
         return self.admitted >= scheduler.max_batch + scheduler.max_queue
 
