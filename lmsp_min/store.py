@@ -187,6 +187,25 @@ def _connect(path: str) -> sqlite3.Connection:
     return conn
 
 
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """Put the database in WAL mode (nothing to do once it is).
+
+    On a new database opened by several processes at once, two connections switching
+    together can deadlock, each holding the shared lock the other's switch waits for:
+    SQLite then answers one of them "database is locked" at once, without waiting for
+    busy_timeout (once in 200 to 300 rounds of 16 threads opening a new directory), and
+    that one tries again.
+    """
+    for attempt in range(100):
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 99:
+                raise
+            time.sleep(0.01)
+
+
 def _migrate(conn: sqlite3.Connection) -> None:
     """Bring the schema up to date, one version per transaction. The version is
     read inside the write transaction, so two processes starting together on one
@@ -244,7 +263,7 @@ class Store:
             for lock_file in self._owners.glob("*.lock"):  # (the dead leave theirs behind)
                 self._is_dead(lock_file.stem)
             self._writer = _connect(str(path))
-            self._writer.execute("PRAGMA journal_mode = WAL")
+            _use_wal(self._writer)
             self._read_limiter = trio.CapacityLimiter(readers)
         self._writer.execute("PRAGMA synchronous = FULL")
         _migrate(self._writer)
