@@ -252,16 +252,18 @@ class ModelEntry:
     @property
     def full(self) -> bool:
         """Whether `admit` would refuse now (asked once the model is loaded)."""
-        scheduler = self.model.scheduler
-        return self.admitted >= scheduler.max_batch + scheduler.max_queue
+        return self.admitted >= self.model.scheduler.max_queue
 
     def admit(self) -> Callable[[], None]:
-        """Count in one more request of this (loaded) model, or 429 past what its scheduler
-        runs and queues at once (D9); returns the function that counts it out (once).
+        """Count in one more request of this (loaded) model, or 429 past its scheduler's
+        queue (D9); returns the function that counts it out (once).
 
         Requests are counted when admitted, not when they reach the engine's queue: a
         burst of concurrent requests all passed a look at the queue before any of them
         was in it, and got a 200 or a 202 whose response then failed `rate_limited`.
+        At most `max_queue` are admitted, running or waiting, so the scheduler's queue,
+        which fills in a burst before its first step moves any of them into the batch,
+        never refuses one of them.
         """
         with self._admit_lock:  # the count-out may come from another thread (a finalizer)
             if self.full:

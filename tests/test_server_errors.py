@@ -11,7 +11,7 @@ import json
 import pytest
 import trio
 
-from server_harness import server, tiny_path  # noqa: F401
+from server_harness import parse_sse, server, tiny_path  # noqa: F401
 
 TINY_ID = "tiny:chat-q8_0"
 USER = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
@@ -254,39 +254,39 @@ async def test_a_full_queue_refuses_a_stream_before_it_starts(server, monkeypatc
 
 
 async def test_a_burst_past_the_queue_gets_429_at_once(server, monkeypatch):
-    """Concurrent requests are counted when admitted: past the bound a 429, never a 200 or
-    202 whose response fails later (D9); once they end, their places are free again."""
-    from engine.chat import Finished, TextDelta
+    """Concurrent requests are counted when admitted: past the bound a 429, never a 200
+    whose response fails later (D9), even while the scheduler's first step holds the
+    batch and every admitted request waits in its queue."""
+    import threading
 
     entry = server.service.registry.get(TINY_ID)
-    monkeypatch.setattr(entry.model.scheduler, "max_batch", 1)
+    monkeypatch.setattr(entry.model.scheduler, "max_batch", 2)
     monkeypatch.setattr(entry.model.scheduler, "max_queue", 2)
-    go = trio.Event()
+    go, step = threading.Event(), entry.model.step
 
-    async def held(prepared):  # generates only once the test says so
-        await go.wait()
-        yield TextDelta("ok")
-        yield Finished("stop", prepared.input_tokens, 1)
+    def held_step(*args, **kwargs):  # the worker thread's steps wait until the test says so
+        go.wait(20)
+        return step(*args, **kwargs)
 
-    monkeypatch.setattr(entry.model, "generate_chat", held)
-    statuses = []
+    monkeypatch.setattr(entry.model, "step", held_step)
+    replies = []
 
-    async def post(path: str, fields: dict) -> None:
-        reply = await server.request("POST", path, json_body=body(**fields))
-        statuses.append(reply.status)
-        if reply.status == 429:
-            assert reply.json()["code"] == "rate_limited" and reply.headers["retry-after"] == "1"
+    async def post() -> None:
+        replies.append(await server.request("POST", "/lmsp/v1/responses", json_body=body(stream=True)))
 
     async with trio.open_nursery() as nursery:
-        for _ in range(3):
-            nursery.start_soon(post, "/lmsp/v1/tasks", {})
-        for fields in ({"stream": True}, {}):
-            nursery.start_soon(post, "/lmsp/v1/responses", fields)
-        await _until(lambda: statuses.count(429) == 2)  # the two past the bound, while none has run
-        assert entry.admitted == 3
+        for _ in range(4):
+            nursery.start_soon(post)
+        await _until(lambda: len(replies) == 2)  # the two past the bound, while none has run
+        assert entry.admitted == 2
         go.set()
-    assert statuses.count(429) == 2 and all(status in (200, 202) for status in statuses if status != 429)
-    await _until(lambda: entry.admitted == 0)  # the tasks have ended too
+    refused = [reply for reply in replies if reply.status == 429]
+    assert len(refused) == 2 and all(reply.json()["code"] == "rate_limited" for reply in refused)
+    for reply in replies:
+        if reply.status != 429:
+            assert reply.status == 200
+            assert parse_sse(reply.body)[-1].event in ("response.completed", "response.incomplete")
+    assert entry.admitted == 0
 
 
 async def _until(condition) -> None:
