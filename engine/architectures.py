@@ -331,7 +331,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
     """x / rms(x) * weight over the last axis. x: (..., k), weight: (k,) or broadcastable."""
     ms = np.einsum("...i,...i->...", x, x)                    # (...): sums of squares
     if ms.size == 1:  # one row (decoding): its scale as a float32 scalar, the same float in fewer calls
-        inv = np.float32(1.0) / np.sqrt(np.float32(ms.item(0)) / np.float32(x.shape[-1]) + np.float32(eps))
+        inv = np.float32(1.0) / np.sqrt(ms.flat[0] / np.float32(x.shape[-1]) + np.float32(eps))
     else:
         inv = (np.float32(1.0) / np.sqrt(ms / np.float32(x.shape[-1]) + np.float32(eps)))[..., None]  # (..., 1)
     out = np.multiply(x, inv, out=out)                         # (..., k)
