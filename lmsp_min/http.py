@@ -4,9 +4,10 @@ h11 knows the protocol (framing, keep-alive, what may legally come next);
 this module owns the socket and the policy around it, in the spirit of h11's
 examples/trio-server.py:
 
-- One reader task per connection moves bytes from the socket into a small
-  bounded channel. It is always reading, so a client that goes away (EOF) is
-  noticed while a response is still being generated. A request that asked for
+- One reader task per connection moves bytes from the socket into a channel
+  bounded in bytes (`READ_AHEAD`). It is always reading, so a client that goes
+  away (EOF) is noticed while a response is still being generated, even behind
+  the next requests it pipelined. A request that asked for
   it (`request.cancel_on_disconnect()`, done before generating) and every
   streamed response are then cancelled at once: a stream or a synchronous
   request stops within one decoding step. A half-closed socket counts as gone
@@ -30,6 +31,7 @@ flushed as soon as it exists). `HTTPServer` listens and can stop gracefully.
 """
 
 import json
+import math
 import re
 import sys
 import time
@@ -51,6 +53,10 @@ LMSP_VERSION = "1.0"
 SERVER_HEADER = f"lmsp-min/{__version__}"
 RECEIVE_SIZE = 64 * 1024
 DRAIN_LIMIT = 64 * 1024  # an unread request body up to this size is read and dropped
+# The reader reads ahead of the request being served (pipelined requests) up to this many
+# bytes, plus one read: past it, it waits, and a client that leaves is not noticed until
+# the handler has read its way back under it.
+READ_AHEAD = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -203,9 +209,12 @@ class _Connection:
         self.log = log
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.peer_closed = trio.Event()
-        # The reader task pushes received chunks here; 4 chunks bound what a
-        # pipelining client can make us buffer while a response is generated.
-        self._incoming_send, self._incoming = trio.open_memory_channel[bytes](4)
+        # The reader task pushes received chunks here. They are bounded in bytes
+        # (READ_AHEAD), not in chunks: a pipelining client that sends a few small
+        # pieces must not stop the reader, which would then miss its EOF.
+        self._incoming_send, self._incoming = trio.open_memory_channel[bytes](math.inf)
+        self._read_ahead = 0  # bytes in that channel
+        self._room = trio.Event()  # set when the handler takes some out
         self._request_scope: trio.CancelScope | None = None
         self._cancel_on_disconnect = False  # for the request being served
         self._sent_100_continue = False
@@ -240,7 +249,11 @@ class _Connection:
                     if self._request_scope is not None and self._cancel_on_disconnect:
                         self._request_scope.cancel()
                     return
-                await self._incoming_send.send(data)
+                self._incoming_send.send_nowait(data)
+                self._read_ahead += len(data)
+                while self._read_ahead >= READ_AHEAD:
+                    self._room = trio.Event()
+                    await self._room.wait()
 
     async def _receive_into_h11(self) -> None:
         """Hand h11 the next chunk from the reader (b"" means EOF)."""
@@ -251,6 +264,8 @@ class _Connection:
             data = await self._incoming.receive()
         except trio.EndOfChannel:
             data = b""
+        self._read_ahead -= len(data)
+        self._room.set()
         self.h11.receive_data(data)
 
     async def _send(self, event) -> None:

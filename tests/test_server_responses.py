@@ -226,13 +226,19 @@ async def test_stream_client_disconnect_stops_generation(server):
     assert model.steps - steps_before < 400
 
 
-async def test_sync_client_disconnect_stops_generation(server):
+@pytest.mark.parametrize("pipelined", [0, 8])
+async def test_sync_client_disconnect_stops_generation(server, pipelined):
+    """Also when the client pipelined pieces of a next request before leaving: the
+    reader keeps reading past them and sees the end."""
     model = server.service.registry.get(TINY_ID).model
     done_before = _handled(server)
     steps_before = model.steps
     async with server.connection() as client:
         await client.send("POST", "/lmsp/v1/responses", json_body=request(max_output_tokens=400))
         await _wait_for(lambda: model.steps > steps_before + 2)  # generating now
+        for _ in range(pipelined):  # arriving as separate reads
+            await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await trio.sleep(0.02)
     await _wait_for(lambda: _handled(server) > done_before)
     assert "client disconnected" in server.service.log_lines[-1]
     steps_at_cancel = model.steps
