@@ -319,11 +319,9 @@ class _Connection:
                 await self._refuse(_protocol_problem(exc))
                 return None
             if type(event) is h11.Request:
-                # h11 bounds the headers only while they are incomplete: a whole block that
-                # arrived in one read is parsed whatever its size, so the bound is checked here too
-                if _header_bytes(event) > self.limits.max_header_bytes:
-                    await self._refuse(Problem("request_too_large", "the request headers are too large",
-                                               status=431))
+                problem = self._unframed(event)
+                if problem is not None:
+                    await self._refuse(problem)
                     return None
                 return event
             if event is not h11.NEED_DATA:
@@ -340,6 +338,25 @@ class _Connection:
             if started:
                 await self._refuse(Problem("invalid_request", "the request headers took too long to arrive", status=408))
             return None
+
+    def _unframed(self, event: h11.Request) -> Problem | None:
+        """What h11 lets through and we refuse, closing the connection after the answer."""
+        # h11 bounds the headers only while they are incomplete: a whole block that
+        # arrived in one read is parsed whatever its size, so the bound is checked here too
+        if _header_bytes(event) > self.limits.max_header_bytes:
+            return Problem("request_too_large", "the request headers are too large", status=431)
+        names = {name for name, _ in event.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            # h11 frames it by Transfer-Encoding; a proxy in front may have framed it by
+            # Content-Length: the next request would not be the same for both (request
+            # smuggling), so the connection ends here (RFC 9112 6.1)
+            return Problem("invalid_request", "a request with both Content-Length and "
+                           "Transfer-Encoding has no one meaning")
+        host = next((value for name, value in event.headers if name == b"host"), b"")
+        if not _HOST.fullmatch(host):  # RFC 9112 3.2: an invalid Host value gets 400
+            return Problem("invalid_request", "the Host header is not a host name or address "
+                           "with an optional port")
+        return None
 
     async def read_body(self) -> bytes:
         """Read the current request's body, enforcing size and time limits."""
@@ -426,6 +443,8 @@ class _Connection:
         (a large body, a client waiting for 100-continue that we never sent)
         is not worth reading: the response says `Connection: close`.
         """
+        if self.h11.their_state is h11.ERROR:  # a body we could not read (bad chunk framing)
+            return False
         if self.h11.their_state is not h11.SEND_BODY:
             return True
         if self._body_abandoned:
@@ -552,6 +571,10 @@ class _Connection:
             await self.stream.send_all(_raw_response(response))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+
+
+# RFC 3986's host (an IP literal in brackets, or a name or IPv4 address) and optional port
+_HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
 
 
 def _header_bytes(event: h11.Request) -> int:

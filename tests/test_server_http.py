@@ -153,6 +153,45 @@ async def test_unreadable_headers_get_400_and_close(server, head):
     assert b"SECRET" not in data and not any("SECRET" in line for line in server.service.log_lines)
 
 
+async def test_content_length_with_transfer_encoding_gets_400_and_close(server):
+    """A proxy in front could frame it by Content-Length and see the GET as a request of
+    its own (request smuggling): nothing after it on the connection is answered."""
+    async with server.connection() as client:
+        await client.stream.send_all(
+            b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 400 ") and b"connection: close" in data.lower()
+    assert data.count(b"HTTP/1.1 ") == 1
+
+
+@pytest.mark.parametrize("host", [b"a b", b"x:abc", b"x/y", b"[::1", b"x@y", b"x:80:90"])
+async def test_an_invalid_host_gets_400_and_close(server, host):
+    async with server.connection() as client:
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 400 ") and b"Host header" in data
+
+
+@pytest.mark.parametrize("host", [b"localhost", b"localhost:8080", b"127.0.0.1:1", b"[::1]:8080", b"[::1]"])
+async def test_a_host_with_or_without_a_port_is_fine(server, host):
+    async with server.connection() as client:
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        client.expect_reply_to("GET")
+        assert (await client.read_reply()).status == 200
+
+
+@pytest.mark.parametrize("chunks", [b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX0\r\n\r\n"])
+async def test_a_malformed_chunked_body_gets_400_that_says_close(server, chunks):
+    async with server.connection() as client:
+        await client.stream.send_all(
+            b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + chunks)
+        data = await client.read_until_closed()
+    assert data.startswith(b"HTTP/1.1 400 ") and b"connection: close" in data.lower()
+
+
 # 64 KiB: h11 refuses the block while it is incomplete; 20 KiB may arrive whole, in one
 # read, and h11 bounds only incomplete headers: the server checks that size itself
 @pytest.mark.parametrize("kib", [64, 20])
