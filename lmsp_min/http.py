@@ -21,6 +21,9 @@ examples/trio-server.py:
   what we write (close: its generation is cancelled like a disconnect).
 - A malformed request gets 400 and the connection is closed: after a framing
   error nothing later on the connection can be trusted.
+- We close gently: FIN first, then what the client still sends is read and
+  dropped for a moment, so that a 413 or 429 answered before the request was
+  read reaches the client instead of being destroyed by a reset.
 - A handler that raises a `Problem` gets its problem document; any other
   exception is logged and becomes 500 `internal_error`, never a crash or a
   hung connection.
@@ -57,6 +60,7 @@ DRAIN_LIMIT = 64 * 1024  # an unread request body up to this size is read and dr
 # bytes, plus one read: past it, it waits, and a client that leaves is not noticed until
 # the handler has read its way back under it.
 READ_AHEAD = 256 * 1024
+LINGER = 2.0  # seconds a closing connection reads and drops what its client still sends
 
 
 @dataclass(frozen=True)
@@ -283,15 +287,20 @@ class _Connection:
     # -- the connection loop ------------------------------------------------
 
     async def serve(self) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._read_socket)
-            try:
-                await self._serve_requests()
-            except _ClientGone:
-                pass
-            finally:
-                nursery.cancel_scope.cancel()
-                await trio.aclose_forcefully(self.stream)
+        try:
+            client_gone = False
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_socket)
+                try:
+                    await self._serve_requests()
+                except _ClientGone:
+                    client_gone = True
+                finally:
+                    nursery.cancel_scope.cancel()
+            if not (client_gone or self.peer_closed.is_set()):
+                await _close_gently(self.stream)
+        finally:
+            await trio.aclose_forcefully(self.stream)
 
     async def _serve_requests(self) -> None:
         while True:
@@ -658,18 +667,38 @@ class HTTPServer:
 
 
 async def _refuse_connection(stream: trio.SocketStream, limits: Limits) -> None:
-    """Over the connection limit: a 429 problem, then close, without reading anything."""
+    """Over the connection limit: a 429 problem, then close, reading nothing but what is
+    dropped while closing (for at most a second in all)."""
     problem = Problem(
         "rate_limited",
         f"the service already has {limits.max_connections} open connections",
         headers=[("Retry-After", "1")],
     )
-    with trio.move_on_after(1):
-        try:
+    try:
+        with trio.move_on_after(1):
             await stream.send_all(_raw_response(problem_response(problem)))
+            await _close_gently(stream)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _close_gently(stream: trio.SocketStream) -> None:
+    """Say we are done (FIN), then read and drop what the client still sends, until it
+    closes too or LINGER seconds pass.
+
+    Closing a socket with received bytes unread makes the kernel reset the connection,
+    and a reset can destroy a response the client has not read yet: a 413 sent while
+    the client still uploads its body would never be seen (RFC 9112 9.6).
+    """
+    with trio.move_on_after(LINGER):
+        try:
+            await stream.send_eof()
+            while await stream.receive_some(RECEIVE_SIZE):
+                pass
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
-    await trio.aclose_forcefully(stream)
 
 
 def _raw_response(response: Response) -> bytes:

@@ -1,6 +1,7 @@
 """The HTTP/1.1 layer over real sockets: framing, keep-alive, pipelining, limits, timeouts."""
 
 import json
+import socket
 
 import pytest
 import trio
@@ -248,6 +249,41 @@ async def test_connections_over_the_limit_get_429(nursery, tiny_path):
         while (reply := await server.request("GET", MODELS)).status == 429:
             await trio.sleep(0.01)
     assert reply.status == 200
+
+
+def _send_all_then_read(host: str, port: int, request: bytes) -> bytes:
+    """A client that sends its whole request before it reads the answer (http.client does)."""
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(request)
+        chunks = []
+        while data := sock.recv(65536):
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n" % (5 << 20) + b" " * (5 << 20),
+    b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
+], ids=["413", "431"])
+async def test_an_answer_before_the_request_is_read_is_not_lost(server, request_bytes):
+    """The server answers before reading it all, then closes: had it closed with the rest
+    unread, the kernel would have reset the connection and destroyed the answer."""
+    for _ in range(3):
+        data = await trio.to_thread.run_sync(_send_all_then_read, server.host, server.port, request_bytes)
+        assert data.startswith((b"HTTP/1.1 413 ", b"HTTP/1.1 431 "))
+
+
+async def test_a_429_for_one_connection_too_many_is_not_lost(nursery, tiny_path):
+    server = await start_server(nursery, await make_service([tiny_path], limits=Limits(max_connections=1)))
+    async with server.connection() as first:
+        await first.send("GET", MODELS)
+        assert (await first.read_reply()).status == 200
+        for _ in range(3):
+            data = await trio.to_thread.run_sync(
+                _send_all_then_read, server.host, server.port,
+                b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            assert data.startswith(b"HTTP/1.1 429 ")
 
 
 async def test_unexpected_exception_is_500_internal_error_and_the_server_goes_on(server):
