@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from lmsp_min.problems import Problem
 
+MAX_JSON_DEPTH = 64  # arrays and objects in a request nest at most this deep (D9)
+
 TOP_LEVEL_FIELDS = (
     "model", "input", "stream", "max_output_tokens", "temperature", "response_format",
     "tools", "tool_choice", "store", "previous_response_id", "extensions",
@@ -83,11 +85,14 @@ def parse_json_body(body: bytes) -> dict:
         raise Problem("invalid_request", "the request body is not valid UTF-8") from None
     text = text.removeprefix("\ufeff")  # a byte order mark, which RFC 8259 lets parsers ignore
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = _loads(text)
     except (ValueError, RecursionError) as exc:
         detail = f"the request body is not valid JSON ({exc})" if isinstance(exc, json.JSONDecodeError) \
             else "the request body is not valid JSON"
         raise Problem("invalid_request", detail) from None
+    except _TooDeep:
+        raise Problem("invalid_request", f"the request body nests arrays and objects deeper "
+                      f"than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(value, dict):
         raise Problem("invalid_request", "the request body must be a JSON object")
     if "\\u" in text:  # only a \u escape can smuggle in a lone surrogate, which is not text
@@ -101,6 +106,28 @@ def parse_json_body(body: bytes) -> dict:
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _loads(text: str):
+    """json.loads, refusing NaN and Infinity and anything nested deeper than MAX_JSON_DEPTH.
+
+    A value nested nearly as deep as the parser can read would make every later
+    recursive walk of it (json.dumps when it is stored, a schema compiler) fail with
+    RecursionError: the bound is checked here, once, without recursing.
+    """
+    value = json.loads(text, parse_constant=_reject_constant)
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(MAX_JSON_DEPTH):
+        level = [child for container in level
+                 for child in (container.values() if isinstance(container, dict) else container)
+                 if isinstance(child, (dict, list))]
+    if level:
+        raise _TooDeep()
+    return value
 
 
 # -- small typed readers --------------------------------------------------------
@@ -241,8 +268,8 @@ def _validate_message(item: dict, param: str) -> None:
 
 def _arguments(text: str, param: str) -> dict:
     try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):  # RecursionError: nested too deeply to read
+        value = _loads(text)
+    except (ValueError, RecursionError, _TooDeep):  # RecursionError: nested too deeply to read
         raise invalid(param, f"'{param}' must be a JSON-encoded object") from None
     if not isinstance(value, dict):
         raise invalid(param, f"'{param}' must be a JSON-encoded object")

@@ -147,6 +147,17 @@ async def test_invalid_task_request_is_refused_before_any_task(server):
     assert reply.status == 404 and reply.json()["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize("depth", [65, 940])  # 940: about as deep as json.loads reads
+async def test_a_body_nested_too_deeply_is_400(server, depth):
+    # body, input, an item, then lists in a key the validator ignores
+    lists = depth - 3
+    text = json.dumps(task_body(input=[{"role": "user", "content": "hi", "x": "X"}]))
+    text = text.replace('"X"', "[" * lists + "]" * lists)
+    reply = await server.request("POST", TASKS, body=text.encode(), headers={"Content-Type": "application/json"})
+    assert reply.status == 400 and reply.json()["code"] == "invalid_request"
+    assert (await server.request("POST", TASKS, json_body=task_body())).status == 202
+
+
 async def test_cancel_stops_a_running_task(server, monkeypatch):
     paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.002)  # >= 0.8 s
     task = await create(server, task_body(max_output_tokens=400))
