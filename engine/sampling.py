@@ -75,12 +75,14 @@ class Sampler:
         p = self.params
         if p.temperature == 0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / p.temperature               # (V,)
+        z = logits.astype(np.float64)                               # (V,)
+        with np.errstate(over="ignore"):  # a tiny temperature: -inf at worst, whose exp is 0
+            z = (z - z.max()) / p.temperature                       # (V,) <= 0, the best is 0
         ids = np.arange(z.shape[0])                                 # (V,) candidate ids
         if p.top_k and p.top_k < z.shape[0]:
             ids = np.argpartition(-z, p.top_k - 1)[: p.top_k]       # (k,)
             z = z[ids]
-        probs = np.exp(z - z.max())
+        probs = np.exp(z)                                           # (C,) the best is 1
         probs /= probs.sum()                                        # (C,)
         if p.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")               # (C,) most likely first

@@ -9,6 +9,7 @@ from engine import (ChatRequest, ContextLengthExceeded, Finished, ReasoningDelta
 from engine.chat import OutputSplitter, ReasoningSplitter, ToolCall
 from engine.tools import ToolCallParser
 from engine.generate import StopFilter
+from engine.sampling import Sampler
 from engine.tiny import write_tiny_chat_model
 
 GREEDY = SamplingParams(temperature=0)
@@ -44,6 +45,16 @@ async def test_seeded_generation_repeats(model, prompt):
     first = await collect(model.generate(prompt, max_tokens=6, sampling=params))
     second = await collect(model.generate(prompt, max_tokens=6, sampling=params))
     assert first == second
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-308, 5e-324])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (40, 0.9)])
+def test_a_tiny_temperature_picks_the_best_token(temperature, top_k, top_p):
+    """The logits over a temperature of 1e-308 overflow float64 unless the best one is
+    subtracted first: then the probabilities were NaN and the pick arbitrary."""
+    logits = np.random.default_rng(0).normal(size=1000).astype(np.float32)  # (V,)
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1))
+    assert all(sampler.pick(logits) == int(np.argmax(logits)) for _ in range(5))
 
 
 async def test_stop_sequence_is_never_emitted(model, prompt):
