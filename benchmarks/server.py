@@ -44,7 +44,7 @@ class Client:
         self.conn = h11.Connection(h11.CLIENT)
 
     async def post(self, path: str, body: bytes) -> None:
-        headers = [("Host", "bench"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        headers = [("Host", "localhost"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
         data = self.conn.send(h11.Request(method="POST", target=path, headers=headers))
         data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
         await self.stream.send_all(data)

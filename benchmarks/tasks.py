@@ -156,7 +156,7 @@ async def http_deltas(port: int, method: str, path: str, body: dict | None) -> l
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     conn = h11.Connection(h11.CLIENT)
     data = json.dumps(body).encode() if body is not None else b""
-    headers = [("Host", "bench"), ("Content-Length", str(len(data)))]
+    headers = [("Host", "localhost"), ("Content-Length", str(len(data)))]
     if body is not None:
         headers.append(("Content-Type", "application/json"))
     await stream.send_all(conn.send(h11.Request(method=method, target=path, headers=headers))

@@ -110,7 +110,8 @@ class App:
             raise Problem("model_unavailable", "the service is shutting down", headers=[("Retry-After", "5")])
         handler, scope, params = self.router.match(request.method, request.path)
         request.params = params
-        request.principal = self.service.auth.authenticate(request.headers.get("authorization"), scope)
+        request.principal = self.service.auth.authenticate(request.headers.get("authorization"), scope,
+                                                           request.headers.get("host"))
         check_version(request.headers.get("lmsp-version"))
         return await handler(request, self.service)
 

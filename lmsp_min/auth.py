@@ -81,9 +81,19 @@ class Auth:
             tokens.append(Token(_digest(secret), principal, frozenset(scopes)))
         return cls(tokens)
 
-    def authenticate(self, authorization: str | None, scope: str) -> str:
-        """The principal of a request that needs `scope`, or a 401 / 403 problem."""
+    def authenticate(self, authorization: str | None, scope: str, host: str | None = None) -> str:
+        """The principal of a request that needs `scope`, or a 401 / 403 problem.
+
+        Without tokens, only a request addressed to a loopback name (its `Host`) is
+        the principal "local": a web page can point its own domain name at 127.0.0.1
+        (DNS rebinding), and the user's browser would then send it requests that pass
+        as the same origin; they carry that domain as their Host.
+        """
         if not self.tokens:
+            if host is not None and not _addressed_locally(host):
+                raise Problem("invalid_request", "without tokens this service answers only requests "
+                              "addressed to this machine by a loopback name or address "
+                              "(localhost, 127.0.0.1, [::1])")
             return LOCAL_PRINCIPAL
         challenge = [("WWW-Authenticate", 'Bearer realm="lmsp"')]
         scheme, _, credentials = (authorization or "").strip().partition(" ")
@@ -114,3 +124,10 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _addressed_locally(host: str) -> bool:
+    """Whether a Host header ("localhost:8080", "[::1]:8080") names this machine."""
+    name = host.partition("]")[0] + "]" if host.startswith("[") else host.partition(":")[0]
+    name = name.lower().rstrip(".")
+    return name.endswith(".localhost") or is_loopback(name)  # RFC 6761: *.localhost is loopback

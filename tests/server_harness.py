@@ -92,7 +92,7 @@ class Client:
     async def send(self, method: str, path: str, *, json_body=None, body: bytes | None = None,
                    headers: dict[str, str] | None = None) -> None:
         """Send one request (Content-Length framing)."""
-        all_headers = {"Host": "test"}
+        all_headers = {"Host": "localhost"}
         if json_body is not None:
             body = json.dumps(json_body).encode("utf-8")
             all_headers["Content-Type"] = "application/json"
@@ -109,7 +109,7 @@ class Client:
         """Tell h11 a request was sent as raw bytes (pipelining), so it can read its reply."""
         if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
             self.h11.start_next_cycle()
-        self.h11.send(h11.Request(method=method, target="/", headers=[("Host", "test")]))
+        self.h11.send(h11.Request(method=method, target="/", headers=[("Host", "localhost")]))
         self.h11.send(h11.EndOfMessage())
 
     async def _next_event(self):

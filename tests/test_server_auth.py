@@ -74,6 +74,24 @@ async def test_without_tokens_everyone_is_local_on_loopback(nursery, tiny_path):
     assert Auth().authenticate(None, "responses:write") == "local"
 
 
+@pytest.mark.parametrize("host, status", [
+    ("localhost:8080", 200), ("127.0.0.1", 200), ("[::1]:8080", 200), ("app.localhost", 200),
+    ("LOCALHOST.", 200), ("attacker.example:8080", 400), ("192.168.1.2", 400), ("localhost.evil", 400),
+])
+async def test_without_tokens_only_a_request_to_a_loopback_name_is_local(nursery, tiny_path, host, status):
+    """A page whose domain rebinds to 127.0.0.1 gets the browser to send its Host: refused."""
+    server = await start_server(nursery, await make_service([tiny_path]))
+    reply = await server.request("GET", "/lmsp/v1/models", headers={"Host": host})
+    assert reply.status == status
+    if status == 400:
+        assert reply.json()["code"] == "invalid_request" and "loopback" in reply.json()["detail"]
+
+
+async def test_with_tokens_any_host_is_fine(guarded):
+    reply = await guarded.request("GET", "/lmsp/v1/models", headers={"Host": "models.example", **_bearer(ADMIN)})
+    assert reply.status == 200
+
+
 async def test_non_loopback_without_tokens_is_refused(tiny_path):
     service = await make_service([tiny_path])
     with pytest.raises(ValueError, match="loopback"):

@@ -49,10 +49,10 @@ async def test_pipelined_requests_are_answered_in_order(server):
     model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
     body = json.dumps({"model": model_id, "input": [{"role": "user", "content": "hi"}],
                        "max_output_tokens": 2, "temperature": 0}).encode()
-    post = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    post = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body)) + body
-    get = b"GET /lmsp/v1/models/" + model_id.encode() + b" HTTP/1.1\r\nHost: t\r\n\r\n"
-    missing = b"GET /nowhere HTTP/1.1\r\nHost: t\r\n\r\n"
+    get = b"GET /lmsp/v1/models/" + model_id.encode() + b" HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    missing = b"GET /nowhere HTTP/1.1\r\nHost: localhost\r\n\r\n"
     async with server.connection() as client:
         await client.stream.send_all(post + get + missing + post)
         replies = []
@@ -70,7 +70,7 @@ async def test_chunked_request_body(server):
     model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
     body = json.dumps({"model": model_id, "input": [{"role": "user", "content": "hi"}],
                        "max_output_tokens": 1}).encode()
-    head = b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n" \
+    head = b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" \
            b"Transfer-Encoding: chunked\r\n\r\n"
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:10], body[10:]))
     async with server.connection() as client:
@@ -84,7 +84,7 @@ async def test_expect_100_continue(server):
     model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
     body = json.dumps({"model": model_id, "input": [{"role": "user", "content": "hi"}],
                        "max_output_tokens": 1}).encode()
-    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
     async with server.connection() as client:
         await client.stream.send_all(head)
@@ -96,7 +96,7 @@ async def test_expect_100_continue(server):
 
 
 async def test_rejected_before_the_body_a_100_continue_client_uploads_nothing(server):
-    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: text/plain\r\n"
+    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/plain\r\n"
             b"Expect: 100-continue\r\nContent-Length: 100\r\n\r\n")
     async with server.connection() as client:
         await client.stream.send_all(head)
@@ -106,7 +106,7 @@ async def test_rejected_before_the_body_a_100_continue_client_uploads_nothing(se
 
 
 async def test_body_over_the_limit_is_413_by_content_length(server):
-    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    head = (b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % (4 * 1024 * 1024 + 1))
     async with server.connection() as client:
         await client.stream.send_all(head + b"{")
@@ -119,7 +119,7 @@ async def test_body_over_the_limit_is_413_by_content_length(server):
 async def test_chunked_body_over_the_limit_is_413(nursery, tiny_path):
     service = await make_service([tiny_path], limits=Limits(max_body_bytes=1000))
     server = await start_server(nursery, service)
-    head = b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n" \
+    head = b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" \
            b"Transfer-Encoding: chunked\r\n\r\n"
     chunk = b"%x\r\n%s\r\n" % (600, b" " * 600)
     async with server.connection() as client:
@@ -139,11 +139,11 @@ async def test_malformed_request_gets_400_and_close(server):
 
 
 @pytest.mark.parametrize("head", [
-    b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nContent-Length: nope",
-    b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip",
+    b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Length: nope",
+    b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip",
     # a line h11 cannot read may hold a token (D7): the problem and the log name the fault, not the bytes
-    b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\nAuthorization : Bearer tok-SECRET",
-    b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer tok-SECRET\x00",
+    b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization : Bearer tok-SECRET",
+    b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer tok-SECRET\x00",
 ])
 async def test_unreadable_headers_get_400_and_close(server, head):
     async with server.connection() as client:
@@ -198,7 +198,7 @@ async def test_a_malformed_chunked_body_gets_400_that_says_close(server, chunks)
 @pytest.mark.parametrize("kib", [64, 20])
 async def test_oversized_headers_get_431_and_close(server, kib):
     async with server.connection() as client:
-        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\nX-Big: "
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: "
                                      + b"a" * (kib * 1024) + b"\r\n\r\n")
         data = await client.read_until_closed()
     assert data.startswith(b"HTTP/1.1 431 ")
@@ -229,7 +229,7 @@ async def test_slow_body_times_out_with_408(nursery, tiny_path):
     limits = Limits(body_timeout=0.3)
     server = await start_server(nursery, await make_service([tiny_path], limits=limits))
     async with server.connection() as client:
-        await client.stream.send_all(b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\n"
+        await client.stream.send_all(b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\n"
                                      b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
         with trio.fail_after(3):
             data = await client.read_until_closed()
@@ -317,8 +317,8 @@ async def test_stream_is_chunked_and_flushed_per_event(server):
 
 async def test_a_half_closed_client_still_gets_quick_answers(server):
     async with server.connection() as client:
-        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
-                                     b"GET /nowhere HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                                     b"GET /nowhere HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         await client.stream.send_eof()
         data = await client.read_until_closed()
     assert data.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 404 " in data
@@ -366,7 +366,7 @@ async def test_a_request_arriving_during_a_drain_is_503(server):
             while not any(c.h11.trailing_data[0] for c in server.service.http.connections):
                 await trio.sleep(0.005)
         server.service.http.draining = True  # as drain() does
-        await client.stream.send_all(b"Host: t\r\n\r\n")
+        await client.stream.send_all(b"Host: localhost\r\n\r\n")
         client.expect_reply_to("GET")
         reply = await client.read_reply()
     assert reply.status == 503 and reply.json()["code"] == "model_unavailable"
@@ -376,9 +376,9 @@ async def test_a_request_arriving_during_a_drain_is_503(server):
 async def test_head_is_get_without_the_body(server):
     full = await server.request("GET", MODELS)
     async with server.connection() as client:
-        await client.stream.send_all(b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
-                                     b"HEAD /lmsp/v1/responses HTTP/1.1\r\nHost: t\r\n\r\n"
-                                     b"GET /lmsp/v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+        await client.stream.send_all(b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                                     b"HEAD /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                                     b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
         replies = []
         for method in ("HEAD", "HEAD", "GET"):
             client.expect_reply_to(method)
