@@ -89,11 +89,14 @@ class Router:
 
 
 def check_version(value: str | None) -> None:
-    """D1: absent means 1.0, any 1.x is fine, another major version is refused."""
+    """D1: absent means 1.0, any 1.x is fine, another major version is refused.
+
+    A header sent twice arrives joined ("1.0, 1.0"): each value must be a 1.x.
+    """
     if value is None:
         return
-    found = re.fullmatch(r"\s*(\d+)(\.\d+)*\s*", value)
-    if found is None or int(found.group(1)) != 1:
+    versions = [re.fullmatch(r"\s*(\d+)(\.\d+)*\s*", part) for part in value.split(",")]
+    if not all(version is not None and int(version.group(1)) == 1 for version in versions):
         raise Problem("unsupported_version",
                       f"LMSP-Version {value.strip()[:20]!r} is not supported; this service speaks LMSP 1.0")
 

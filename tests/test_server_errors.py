@@ -173,7 +173,8 @@ async def test_context_length_exceeded_before_any_generation(server):
 
 
 @pytest.mark.parametrize("version, status", [("1.0", 200), ("1", 200), ("1.7", 200), ("1.0.1", 200), ("2.0", 400),
-                                             ("0.9", 400), ("banana", 400)])
+                                             ("0.9", 400), ("banana", 400), ("1.0, 1.0", 200),
+                                             ("1.0, 2.0", 400), ("1.0,", 400)])
 async def test_lmsp_version_header(server, version, status):
     reply = await server.request("GET", "/lmsp/v1/models", headers={"LMSP-Version": version})
     assert reply.status == status
