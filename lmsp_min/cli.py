@@ -253,6 +253,18 @@ def cmd_bench(args) -> int:
 # -- serve ----------------------------------------------------------------------
 
 
+def _not_negative(kind):
+    """An argparse type: a number of `kind` that is 0 or more."""
+    def parse(text: str):
+        value = kind(text)
+        if not value >= 0:  # (NaN too)
+            raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid float value" message
+    return parse
+
+
 def add_serve_parser(commands) -> None:
     p = commands.add_parser(
         "serve",
@@ -275,9 +287,9 @@ def add_serve_parser(commands) -> None:
                    help="where stored responses and tasks live (default: the user data directory)")
     p.add_argument("--no-store", action="store_true",
                    help="keep nothing beyond this process (no conversations)")
-    p.add_argument("--event-retention", type=float, default=3600.0, metavar="SECONDS",
+    p.add_argument("--event-retention", type=_not_negative(float), default=3600.0, metavar="SECONDS",
                    help="how long a finished task's events can be replayed (default 3600)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+    p.add_argument("--max-body-bytes", type=_not_negative(int), default=4 * 1024 * 1024, metavar="N",
                    help="largest request body accepted (default 4 MiB)")
     p.set_defaults(func=cmd_serve)
 

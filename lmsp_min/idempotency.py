@@ -116,10 +116,8 @@ async def run_once(
         task_id = None
         if replay_task is not None:
             task_id = json.loads(response.body)["id"]
-        await store.complete_idempotency_key(
-            principal, key, status=response.status, content_type=response.content_type,
-            body=response.body, task_id=task_id,
-        )
+        await _complete(store, principal, key, status=response.status, content_type=response.content_type,
+                        body=response.body, task_id=task_id)
     else:
         await _release(store, principal, key)
     return response
@@ -142,16 +140,26 @@ async def _recorded_stream(
     whole = b"".join(sent)
     last_event = whole[whole.rfind(b"\nevent: ") + 1:] if b"\nevent: " in whole else b""
     if last_event.startswith(_SUCCESSFUL_ENDINGS):
-        with trio.CancelScope(shield=True):
-            await store.complete_idempotency_key(
-                principal, key, status=response.status, content_type=response.content_type,
-                body=whole,
-            )
+        await _complete(store, principal, key, status=response.status, content_type=response.content_type,
+                        body=whole)
     else:
         await _release(store, principal, key)
 
 
+async def _complete(store: Store, principal: str, key: str, **result) -> None:
+    """Record the result to replay. Shielded: a client that leaves now has its result
+    all the same, and an unshielded write could be cancelled before it starts, leaving
+    the key 'running' for good. A result that cannot be recorded releases the key."""
+    with trio.CancelScope(shield=True):
+        try:
+            await store.complete_idempotency_key(principal, key, **result)
+        except BaseException:
+            await _release(store, principal, key)
+            raise
+
+
 async def _release(store: Store, principal: str, key: str) -> None:
     # Shielded: this runs while the request is being cancelled (client gone).
+    # If it fails too (a full disk), Tasks' periodic recovery releases the key later.
     with trio.CancelScope(shield=True):
         await store.release_idempotency_key(principal, key)

@@ -116,6 +116,11 @@ MIGRATIONS: list[list[str]] = [
         ) WITHOUT ROWID""",
         "CREATE INDEX idempotency_by_age ON idempotency (created_at)",
     ],
+    # version 2: a cancel asked of a task that another process (its owner) runs;
+    # the owner looks for these while it runs tasks
+    [
+        "ALTER TABLE tasks ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0",
+    ],
 ]
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
@@ -245,6 +250,10 @@ class Store:
         self._idle_readers: list[sqlite3.Connection] = []
         self._all_readers: list[sqlite3.Connection] = []
         self._write_limiter = trio.CapacityLimiter(1)
+        # (principal, key) of the idempotency claims this Store's requests hold now: a
+        # 'running' claim of ours that is not here was left by a request that could
+        # neither complete nor release it (a failing disk), see release_abandoned_keys
+        self._claims_held: set[tuple[str, str]] = set()
         if path is None:
             self._owners = self._owner_lock = None
             self._writer = _connect(":memory:")
@@ -337,7 +346,8 @@ class Store:
             result = fn(conn, *args)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # (after some errors, a full disk, SQLite has rolled back)
+                conn.execute("ROLLBACK")
             raise
         return result
 
@@ -452,8 +462,26 @@ class Store:
         """The task, or None if unknown or (principal given) owned by another principal."""
         return await self._read(_select_task, task_id, principal)
 
-    async def read_events(self, task_id: str, after: int, limit: int = 1000) -> list[LoggedEvent]:
-        """Up to `limit` logged events with seq > `after`, in order."""
+    async def request_cancel(self, task_id: str) -> None:
+        """Ask the process that runs a task to cancel it (Tasks.cancel, for another owner's task)."""
+        await self._write(
+            lambda conn: conn.execute("UPDATE tasks SET cancel_requested = 1 WHERE id = ?", (task_id,)),
+            durable=False,
+        )
+
+    async def cancel_requests(self) -> list[str]:
+        """The ids of our unfinished tasks that another process asked to cancel."""
+        rows = await self._read(
+            lambda conn: conn.execute(
+                "SELECT id FROM tasks WHERE owner = ? AND cancel_requested = 1"
+                " AND status IN ('queued', 'in_progress')",
+                (self.owner,),
+            ).fetchall()
+        )
+        return [task_id for (task_id,) in rows]
+
+    async def read_events(self, task_id: str, after: int, limit: int = -1) -> list[LoggedEvent]:
+        """Up to `limit` (-1: all) logged events with seq > `after`, in order, in one read."""
         rows = await self._read(
             lambda conn: conn.execute(
                 "SELECT seq, event, data FROM task_events WHERE task_id = ? AND seq > ?"
@@ -464,16 +492,18 @@ class Store:
         return [LoggedEvent(*row) for row in rows]
 
     async def interrupted_tasks(self) -> list[tuple[TaskRow, list[LoggedEvent]]]:
-        """Tasks left queued or in progress by a process that died, with their logs."""
+        """Tasks left queued or in progress by a process that died, with their logs, and
+        this Store's own unfinished tasks (the caller knows which of them still run)."""
 
         def select(conn: sqlite3.Connection) -> list[tuple[TaskRow, list[LoggedEvent]]]:
             rows = conn.execute(
                 "SELECT id, owner FROM tasks WHERE status IN ('queued', 'in_progress')"
                 " ORDER BY created_at"
             ).fetchall()
-            dead = {owner for owner in {owner for _, owner in rows} if self._is_dead(owner)}
+            ended = {owner for owner in {owner for _, owner in rows} if self._is_dead(owner)}
+            ended.add(self.owner)
             result = []
-            for task_id in [task_id for task_id, owner in rows if owner in dead]:
+            for task_id in [task_id for task_id, owner in rows if owner in ended]:
                 events = conn.execute(
                     "SELECT seq, event, data FROM task_events WHERE task_id = ? ORDER BY seq",
                     (task_id,),
@@ -530,6 +560,7 @@ class Store:
                 " VALUES (?, ?, ?, 'running', ?, ?)",
                 (principal, key, fingerprint, self.owner, time.time()),
             )
+            self._claims_held.add((principal, key))
             return None
 
         # Not fsynced: a claim lost in a power cut only lets the retry run again.
@@ -546,36 +577,51 @@ class Store:
         task_id: str | None = None,
     ) -> None:
         """Record the result to replay for `key` (durably: the client sees it next)."""
-        await self._write(
-            lambda conn: conn.execute(
-                "UPDATE idempotency SET state = 'done', status = ?, content_type = ?, body = ?,"
-                " task_id = ? WHERE principal = ? AND key = ?",
-                (status, content_type, body, task_id, principal, key),
+        try:
+            await self._write(
+                lambda conn: conn.execute(
+                    "UPDATE idempotency SET state = 'done', status = ?, content_type = ?, body = ?,"
+                    " task_id = ? WHERE principal = ? AND key = ?",
+                    (status, content_type, body, task_id, principal, key),
+                )
             )
-        )
+        finally:  # done, or (failed) abandoned
+            self._claims_held.discard((principal, key))
 
     async def release_idempotency_key(self, principal: str, key: str) -> None:
         """Forget a claim whose request produced nothing to replay (it failed, or its
         client went away), so that a retry runs again."""
-        await self._write(
-            lambda conn: conn.execute(
-                "DELETE FROM idempotency WHERE principal = ? AND key = ? AND state = 'running'",
-                (principal, key),
-            ),
-            durable=False,
-        )
+        try:
+            await self._write(
+                lambda conn: conn.execute(
+                    "DELETE FROM idempotency WHERE principal = ? AND key = ? AND state = 'running'",
+                    (principal, key),
+                ),
+                durable=False,
+            )
+        finally:
+            self._claims_held.discard((principal, key))
 
-    async def release_keys_of_dead_owners(self) -> int:
-        """At start-up: claims of requests that died with their process."""
+    async def release_abandoned_keys(self) -> int:
+        """Release the claims of requests that died with their process, and our own
+        claims that no request holds any more (it could neither complete nor release
+        its key: the disk was full, say). Returns how many were released."""
 
         def release(conn: sqlite3.Connection) -> int:
             owners = conn.execute("SELECT DISTINCT owner FROM idempotency WHERE state = 'running'")
             dead = [owner for (owner,) in owners.fetchall() if self._is_dead(owner)]
-            return sum(
+            released = sum(
                 conn.execute("DELETE FROM idempotency WHERE state = 'running' AND owner = ?",
                              (owner,)).rowcount
                 for owner in dead
             )
+            ours = conn.execute("SELECT principal, key FROM idempotency WHERE state = 'running'"
+                                " AND owner = ?", (self.owner,)).fetchall()
+            for principal, key in ours:
+                if (principal, key) not in self._claims_held:
+                    released += conn.execute("DELETE FROM idempotency WHERE principal = ? AND key = ?",
+                                             (principal, key)).rowcount
+            return released
 
         return await self._write(release)
 

@@ -13,8 +13,10 @@ disconnects only loses its own place.
 How a task ends: with its final event (completed, incomplete, failed, or
 cancelled by POST /cancel). If the service stops while it runs, it ends
 `failed` at once; if its process dies (kill -9), the next start, or another
-process on the same data directory, ends it `failed` from what its log holds.
-A task another process runs is followed by polling the database.
+process on the same data directory (within RECOVER_INTERVAL), ends it `failed`
+from what its log holds; so does this process if a failing write (a full disk)
+kept its runner from ending it. A task another process runs is followed by
+polling the database, and cancelled by a request its owner polls for.
 """
 
 from __future__ import annotations
@@ -30,13 +32,20 @@ import trio
 
 from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, new_id
 from lmsp_min.problems import Problem
-from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
+from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
 
 # D3: "at least every 15 seconds" while a stream is idle; 10 leaves room for a
 # busy loop and a slow network.
 KEEPALIVE_INTERVAL = 10.0
 # How often a follower polls the log of a task another process runs.
 POLL_INTERVAL = 0.05
+# How often tasks look for work a dead process, or a failed write, left unfinished
+# (tasks still `in_progress`, idempotency keys still 'running').
+RECOVER_INTERVAL = 5.0
+# How often a process running tasks looks for cancels asked through another process,
+# and how long that other process waits for the task to end before answering.
+CANCEL_POLL_INTERVAL = 0.25
+CANCEL_WAIT = 10.0
 
 
 class LiveLog:
@@ -173,17 +182,27 @@ class Tasks:
         self._nursery: trio.Nursery | None = None
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Recover, then host the task runners and purge expired events until cancelled."""
-        await self.recover()
+        """Recover, then host the task runners, recover and purge expired events
+        periodically, until cancelled."""
+        try:
+            await self.recover()
+        except sqlite3.DatabaseError as exc:  # a damaged file: say so, as for one that cannot open
+            raise StoreError(f"the database cannot be read: {exc}") from None
+        purge_interval = min(60.0, max(0.5, self.event_retention / 4))
+        next_purge = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._watch_cancel_requests)
             task_status.started()
             while True:
                 try:
-                    await self.purge()
+                    if trio.current_time() >= next_purge:
+                        next_purge = trio.current_time() + purge_interval
+                        await self.purge()
+                    await trio.sleep(min(RECOVER_INTERVAL, purge_interval))
+                    await self.recover()
                 except sqlite3.Error as exc:  # (a full disk, say) try again next time
-                    self._log(f"error: purging expired task events failed: {exc}")
-                await trio.sleep(min(60.0, max(0.5, self.event_retention / 4)))
+                    self._log(f"error: recovering or purging tasks failed: {exc}")
 
     # -- starting and running -----------------------------------------------------
 
@@ -279,14 +298,46 @@ class Tasks:
 
     async def cancel(self, task_id: str, principal: str) -> TaskRow:
         """Stop a running task and return it once it is `cancelled`; a final task
-        is returned unchanged."""
+        is returned unchanged.
+
+        A task another process runs is cancelled through the database: its owner
+        looks for the request every CANCEL_POLL_INTERVAL; the answer waits for the
+        task to end, for at most CANCEL_WAIT seconds.
+        """
         row = await self.get(task_id, principal)
         running = self._running.get(task_id)
         if running is not None:
             running.cancel_scope.cancel()
             await running.ended.wait()
-            row = await self.get(task_id, principal)
+            return await self.get(task_id, principal)
+        if row.status in FINAL_STATUSES:
+            return row
+        await self.recover()  # its process is dead, or it is ours and its runner is gone: failed
+        row = await self.get(task_id, principal)
+        if row.status in FINAL_STATUSES:
+            return row
+        await self.store.request_cancel(task_id)
+        with trio.move_on_after(CANCEL_WAIT):
+            while row.status not in FINAL_STATUSES:
+                await trio.sleep(POLL_INTERVAL)
+                row = await self.get(task_id, principal)
         return row
+
+    async def _watch_cancel_requests(self) -> None:
+        """Cancel the tasks we run that a cancel sent to another process asked for."""
+        while True:
+            await trio.sleep(CANCEL_POLL_INTERVAL)
+            if not self._running:
+                continue
+            try:
+                requested = await self.store.cancel_requests()
+            except sqlite3.Error as exc:
+                self._log(f"error: looking for cancel requests failed: {exc}")
+                continue
+            for task_id in requested:
+                running = self._running.get(task_id)
+                if running is not None:
+                    running.cancel_scope.cancel()
 
     async def events(self, task_id: str, principal: str, after: int) -> AsyncIterator[bytes]:
         """The SSE body of GET /tasks/{id}/events (checks done before it starts:
@@ -302,10 +353,12 @@ class Tasks:
         running = self._running.get(task_id)
         if running is not None:
             return self._follow(running.log, after)
-        # Final, or ours but its runner is gone: what the log holds is all there is.
-        # Otherwise another process sharing the data directory runs it.
-        elsewhere = row.status not in FINAL_STATUSES and row.owner != self.store.owner
-        return self._from_database(task_id, after, follow=elsewhere)
+        if row.status not in FINAL_STATUSES and row.owner == self.store.owner:
+            await self.recover()  # ours, but its runner is gone: it ends failed, with a final event
+            row = await self.get(task_id, principal)
+        # Final: what the log holds is all there is. Otherwise another process
+        # sharing the data directory runs it.
+        return self._from_database(task_id, after, follow=row.status not in FINAL_STATUSES)
 
     async def _follow(self, log: LiveLog, after: int) -> AsyncIterator[bytes]:
         async with aclosing(log.follow(after)) as batches:
@@ -316,24 +369,29 @@ class Tasks:
                              batch: int = 512) -> AsyncIterator[bytes]:
         """A task's logged events after `after`, read from the database. With
         `follow` (another process runs the task) it polls for new ones until the
-        final event, and recovers the task if that process dies meanwhile."""
+        final event, and recovers the task if that process dies meanwhile.
+
+        What is left of a final task's log is read at once: one read is one
+        snapshot, which an expiry purge cannot cut in the middle of a replay."""
         quiet = 0.0
         while True:
-            events = await self.store.read_events(task_id, after, batch)
+            events = await self.store.read_events(task_id, after, batch if follow else -1)
             if events:
                 yield b"".join(sse(event) for event in events)
                 after, quiet = events[-1].seq, 0.0
                 if events[-1].event in FINAL_EVENTS:
                     return
+            if not follow:
+                return
             if len(events) < batch:
-                if not follow:
-                    return
                 await trio.sleep(POLL_INTERVAL)
                 quiet += POLL_INTERVAL
                 if quiet >= KEEPALIVE_INTERVAL:
                     yield SSE_KEEPALIVE
                     quiet = 0.0
                     await self.recover()  # (its process may have died)
+                    row = await self.store.get_task(task_id, None)
+                    follow = row is not None and row.status not in FINAL_STATUSES
 
     # -- crash recovery and expiry ------------------------------------------------
 
@@ -343,7 +401,9 @@ class Tasks:
         `response.failed` event, so followers of its (still readable) log close."""
         recovered = []
         for row, events in await self.store.interrupted_tasks():
-            problem = _stopped()
+            if row.id in self._running:
+                continue  # ours, and still running
+            problem = _stopped() if row.owner != self.store.owner else _runner_lost()
             response = {
                 "id": row.response_id, "object": "response", "created_at": row.created_at,
                 "status": "failed", "model": row.model, "output": output_from_events(events),
@@ -357,8 +417,8 @@ class Tasks:
             # input died with the process; the task object keeps the response.
             if await self.store.finish_task(row.id, "failed", _json(response), [final]):
                 recovered.append(row.id)
-                self._log(f"task {row.id} was interrupted by the end of its process: marked failed")
-        await self.store.release_keys_of_dead_owners()
+                self._log(f"task {row.id} was left unfinished ({problem.detail}): marked failed")
+        await self.store.release_abandoned_keys()
         return recovered
 
     async def purge(self) -> None:
@@ -370,6 +430,10 @@ class Tasks:
 def _stopped() -> Problem:
     return Problem("generation_failed",
                    "the service stopped while this task was running; its events up to then are kept")
+
+
+def _runner_lost() -> Problem:
+    return Problem("internal_error", "the task stopped on an unexpected error; its events up to then are kept")
 
 
 def output_from_events(events: list[LoggedEvent]) -> list[dict]:

@@ -96,6 +96,14 @@ def test_unknown_arguments_are_rejected(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("option, value", [("--event-retention", "-5"), ("--event-retention", "nan"),
+                                           ("--max-body-bytes", "-1")])
+def test_negative_bounds_are_rejected(option, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", option, value])
+    assert e.value.code == 2 and "must be 0 or more" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory):
     from engine.tiny import write_tiny_chat_model

@@ -77,7 +77,8 @@ async def test_no_store_database_lives_in_memory():
         for n in range(5):
             nursery.start_soon(read, n)
             nursery.start_soon(s.append_events, "task_1", [LoggedEvent(n + 2, "e", "{}")])
-    assert await s.interrupted_tasks() == []
+    # no other owner: only our own unfinished task (Tasks knows whether it still runs)
+    assert [row.id for row, _ in await s.interrupted_tasks()] == ["task_1"]
     s.close()
 
 
@@ -119,7 +120,8 @@ async def test_task_lifecycle_and_event_log(store):
     assert await store.read_events("task_1", 0) == events
     assert await store.read_events("task_1", 3) == events[3:]
     assert await store.read_events("task_1", 1, limit=2) == events[1:3]
-    assert await store.interrupted_tasks() == []  # its owner (this store) is alive
+    # its owner (this store) is alive: listed as ours, for Tasks to check against what it runs
+    assert [(row.id, row.owner) for row, _ in await store.interrupted_tasks()] == [("task_1", store.owner)]
 
     final = LoggedEvent(6, "response.completed", '{"status":"completed"}')
     body = response_body("resp_1")
@@ -158,7 +160,7 @@ async def test_idempotency_claim_complete_release(store):
     assert (await store.claim_idempotency_key("alice", "k", "fp1")).state == "done"
     await store.release_idempotency_key("bob", "k")
     assert await store.claim_idempotency_key("bob", "k", "fp1") is None
-    assert await store.release_keys_of_dead_owners() == 0  # this store is alive
+    assert await store.release_abandoned_keys() == 0  # this store is alive
     await store.purge(time.time() + 86401, 3600, 86400)
     assert await store.claim_idempotency_key("alice", "k", "fp1") is None
 
@@ -199,10 +201,10 @@ async def test_only_the_work_of_dead_owners_is_recovered(tmp_path):
     await first.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
     await first.claim_idempotency_key("alice", "k", "fp")
     assert await second.interrupted_tasks() == []
-    assert await second.release_keys_of_dead_owners() == 0
+    assert await second.release_abandoned_keys() == 0
     first._owner_lock.close()  # what the kernel does when the process dies
     assert [row.id for row, _ in await second.interrupted_tasks()] == ["task_1"]
-    assert await second.release_keys_of_dead_owners() == 1
+    assert await second.release_abandoned_keys() == 1
     assert list(second._owners.iterdir()) == [second._owners / f"{second.owner}.lock"]
     first.close()
     second.close()

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from lmsp_min import tasks
-from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.store import LoggedEvent, Store, StoreError
 from lmsp_min.tasks import Tasks
 from server_harness import SSE, make_service, parse_sse, start_server, tiny_path  # noqa: F401
 
@@ -335,6 +335,84 @@ async def test_two_processes_share_a_data_directory(nursery, tiny_path, tmp_path
         store._owner_lock.close()  # the first process dies (the kernel drops its lock)
         rest = [e async for e in stream if e is not None]
     assert [(e.id, e.event) for e in rest] == [(2, "response.failed")]
+
+
+async def test_a_task_is_cancelled_through_another_process(nursery, tiny_path, tmp_path, monkeypatch):
+    first = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    paced(first.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.05)
+    task = await create(first, task_body(max_output_tokens=200))
+    async with second.connection() as client:  # wait until it runs
+        stream = follow(client, task["id"])
+        while (await stream.__anext__()).event != "response.output_text.delta":
+            pass
+    reply = await second.request("POST", f"{TASKS}/{task['id']}/cancel")
+    assert reply.status == 200 and reply.json()["status"] == "cancelled"
+    events = await all_events(second, task["id"])
+    assert events[-1].event == "response.cancelled" and len(events) < 200
+
+
+async def test_a_peer_fails_the_tasks_of_a_dead_process_without_being_asked(nursery, tiny_path, tmp_path,
+                                                                            monkeypatch):
+    """Within RECOVER_INTERVAL, not only when a client follows the task."""
+    monkeypatch.setattr(tasks, "RECOVER_INTERVAL", 0.1)
+    first = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    store = first.service.store
+    await store.create_task("task_orphan", "local", 0, "tiny:chat-q8_0", "resp_orphan", "{}")
+    store._owner_lock.close()  # the first process dies (the kernel drops its lock)
+    with trio.fail_after(10):
+        assert (await wait_final(second, "task_orphan"))["status"] == "failed"
+
+
+async def test_a_task_whose_runner_could_not_end_it_is_failed_later(server, monkeypatch):
+    """A failing disk kept the runner from writing any end: the task is not left
+    in_progress for good, and its events end with a final one."""
+    async def disk_full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(server.service.store, "finish_task", disk_full)
+    task = await create(server, task_body(max_output_tokens=5))
+    with trio.fail_after(10):
+        while server.service.tasks.is_running(task["id"]):
+            await trio.sleep(0.02)
+    assert (await server.request("GET", f"{TASKS}/{task['id']}")).json()["status"] == "in_progress"
+    monkeypatch.undo()  # the disk has room again
+    events = await all_events(server, task["id"])
+    assert events[-1].event == "response.failed"
+    assert [e.id for e in events] == list(range(1, len(events) + 1))
+    final = await wait_final(server, task["id"])
+    assert final["status"] == "failed" and final["response"]["error"]["code"] == "internal_error"
+
+
+async def test_an_expiry_purge_cannot_cut_a_replay_short(tmp_path):
+    store = await Store.open(tmp_path)
+    await store.create_task("task_1", "local", 0, "tiny:chat-q8_0", "resp_1", "{}")
+    events = [LoggedEvent(seq, "response.output_text.delta", "{}") for seq in range(1, 1500)]
+    await store.append_events("task_1", events)
+    await store.finish_task("task_1", "completed", "{}", [LoggedEvent(1500, "response.completed", "{}")])
+    async with aclosing(await Tasks(store).events("task_1", "local", 0)) as replay:
+        body = await replay.__anext__()
+        await store.purge(2e9, 0, 0)  # every ended task's events expire now
+        body += b"".join([chunk async for chunk in replay])
+    assert [e.id for e in parse_sse(body)] == list(range(1, 1501))
+    store.close()
+
+
+async def test_a_damaged_database_is_a_store_error_at_start(tmp_path):
+    store = await Store.open(tmp_path)
+    for n in range(200):  # pages beyond the first few
+        await store.create_task(f"task_{n}", "local", 0, "tiny:chat-q8_0", f"resp_{n}", "x" * 500)
+    store.close()
+    path = tmp_path / "lmsp-min.sqlite3"
+    with open(path, "r+b") as file:
+        for offset in range(4096, path.stat().st_size, 4096):
+            file.seek(offset)
+            file.write(bytes(random.Random(offset).randrange(256) for _ in range(4096)))
+    store = await Store.open(tmp_path)
+    with pytest.raises(StoreError, match="cannot be read"):
+        await Tasks(store).run()
+    store.close()
 
 
 async def test_task_events_are_those_of_a_direct_stream(nursery, tiny_path):

@@ -1,5 +1,7 @@
 """Idempotency keys (D8): replay, 409 while running, 422 on another body, per principal."""
 
+import sqlite3
+
 import pytest
 import trio
 
@@ -147,3 +149,53 @@ def _stream(chunks):
     async def run():
         return StreamingResponse(chunks())
     return run
+
+
+async def test_a_client_leaving_while_its_result_is_recorded_still_has_it_recorded(server, monkeypatch):
+    """The recording is shielded: cancelled before its write started, it left the key
+    'running' for good, and every retry got 409."""
+    store = server.service.store
+    record = store.complete_idempotency_key
+    recording = trio.Event()
+
+    async def slow_record(*args, **kwargs):
+        recording.set()
+        await trio.sleep(0.3)  # the client leaves meanwhile
+        await record(*args, **kwargs)
+
+    monkeypatch.setattr(store, "complete_idempotency_key", slow_record)
+    async with server.connection() as client:
+        await client.send("POST", "/lmsp/v1/responses", json_body=BODY, headers=key("k1"))
+        await recording.wait()
+    with trio.fail_after(10):
+        while (again := await server.responses(BODY, headers=key("k1"))).status == 409:
+            await trio.sleep(0.05)
+    assert again.status == 200 and again.headers["idempotent-replayed"] == "true"
+
+
+async def test_a_key_whose_result_cannot_be_recorded_is_released(server, monkeypatch):
+    """A failing disk: the result cannot be recorded, nor (here) the key released at
+    once; the periodic recovery releases it, and a retry runs again."""
+    store = server.service.store
+    claim, write = store.claim_idempotency_key, store._write
+    disk_full = False
+
+    async def claim_then_fill_the_disk(*args):
+        nonlocal disk_full
+        record = await claim(*args)
+        disk_full = True
+        return record
+
+    async def failing_write(*args, **kwargs):
+        if disk_full:
+            raise sqlite3.OperationalError("database or disk is full")
+        return await write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "claim_idempotency_key", claim_then_fill_the_disk)
+    monkeypatch.setattr(store, "_write", failing_write)
+    assert (await server.responses(BODY, headers=key("k1"))).status == 500
+    monkeypatch.undo()
+    assert (await server.responses(BODY, headers=key("k1"))).status == 409  # still held
+    await server.service.tasks.recover()  # (what Tasks.run does every RECOVER_INTERVAL)
+    again = await server.responses(BODY, headers=key("k1"))
+    assert again.status == 200 and "idempotent-replayed" not in again.headers
