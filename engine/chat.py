@@ -18,7 +18,10 @@ generate_chat splits the output into TextDelta and ToolCall events (and the text
 around the calls into ReasoningDelta and TextDelta, for a model that reasons); a
 call cut off by max_tokens is dropped (Finished "length"), never given out half-made.
 With `json_schema` the message text is one JSON document valid for the schema.
-Stop sequences do not apply to constrained output: they could cut a document.
+Stop sequences apply to what is not constrained: without tools they end the raw
+output; with tools, the message text only (`MessageStop`: a call is never cut);
+with `json_schema` they are not applied (they could cut the document; the server
+refuses the combination).
 """
 
 from __future__ import annotations
@@ -116,12 +119,20 @@ async def generate_chat(model, prepared: PreparedChat):
                                 stop=() if constraint is not None else request.stop, constraint=constraint)
     splitter = ReasoningSplitter(prepared.starts_in_reasoning) if "reasoning" in model.info.capabilities else None
     output = OutputSplitter(ToolCallParser() if prepared.tool_calls else None, splitter)
+    message_stop = MessageStop(request.stop) if prepared.tool_calls and request.stop else None
     try:
         async for token in generation:
-            for event in output.feed(token.text):
+            events = output.feed(token.text)
+            for event in message_stop.apply(events) if message_stop else events:
                 yield event
-        for event in output.finish(complete=generation.finish_reason == "stop"):
-            yield event
+            if message_stop and message_stop.stopped:
+                break
+        else:
+            events = output.finish(complete=generation.finish_reason == "stop")
+            if message_stop:
+                events = message_stop.apply(events) + message_stop.flush()
+            for event in events:
+                yield event
     finally:
         await generation.aclose()
     yield Finished(generation.finish_reason or "stop", prepared.input_tokens,
@@ -162,6 +173,37 @@ class ReasoningSplitter:
     def _emit(self, text: str, events: list) -> None:
         if text:
             events.append(ReasoningDelta(text) if self.in_reasoning else TextDelta(text))
+
+
+class MessageStop:
+    """Stop sequences over the message text of a response with tools: a stop ends the
+    response where it begins in the text, and a call is never cut (calls pass through,
+    after whatever text was held back as a possible stop: it was not one)."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.filter = StopFilter(stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self.filter.stopped
+
+    def apply(self, events: list) -> list:
+        out = []
+        for event in events:
+            if self.filter.stopped:
+                break  # nothing after a stop sequence is given out
+            is_text = isinstance(event, TextDelta)
+            out += self._text(self.filter.feed(event.text) if is_text else self.filter.flush())
+            if not is_text:
+                out.append(event)
+        return out
+
+    def flush(self) -> list:
+        return self._text(self.filter.flush())
+
+    @staticmethod
+    def _text(text: str) -> list:
+        return [TextDelta(text)] if text else []
 
 
 class OutputSplitter:

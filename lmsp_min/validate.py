@@ -42,6 +42,7 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_INPUT_ITEMS = 4096
 MAX_TOOLS = 128
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
 EXTENSION = "lmsp-min"
 
 
@@ -217,6 +218,9 @@ def validate_responses_request(body: dict) -> ResponsesRequest:
         request.tool_choice = _tool_choice(body["tool_choice"], request.tools)
     if body.get("extensions") is not None:
         _extensions(_object(body["extensions"], "extensions"), request)
+    if request.stop and request.json_schema is not None:
+        raise invalid(f"extensions.{EXTENSION}.stop", "stop sequences cannot be combined with a json_schema "
+                      "response format: cutting the output would break the document the schema describes")
     return request
 
 
@@ -383,6 +387,8 @@ def _extensions(extensions: dict, request: ResponsesRequest) -> None:
                           f"{MAX_STOP_SEQUENCES} strings")
         for index, sequence in enumerate(stop):
             _string(sequence, f"{prefix}.stop[{index}]", allow_empty=False)
+            if len(sequence) > MAX_STOP_LENGTH:  # each generated token is checked against every prefix
+                raise invalid(f"{prefix}.stop[{index}]", f"a stop sequence is at most {MAX_STOP_LENGTH} characters")
         request.stop = tuple(stop)
 
 

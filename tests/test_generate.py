@@ -6,7 +6,7 @@ import trio
 
 from engine import (ChatRequest, ContextLengthExceeded, Finished, ReasoningDelta,
                     SamplingParams, TextDelta, load_model)
-from engine.chat import OutputSplitter, ReasoningSplitter, ToolCall
+from engine.chat import MessageStop, OutputSplitter, ReasoningSplitter, ToolCall
 from engine.tools import ToolCallParser
 from engine.generate import StopFilter
 from engine.sampling import Sampler
@@ -172,6 +172,31 @@ def test_tools_are_prepared_with_a_constraint(model):
     prepared = model.prepare_chat(ChatRequest([{"role": "user", "content": "Hi"}],
                                               tools=[{"name": "f", "description": "", "parameters": {}}]))
     assert prepared.tool_calls and prepared.constraint is not None
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "auto"])
+async def test_with_tools_a_stop_sequence_ends_the_message_text(model, tool_choice):
+    tools = [{"name": "f", "description": "", "parameters": {}}]
+
+    async def text_of(stop=()):
+        request = ChatRequest([{"role": "user", "content": "Hi"}], max_tokens=12, sampling=GREEDY, stop=stop,
+                              tools=tools, tool_choice=tool_choice)
+        events = [ev async for ev in model.generate_chat(model.prepare_chat(request))]
+        return "".join(ev.text for ev in events if isinstance(ev, TextDelta)), events[-1]
+
+    free, _ = await text_of()
+    assert len(free) > 6  # the tiny model wrote text, not a call
+    stop = free[len(free) // 2: len(free) // 2 + 3]
+    cut, finished = await text_of(stop=("zzzz-never", stop))
+    assert cut == free[: free.index(stop)] and finished.reason == "stop"
+
+
+def test_message_stop_lets_calls_through_and_cuts_only_text():
+    stop = MessageStop(("STOP",))
+    call = ToolCall(0, "f", "{}")
+    assert stop.apply([TextDelta("Hello ST"), call]) == [TextDelta("Hello "), TextDelta("ST"), call]
+    assert stop.apply([TextDelta("a ST"), TextDelta("OP b"), call]) == [TextDelta("a ")]
+    assert stop.stopped and stop.apply([TextDelta("more")]) == []
 
 
 def test_reasoning_splitter():

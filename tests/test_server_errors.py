@@ -73,6 +73,10 @@ async def test_malformed_json(server, payload):
      "input[0].arguments"),  # nested too deeply to read
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": 5}]}, "input[0].output"),
+    ({"extensions": {"lmsp-min": {"stop": ["x" * 257]}}}, "extensions.lmsp-min.stop[0]"),
+    ({"extensions": {"lmsp-min": {"stop": ["}"]}},
+      "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
+     "extensions.lmsp-min.stop"),
     ({"stream": "yes"}, "stream"),
     ({"store": 1}, "store"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
