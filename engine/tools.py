@@ -41,6 +41,7 @@ from .errors import EngineError, SchemaError
 
 OPENER = "<tool_call>"
 CLOSER = "</tool_call>"
+_JSON = json.JSONDecoder()
 MAX_CALLS = 4  # calls in one response: a small model must not loop on calls forever
 
 GENERIC_INSTRUCTIONS = (
@@ -209,15 +210,15 @@ class ToolCallParser:
         out = []
         while True:
             if self.in_call:
-                end = self.pending.find(CLOSER)
-                if end < 0:
+                found = self._whole_call()
+                if found is None:
                     return out
-                call = self._parse(self.pending[:end], self.n_calls)
+                call, end = found
                 if (call.name, call.arguments) not in self.calls:
                     self.calls.add((call.name, call.arguments))
                     out.append(call)
                     self.n_calls += 1
-                self.pending = self.pending[end + len(CLOSER):]
+                self.pending = self.pending[end:]
                 self.in_call = False
                 continue
             start = self.pending.find(OPENER)
@@ -252,10 +253,22 @@ class ToolCallParser:
         self.pending = ""
         return out
 
-    @staticmethod
-    def _parse(body: str, index: int) -> ParsedCall:
+    def _whole_call(self) -> tuple[ParsedCall, int] | None:
+        """(the call, where its closer ends) once `pending` holds a whole call, else None.
+
+        The call is the JSON object after the opener, and it ends at the first closer
+        after that object: a closer inside one of its strings ({"tag": "</tool_call>"})
+        is text, not the end.
+        """
+        start = len(self.pending) - len(self.pending.lstrip())
         try:
-            call = json.loads(body)
-            return ParsedCall(index, call["name"], _compact(call["arguments"]))
-        except (ValueError, KeyError, TypeError) as e:
-            raise EngineError(f"malformed tool call {body!r}") from e
+            call, end = _JSON.raw_decode(self.pending, start)
+        except ValueError:  # not whole yet (the grammar makes it valid JSON once it is)
+            return None
+        close = self.pending.find(CLOSER, end)
+        if close < 0:
+            return None
+        try:
+            return ParsedCall(self.n_calls, call["name"], _compact(call["arguments"])), close + len(CLOSER)
+        except (KeyError, TypeError) as e:
+            raise EngineError(f"malformed tool call {self.pending[:end]!r}") from e

@@ -130,6 +130,14 @@ def test_parser_streams_text_and_calls():
     assert parse(twice) == [ParsedCall(0, "f", '{"a":1}')]     # a repeated call is dropped
 
 
+def test_a_closer_inside_an_argument_is_text():
+    text = '<tool_call>\n{"name": "render", "arguments": {"tag": "</tool_call>", "n": 1}}\n</tool_call>'
+    for size in (1, 5, len(text)):
+        parser = ToolCallParser()
+        out = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
+        assert out == [ParsedCall(0, "render", '{"tag":"</tool_call>","n":1}')]
+
+
 HISTORY = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris and Rome?"},
