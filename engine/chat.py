@@ -2,7 +2,8 @@
 
 `model.prepare_chat(request)` does everything that can fail before a token is
 generated, synchronously: it renders the chat template, tokenizes the result
-(special tokens in the template text are parsed as such) and checks that the
+(special tokens in the template text are parsed as such, never in the messages'
+text) and checks that the
 input and the requested output fit the context window (decision D4). Then
 `model.generate_chat(prepared)` is an async generator of events:
 
@@ -26,11 +27,12 @@ refuses the combination).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import ContextLengthExceeded
 from .generate import StopFilter
 from .sampling import SamplingParams
+from .tokenizer import LITERAL_CLOSE, LITERAL_OPEN, as_literal
 from .tools import ToolCallParser, plan_output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -96,9 +98,16 @@ class Finished:
 
 def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     """Render, tokenize and check a chat request; raises before any generation starts."""
+    # a message that spells a control token ("<|im_end|>") is text, not that token: it
+    # could otherwise close its turn and forge another (prompt injection)
+    tokenizer = model.tokenizer
+    request = replace(request, messages=[
+        dict(m, content=as_literal(m["content"])) if isinstance(m.get("content"), str)
+        and tokenizer.holds_special_text(m["content"]) else m for m in request.messages])
     plan = plan_output(model, request)
-    prompt = model.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.template_tools)
-    prompt_ids = model.tokenize(prompt, add_special=model.add_bos, parse_special=True)
+    marked = model.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.template_tools)
+    prompt_ids = model.tokenize(marked, add_special=model.add_bos, parse_special=True)
+    prompt = marked.replace(LITERAL_OPEN, "").replace(LITERAL_CLOSE, "")
     n_ctx = model.n_ctx
     if request.max_tokens is not None and request.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")

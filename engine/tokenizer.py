@@ -18,7 +18,9 @@ Before either runs, the text is partitioned around special tokens (llama.cpp's
 is searched for in the text and cut out as a token of its own. With
 ``parse_special=False`` control and unknown tokens are skipped, but user-defined
 tokens (Gemma's `<html>`, runs of spaces or newlines, ...) are still cut out:
-Hugging Face's tokenizers do the same with their "added tokens".
+Hugging Face's tokenizers do the same with their "added tokens". Text marked with
+`as_literal` is partitioned as without ``parse_special`` even when it is on: that
+is how a chat prompt keeps its template's control tokens and a client's text apart.
 
 Decoding: `decode(ids)` is llama.cpp's `llama_detokenize(..., remove_special=false,
 unparse_special=false)`: control and unknown tokens render as nothing (so the text
@@ -84,6 +86,23 @@ _TOKEN_TYPE_ATTR = {
     5: Attr.UNUSED,
     6: Attr.BYTE,
 }
+
+# Text between these two noncharacters (Unicode keeps them for a program's internal
+# use) is tokenized as text even with parse_special: a client's chat message can spell
+# "<|im_end|>" but never be that control token (engine/chat.py marks such text).
+LITERAL_OPEN, LITERAL_CLOSE = "\ufdd0", "\ufdd1"
+
+
+def as_literal(text: str) -> str:
+    """`text` marked to be tokenized as text (markers already in it are dropped); its
+    leading and trailing whitespace stay outside, for templates that trim it."""
+    text = text.replace(LITERAL_OPEN, "").replace(LITERAL_CLOSE, "")
+    core = text.strip()
+    if not core:
+        return text
+    start = text.index(core)
+    return f"{text[:start]}{LITERAL_OPEN}{core}{LITERAL_CLOSE}{text[start + len(core):]}"
+
 
 # Texts llama.cpp recognizes as end-of-generation tokens (llama-vocab.cpp, "special_eog_ids").
 _EOG_TEXTS = frozenset({
@@ -389,8 +408,14 @@ class Tokenizer(abc.ABC):
     def _encode_fragments(self, fragments: list[str | int], ids: list[int]) -> None:
         """Append the ids of text fragments (token ids among them are appended as they are)."""
 
+    def holds_special_text(self, text: str) -> bool:
+        """Whether `text` spells a special token (which parse_special would turn into it)."""
+        return any(isinstance(fragment, int) for fragment in self._partition(text, True))
+
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Cut special tokens out of the text: a list of text fragments and token ids."""
+        if parse_special and LITERAL_OPEN in text:
+            return self._partition_marked(text)
         fragments: list[str | int] = [text]
         specials = self._special_all if parse_special else self._special_user
         if len(specials) > 64 and len(text) > 64:
@@ -412,6 +437,19 @@ class Tokenizer(abc.ABC):
                     if part:
                         out.append(part)
             fragments = out
+        return fragments
+
+    def _partition_marked(self, text: str) -> list[str | int]:
+        """_partition with parse_special, except between LITERAL_OPEN and LITERAL_CLOSE,
+        where special tokens are parsed as without it. The markers are dropped, and the
+        text on both sides of one is a single fragment, tokenized as if it were not there."""
+        fragments: list[str | int] = []
+        for k, part in enumerate(regex.split(f"[{LITERAL_OPEN}{LITERAL_CLOSE}]", text)):
+            for fragment in self._partition(part, parse_special=k % 2 == 0) if part else []:
+                if isinstance(fragment, str) and fragments and isinstance(fragments[-1], str):
+                    fragments[-1] += fragment
+                else:
+                    fragments.append(fragment)
         return fragments
 
     # -- decoding ---------------------------------------------------------------------------
