@@ -120,7 +120,8 @@ class Generation:
                 done = ending == "stop"  # the constraint is complete (judged when the token was picked)
                 if done or self.n_generated >= self.max_tokens:
                     self.finish_reason = "stop" if done else "length"
-                    text += stops.feed(decoder.flush())
+                    if done:  # (at the token limit, a character cut in half is left out, not U+FFFD)
+                        text += stops.feed(decoder.flush())
                     if stops.stopped:
                         self.finish_reason = "stop"
                     else:

@@ -249,7 +249,9 @@ class ToolCallParser:
         """
         if self.in_call and complete:
             raise EngineError("generation ended inside a tool call")
-        out = [self.pending] if self.pending and not self.seen_call else []
+        # held back as the start of an opener: text if the output ended there, a call
+        # cut off by the limit if it did not
+        out = [self.pending] if self.pending and not self.seen_call and complete else []
         self.pending = ""
         return out
 

@@ -57,6 +57,15 @@ def test_a_tiny_temperature_picks_the_best_token(temperature, top_k, top_p):
     assert all(sampler.pick(logits) == int(np.argmax(logits)) for _ in range(5))
 
 
+async def test_a_character_cut_by_the_token_limit_is_left_out(model, prompt, monkeypatch):
+    """Not written as U+FFFD: the limit cut it, the model did not write a broken one."""
+    first_half = next(i for i in range(model.tokenizer.n_vocab) if model.tokenizer.token_bytes(i) == b"\xc3")
+    picks = iter([model.tokenize("a", add_special=False)[0], first_half])  # "a", then half of "é"
+    monkeypatch.setattr(Sampler, "pick", lambda self, logits: next(picks))
+    tokens = await collect(model.generate(prompt, max_tokens=2, sampling=GREEDY))
+    assert "".join(t.text for t in tokens) == "a"
+
+
 async def test_stop_sequence_is_never_emitted(model, prompt):
     free = await collect(model.generate(prompt, max_tokens=12, sampling=GREEDY))
     text = "".join(t.text for t in free)

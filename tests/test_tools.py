@@ -130,6 +130,14 @@ def test_parser_streams_text_and_calls():
     assert parse(twice) == [ParsedCall(0, "f", '{"a":1}')]     # a repeated call is dropped
 
 
+def test_the_start_of_an_opener_cut_by_the_limit_is_not_text():
+    parser = ToolCallParser()
+    assert parser.feed("Sure. <tool_ca") == ["Sure. "]
+    assert parser.finish(complete=False) == []  # a call the limit cut off, never text
+    parser = ToolCallParser()
+    assert parser.feed("a <tool_ca") + parser.finish(complete=True) == ["a ", "<tool_ca"]  # it ended there
+
+
 def test_a_closer_inside_an_argument_is_text():
     text = '<tool_call>\n{"name": "render", "arguments": {"tag": "</tool_call>", "n": 1}}\n</tool_call>'
     for size in (1, 5, len(text)):
