@@ -82,7 +82,12 @@ class Service:
         return service
 
     async def drain(self, grace: float = 10.0) -> None:
-        """Stop taking requests; give those in progress up to `grace` seconds to finish."""
+        """Stop taking requests; give those in progress up to `grace` seconds to finish.
+
+        Running tasks end `failed` first, so that the clients following them get
+        their final event before their streams close."""
+        if self.tasks is not None:
+            await self.tasks.stop()
         if self.http is not None:
             await self.http.drain(grace)
 

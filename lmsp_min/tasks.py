@@ -180,6 +180,7 @@ class Tasks:
         self._log = log or (lambda line: None)
         self._running: dict[str, _Running] = {}
         self._nursery: trio.Nursery | None = None
+        self._stopping = False  # the service is stopping: running tasks end failed
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then host the task runners, recover and purge expired events
@@ -212,6 +213,8 @@ class Tasks:
         Once this returns, the task is in the database (durably) and running."""
         if self._nursery is None:
             raise RuntimeError("Tasks.run is not running: tasks cannot start")
+        if self._stopping:
+            raise Problem("model_unavailable", "the service is shutting down", headers=[("Retry-After", "5")])
         task_id = new_id("task")
         run = generation.run
         running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))
@@ -246,6 +249,9 @@ class Tasks:
                                 final = logged
                                 break
                             log.append(logged)
+                if final is None and self._stopping:  # (stop(), below): failed, in `finally`
+                    nursery.cancel_scope.cancel()
+                    return
                 if final is None:  # cancelled by POST /cancel
                     event = run.cancelled()
                     final = LoggedEvent(event.id, event.name, _json(event.data))
@@ -295,6 +301,16 @@ class Tasks:
         if row is None:
             raise Problem("task_not_found", f"no task has the id '{task_id[:80]}'")
         return row
+
+    async def stop(self) -> None:
+        """The service is stopping: end every running task `failed` now, each with its
+        final event (its followers are still connected to receive it)."""
+        self._stopping = True
+        running = list(self._running.values())
+        for task in running:
+            task.cancel_scope.cancel()
+        for task in running:
+            await task.ended.wait()
 
     async def cancel(self, task_id: str, principal: str) -> TaskRow:
         """Stop a running task and return it once it is `cancelled`; a final task

@@ -446,3 +446,18 @@ async def test_a_service_that_stops_fails_its_running_tasks_at_once(tiny_path, t
     assert [e.seq for e in events[:4]] == [e.id for e in seen] and events[-1].event == "response.failed"
     assert await Tasks(store).recover() == []  # nothing was left for a restart to do
     store.close()
+
+
+async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_path, tmp_path, monkeypatch):
+    """SIGTERM drains the service: its tasks end failed first, so that the clients
+    following them get the final event before their streams close."""
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.02)
+    task = await create(server, task_body(max_output_tokens=300))
+    async with server.connection() as client:
+        stream = follow(client, task["id"])
+        await stream.__anext__()
+        async with trio.open_nursery() as draining:
+            draining.start_soon(server.service.drain, 5.0)
+            rest = [event async for event in stream if event is not None]
+    assert rest[-1].event == "response.failed" and rest[-1].data["error"]["code"] == "generation_failed"
