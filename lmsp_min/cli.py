@@ -7,6 +7,9 @@ one line on stderr and exit status 1, without a traceback.
 """
 
 import argparse
+import io
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,13 +130,13 @@ def add_run_parser(commands) -> None:
     p.add_argument("model", metavar="MODEL", help="a known model name, a store id or a .gguf path")
     p.add_argument("prompt", metavar="PROMPT", nargs="?", help="one message to answer, then exit")
     p.add_argument("--system", help="a system message opening the conversation")
-    p.add_argument("--max-tokens", type=int, default=None, help="cap on tokens per answer (default: the context window)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy, deterministic answers (default 0.8)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens, 0 = off (default 40)")
-    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this fraction of the top one (default 0.05)")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    p.add_argument("--ctx", type=int, default=4096, help="context window in tokens (default 4096, capped by the model's)")
+    p.add_argument("--max-tokens", type=_number(int, 1), default=None, help="cap on tokens per answer (default: the context window)")
+    p.add_argument("--temperature", type=_number(float, 0, 2), default=0.8, help="0 for greedy, deterministic answers (default 0.8)")
+    p.add_argument("--top-p", type=_number(float, 0, 1, above=True), default=0.95, help="nucleus sampling (default 0.95)")
+    p.add_argument("--top-k", type=_number(int, 0), default=40, help="sample among the k likeliest tokens, 0 = off (default 40)")
+    p.add_argument("--min-p", type=_number(float, 0, 1), default=0.05, help="drop tokens below this fraction of the top one (default 0.05)")
+    p.add_argument("--seed", type=_number(int, 0, 2**64 - 1), default=None, help="seed for reproducible sampling")
+    p.add_argument("--ctx", type=_number(int, 1), default=4096, help="context window in tokens (default 4096, capped by the model's)")
     p.set_defaults(func=cmd_run)
 
 
@@ -158,6 +161,8 @@ def cmd_run(args) -> int:
         answer(history + [{"role": "user", "content": args.prompt}])
         return 0
 
+    if isinstance(sys.stdin, io.TextIOWrapper):  # bytes that are not UTF-8 become U+FFFD, not an error
+        sys.stdin.reconfigure(errors="replace")
     interactive = sys.stdin.isatty()
     if interactive:
         info = model.info
@@ -253,12 +258,17 @@ def cmd_bench(args) -> int:
 # -- serve ----------------------------------------------------------------------
 
 
-def _not_negative(kind):
-    """An argparse type: a number of `kind` that is 0 or more."""
+def _number(kind, low: float, high: float = math.inf, *, above: bool = False):
+    """An argparse type: a number of `kind` from `low` (excluded with `above`) to `high`."""
+    if high == math.inf:
+        bounds = f"more than {low}" if above else f"{low} or more"
+    else:
+        bounds = f"more than {low} and at most {high}" if above else f"from {low} to {high}"
+
     def parse(text: str):
         value = kind(text)
-        if not value >= 0:  # (NaN too)
-            raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+        if not ((value > low if above else value >= low) and value <= high):  # (NaN fails both)
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid float value" message
@@ -280,16 +290,16 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--models-dir", type=Path, metavar="DIR",
                    help=f"serve every .gguf in DIR (default: the model store, {models_dir()})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    p.add_argument("--port", type=_number(int, 0, 65535), default=8080, help="port to listen on (default 8080)")
     p.add_argument("--tokens-file", type=Path, metavar="FILE",
                    help='JSON list of {"token", "principal", "scopes"}; required beyond loopback')
     p.add_argument("--data-dir", type=Path, metavar="DIR",
                    help="where stored responses and tasks live (default: the user data directory)")
     p.add_argument("--no-store", action="store_true",
                    help="keep nothing beyond this process (no conversations)")
-    p.add_argument("--event-retention", type=_not_negative(float), default=3600.0, metavar="SECONDS",
+    p.add_argument("--event-retention", type=_number(float, 0), default=3600.0, metavar="SECONDS",
                    help="how long a finished task's events can be replayed (default 3600)")
-    p.add_argument("--max-body-bytes", type=_not_negative(int), default=4 * 1024 * 1024, metavar="N",
+    p.add_argument("--max-body-bytes", type=_number(int, 0), default=4 * 1024 * 1024, metavar="N",
                    help="largest request body accepted (default 4 MiB)")
     p.set_defaults(func=cmd_serve)
 
@@ -340,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # (`lmsp-min run ... | head`): the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit)
+        return 1
 
 
 if __name__ == "__main__":

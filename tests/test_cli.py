@@ -96,12 +96,16 @@ def test_unknown_arguments_are_rejected(capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("option, value", [("--event-retention", "-5"), ("--event-retention", "nan"),
-                                           ("--max-body-bytes", "-1")])
-def test_negative_bounds_are_rejected(option, value, capsys):
+@pytest.mark.parametrize("args", [
+    ["serve", "--event-retention", "-5"], ["serve", "--event-retention", "nan"], ["serve", "--max-body-bytes", "-1"],
+    ["serve", "--port", "70000"], ["run", "m", "--max-tokens", "0"], ["run", "m", "--temperature", "nan"],
+    ["run", "m", "--top-p", "0"], ["run", "m", "--min-p", "5"], ["run", "m", "--seed", "-1"], ["run", "m", "--ctx", "-5"],
+])
+def test_out_of_range_options_are_usage_errors(args, capsys):
+    """Refused before any model loads, in one line (they gave tracebacks from the engine)."""
     with pytest.raises(SystemExit) as e:
-        cli.main(["serve", option, value])
-    assert e.value.code == 2 and "must be 0 or more" in capsys.readouterr().err
+        cli.main(args)
+    assert e.value.code == 2 and "must be " in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +177,14 @@ def test_chat_goes_on_when_the_conversation_outgrows_the_window(tiny_chat, load_
     captured = capsys.readouterr()
     assert "/clear starts a new conversation" in captured.err
     assert captured.out.strip()  # the second line was still answered
+
+
+@pytest.mark.parametrize("shell", [
+    "{run} 'Once upon a time' --max-tokens 300 | head -c 1",       # the reader leaves early
+    "printf 'caf\\351\\n' | PYTHONIOENCODING=utf-8 {run} --max-tokens 2",  # latin-1 bytes on a strict stdin
+])
+def test_run_in_a_pipe_ends_without_a_traceback(tiny_chat, shell):
+    run = f"{sys.executable} -m lmsp_min.cli run {tiny_chat}"
+    done = subprocess.run(shell.format(run=run), shell=True, capture_output=True, text=True, timeout=120,
+                          cwd=Path(cli.__file__).resolve().parent.parent, env={**os.environ, "LMSP_HELPER": "0"})
+    assert "Traceback" not in done.stderr, done.stderr
