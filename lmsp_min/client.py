@@ -189,9 +189,14 @@ class Client:
         `functions[name](**arguments)` returned. A `tool_choice` that forces a
         call ("required" or a named function) holds for the first round only;
         the next rounds are "auto", so the model can answer with the results.
+        An `idempotency_key` K is sent as "K/1", "K/2"... one per round: each
+        round is another request.
         """
         items = as_input(input)
-        for _ in range(max_rounds):
+        key = fields.pop("idempotency_key", None)
+        for round_number in range(1, max_rounds + 1):
+            if key is not None:
+                fields["idempotency_key"] = f"{key}/{round_number}"
             response = self.create_response(model, items, **fields)
             calls = function_calls(response)
             if not calls:
@@ -307,14 +312,14 @@ class Client:
             data = resp.read()
         finally:
             conn.close()
-        if resp.status >= 400:
+        if not 200 <= resp.status < 300:  # (3xx too: this client follows no redirect)
             raise LMSPError(resp.status, _problem(resp.status, data))
         return json.loads(data) if data else None
 
     def _open(self, method: str, path: str, body: Any, headers: dict):
         """A streaming request: the open connection and its response, or LMSPError."""
         conn, resp = self._send(method, path, body, {"Accept": "text/event-stream", **headers})
-        if resp.status >= 400:
+        if not 200 <= resp.status < 300:
             try:
                 data = resp.read()
             finally:

@@ -150,6 +150,14 @@ def _parse_header(view) -> GGUFHeader:
     return GGUFHeader(metadata, n_parameters)
 
 
+def _count(value, key: str) -> int:
+    """A metadata value that must be a non-negative integer (a context length), else the
+    header is unreadable: a file saying "big" or NaN is skipped, not a crash."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GGUFHeaderError(f"the metadata's {key} is not a count of tokens: {str(value)[:40]!r}")
+    return value
+
+
 # -- ids ------------------------------------------------------------------------------
 
 
@@ -205,7 +213,7 @@ class ModelEntry:
             size_bytes=stat.st_size,
             architecture=architecture,
             quantization=FILE_TYPES.get(meta.get("general.file_type"), "unknown"),
-            context_window=int(meta.get(f"{architecture}.context_length", 0)),
+            context_window=_count(meta.get(f"{architecture}.context_length", 0), "context_length"),
             parameters=header.n_parameters,
             capabilities=capabilities,
         )

@@ -77,6 +77,8 @@ class FakeServer:
                 body = json.loads(self.rfile.read(length)) if length else None
                 server.requests.append((method, self.path, dict(self.headers), body))
                 path = self.path
+                if path == "/lmsp/v1/moved":
+                    return self._json(302, {}, "text/html")
                 if path == "/lmsp/v1/models":
                     return self._json(200, {"object": "list", "data": [{"id": "fake:1m", "object": "model"}]})
                 if path == "/lmsp/v1/responses":
@@ -212,6 +214,12 @@ def test_problem_documents_become_lmsp_errors(fake):
     assert e.value.code == "model_not_found"
 
 
+def test_a_redirect_is_an_error_not_a_result(fake):
+    with pytest.raises(LMSPError) as e:
+        Client(fake.url)._json("GET", "/lmsp/v1/moved")
+    assert e.value.status == 302
+
+
 def test_list_models(fake):
     assert [m["id"] for m in Client(fake.url).list_models()] == ["fake:1m"]
 
@@ -252,9 +260,12 @@ def test_run_tools_round_trip(fake):
         return {"temperature_c": 17}
 
     response = Client(fake.url).run_tools(
-        "fake:1m", "Weather in Hangzhou?", {"get_weather": get_weather}, tools=tools, tool_choice="required"
+        "fake:1m", "Weather in Hangzhou?", {"get_weather": get_weather}, tools=tools, tool_choice="required",
+        idempotency_key="weather-1",
     )
     assert seen == ["Hangzhou"]
+    # each round is a request of its own, with a key of its own (one key for both: 422)
+    assert [r[2].get("Idempotency-Key") for r in fake.requests[-2:]] == ["weather-1/1", "weather-1/2"]
     assert [r[3].get("tool_choice") for r in fake.requests[-2:]] == ["required", "auto"]
     assert output_text(response) == "It is 17 degrees."
     second = fake.requests[-1][3]["input"]

@@ -3,6 +3,7 @@
 import shutil
 from pathlib import Path
 
+import gguf
 import pytest
 import trio
 
@@ -72,6 +73,15 @@ async def test_listing_does_not_load_models(nursery, tmp_path, tiny_path):
     models.mkdir()
     shutil.copy(tiny_path, models / "SmolLM2-135M-Instruct.Q4_1.gguf")
     (models / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # truncated: skipped
+    for name, length in [("odd-text", "big"), ("odd-nan", float("nan"))]:  # a context length that is no count
+        writer = gguf.GGUFWriter(models / f"{name}.gguf", "llama")
+        if isinstance(length, str):
+            writer.add_string("llama.context_length", length)
+        else:
+            writer.add_float32("llama.context_length", length)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
     (models / "notes.txt").write_text("not a model")
     lines = []
     service = await Service.open(ServiceConfig(models_dir=models, store=False), log=lines.append)
@@ -79,7 +89,7 @@ async def test_listing_does_not_load_models(nursery, tmp_path, tiny_path):
     reply = await server.request("GET", "/lmsp/v1/models")
     assert [m["id"] for m in reply.json()["data"]] == ["smollm2:135m-instruct-q4_1"]
     assert all(entry.model is None for entry in service.registry)
-    assert any("broken.gguf" in line for line in lines)
+    assert all(any(f"{name}.gguf" in line for line in lines) for name in ("broken", "odd-text", "odd-nan"))
 
 
 async def test_a_bad_model_path_is_refused_at_start(tmp_path):
