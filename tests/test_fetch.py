@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -164,6 +165,35 @@ def test_interrupted_download_stores_nothing(store, index, two_part_model):
     assert list(store.iterdir()) == []
 
 
+def test_a_full_disk_while_downloading_is_said_to_be_one(store, index, two_part_model, monkeypatch):
+    """Not "download interrupted": the network was fine, the store's disk was full."""
+    def disk_full(self, n):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fetch.Progress, "update", disk_full)  # (in the loop, after each write)
+    with pytest.raises(fetch.FetchError, match="cannot write to the model store .*No space left"):
+        fetch.pull(two_part_model[0].name, log=io.StringIO())
+
+
+def test_a_killed_pull_leaves_nothing_for_long(store, index, two_part_model):
+    store.mkdir(parents=True)
+    killed, running = store / ".pull-killed", store / ".pull-running"
+    for directory in (killed, running):
+        directory.mkdir()
+        (directory / "part.whl").write_bytes(b"x" * 100)
+    old = time.time() - fetch.ABANDONED_AFTER - 60
+    os.utime(killed / "part.whl", (old, old))
+    os.utime(killed, (old, old))
+    fetch.pull(two_part_model[0].name, log=io.StringIO())
+    assert not killed.exists() and running.exists()
+
+
+def test_an_index_url_without_a_scheme_is_one_clear_error(store, two_part_model, monkeypatch):
+    monkeypatch.setenv("LMSP_PYPI_URL", "pypi.org/simple")
+    with pytest.raises(fetch.FetchError, match="not a URL"):
+        fetch.pull(two_part_model[0].name, log=io.StringIO())
+
+
 def test_assembled_model_with_wrong_sha256_is_rejected(store, index, two_part_model, monkeypatch):
     model, _ = two_part_model
     wrong = fetch.KnownModel(model.name, model.filename, model.size, "1" * 64, model.parts)
@@ -228,6 +258,15 @@ def test_local_path_is_linked_into_the_store(store, tmp_path):
     assert path.read_bytes() == source.read_bytes()
     assert os.path.samefile(path, source)  # same file system: a hard link, no copy
     assert fetch.pull(str(path), log=io.StringIO()) == path  # already in the store
+
+
+@pytest.mark.parametrize("name", ["mine.bin", "mine.GGUF"])
+def test_a_local_file_is_stored_under_a_gguf_name(store, tmp_path, name):
+    """The name serve and models look for (a .bin was stored, then never found)."""
+    source = tmp_path / name
+    source.write_bytes(gguf_bytes(1000))
+    path = fetch.pull(source, log=io.StringIO())
+    assert path.suffix == ".gguf" and path.parent == store and path.read_bytes() == source.read_bytes()
 
 
 def test_local_path_is_copied_when_it_cannot_be_linked(store, tmp_path, monkeypatch):
