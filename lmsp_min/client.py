@@ -9,7 +9,9 @@
             print(event.data["delta"], end="", flush=True)
 
 Errors come back as `LMSPError(status, problem)`, where `problem` is the
-server's problem document (`problem["code"]` is what to match on).
+server's problem document (`problem["code"]` is what to match on). A stream
+that ends before its final event raises `StreamInterrupted`; other network
+failures raise what `http.client` raises (OSError, http.client.HTTPException).
 
 Task streams survive dropped connections: `follow_task` remembers the id of the
 last event it yielded and reconnects with `Last-Event-ID`, so the caller sees
@@ -50,6 +52,10 @@ class LMSPError(Exception):
 
 class StreamInterrupted(ConnectionError):
     """A stream ended before its final event (the connection dropped)."""
+
+
+class _EndedEarly(StreamInterrupted):
+    """The server ended a stream cleanly, but before any final event."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ def parse_sse(lines: Iterator[bytes]) -> Iterator[Event]:
     event_id: int | None = None
     name, data = "", []
     for raw in lines:
-        line = raw.decode("utf-8").rstrip("\r\n")
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")  # (the standard decodes with replacement)
         if not line:
             if data:
                 text = "\n".join(data)
@@ -244,15 +250,20 @@ class Client:
             except OSError:
                 conn = None
             if conn is not None:
+                progressed = False
                 try:
                     for event in self._events(resp):
                         if event.id is not None and event.id <= last:
                             continue  # already yielded before the reconnection
                         if event.id is not None:
                             last = event.id
-                        failures = 0
+                        failures, progressed = 0, True
                         yield event
                     return
+                except _EndedEarly:
+                    # the server had nothing after `last` for a final task: `last` was its final event
+                    if not progressed and self.get_task(task_id)["status"] in FINAL_STATUSES:
+                        return
                 except StreamInterrupted:
                     pass
                 finally:
@@ -341,7 +352,7 @@ class Client:
                     return
         except (OSError, http.client.HTTPException) as e:
             raise StreamInterrupted(f"connection lost: {e!r}") from None
-        raise StreamInterrupted("the stream ended before its final event")
+        raise _EndedEarly("the stream ended before its final event")
 
 
 def _problem(status: int, data: bytes) -> dict:

@@ -236,6 +236,10 @@ def test_follow_task_resumes_after_dropped_connections(fake):
     assert resumes == [None, "3", "3"]
 
 
+def test_follow_task_after_the_final_event_yields_nothing(fake):
+    assert list(Client(fake.url).follow_task("task_1", after=9)) == []  # (9: the final event's id)
+
+
 def test_follow_task_fetches_the_task_when_history_expired(fake):
     fake.history_expired = True
     events = list(Client(fake.url).follow_task("task_1", after=4))
