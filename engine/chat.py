@@ -27,12 +27,14 @@ refuses the combination).
 
 from __future__ import annotations
 
+import json
+import re
+import secrets
 from dataclasses import dataclass, field, replace
 
 from .errors import ContextLengthExceeded
 from .generate import StopFilter
 from .sampling import SamplingParams
-from .tokenizer import LITERAL_CLOSE, LITERAL_OPEN, as_literal
 from .tools import ToolCallParser, plan_output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -96,18 +98,71 @@ class Finished:
     cached_tokens: int = 0
 
 
+class Literals:
+    """Marks the special-token text in a client's strings, so that once the template has
+    rendered them it can be found again and tokenized as text.
+
+    Each occurrence is wrapped in a pair of marks made of a random nonce (ASCII, which
+    a template's `tojson` leaves as it is): a client cannot write, forge or cancel a
+    mark, and a template that cuts a message (`content.split(...)`) keeps or drops
+    both marks of an occurrence together. Only occurrences are marked, so every other
+    string renders exactly as before.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        nonce = secrets.token_hex(8)
+        self.open, self.close = f"[[lmsp-{nonce}[[", f"]]lmsp-{nonce}]]"
+
+    def mark(self, value):
+        """`value` (a string, or lists and dicts of them) with special-token text marked;
+        a call's `arguments` given as a JSON string is marked inside, as an object."""
+        if isinstance(value, str):
+            return self._mark_text(value)
+        if isinstance(value, list):
+            return [self.mark(item) for item in value]
+        if isinstance(value, dict):
+            return {key: self.mark(json.loads(item) if key == "arguments" and isinstance(item, str)
+                                   and self.tokenizer.holds_special_text(item) else item)
+                    for key, item in value.items()}
+        return value
+
+    def _mark_text(self, text: str) -> str:
+        parts = self.tokenizer.special_text_parts(text)
+        if len(parts) == 1:
+            return text
+        return "".join(f"{self.open}{part}{self.close}" if special else part for part, special in parts)
+
+    def find(self, rendered: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered prompt without the marks, and the (start, end) spans they enclosed.
+        A mark opened and never closed (a template that cut inside one) reads to the end."""
+        text: list[str] = []
+        spans: list[tuple[int, int]] = []
+        at, start = 0, None
+        for piece in re.split(f"({re.escape(self.open)}|{re.escape(self.close)})", rendered):
+            if piece == self.open:
+                start = at if start is None else start
+            elif piece == self.close:
+                if start is not None:
+                    spans.append((start, at))
+                start = None
+            else:
+                text.append(piece)
+                at += len(piece)
+        if start is not None:
+            spans.append((start, at))
+        return "".join(text), spans
+
+
 def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     """Render, tokenize and check a chat request; raises before any generation starts."""
-    # a message that spells a control token ("<|im_end|>") is text, not that token: it
-    # could otherwise close its turn and forge another (prompt injection)
-    tokenizer = model.tokenizer
-    request = replace(request, messages=[
-        dict(m, content=as_literal(m["content"])) if isinstance(m.get("content"), str)
-        and tokenizer.holds_special_text(m["content"]) else m for m in request.messages])
-    plan = plan_output(model, request)
+    # what a client wrote that spells a control token ("<|im_end|>") is text, not that
+    # token: it could otherwise close its turn and forge another (prompt injection)
+    literals = Literals(model.tokenizer)
+    plan = plan_output(model, replace(request, messages=literals.mark(request.messages)), literals.mark)
     marked = model.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.template_tools)
-    prompt_ids = model.tokenize(marked, add_special=model.add_bos, parse_special=True)
-    prompt = marked.replace(LITERAL_OPEN, "").replace(LITERAL_CLOSE, "")
+    prompt, spans = literals.find(marked)
+    prompt_ids = model.tokenizer.encode(prompt, add_special=model.add_bos, parse_special=True, literal_spans=spans)
     n_ctx = model.n_ctx
     if request.max_tokens is not None and request.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")

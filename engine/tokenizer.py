@@ -18,9 +18,10 @@ Before either runs, the text is partitioned around special tokens (llama.cpp's
 is searched for in the text and cut out as a token of its own. With
 ``parse_special=False`` control and unknown tokens are skipped, but user-defined
 tokens (Gemma's `<html>`, runs of spaces or newlines, ...) are still cut out:
-Hugging Face's tokenizers do the same with their "added tokens". Text marked with
-`as_literal` is partitioned as without ``parse_special`` even when it is on: that
-is how a chat prompt keeps its template's control tokens and a client's text apart.
+Hugging Face's tokenizers do the same with their "added tokens". The spans given as
+``literal_spans`` are partitioned as without ``parse_special`` even when it is on:
+that is how a chat prompt keeps its template's control tokens and a client's text
+apart (engine/chat.py).
 
 Decoding: `decode(ids)` is llama.cpp's `llama_detokenize(..., remove_special=false,
 unparse_special=false)`: control and unknown tokens render as nothing (so the text
@@ -86,23 +87,6 @@ _TOKEN_TYPE_ATTR = {
     5: Attr.UNUSED,
     6: Attr.BYTE,
 }
-
-# Text between these two noncharacters (Unicode keeps them for a program's internal
-# use) is tokenized as text even with parse_special: a client's chat message can spell
-# "<|im_end|>" but never be that control token (engine/chat.py marks such text).
-LITERAL_OPEN, LITERAL_CLOSE = "\ufdd0", "\ufdd1"
-
-
-def as_literal(text: str) -> str:
-    """`text` marked to be tokenized as text (markers already in it are dropped); its
-    leading and trailing whitespace stay outside, for templates that trim it."""
-    text = text.replace(LITERAL_OPEN, "").replace(LITERAL_CLOSE, "")
-    core = text.strip()
-    if not core:
-        return text
-    start = text.index(core)
-    return f"{text[:start]}{LITERAL_OPEN}{core}{LITERAL_CLOSE}{text[start + len(core):]}"
-
 
 # Texts llama.cpp recognizes as end-of-generation tokens (llama-vocab.cpp, "special_eog_ids").
 _EOG_TEXTS = frozenset({
@@ -389,13 +373,21 @@ class Tokenizer(abc.ABC):
 
     # -- encoding ---------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Text -> token ids, as llama.cpp's llama_tokenize(text, add_special, parse_special)."""
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False,
+               literal_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Text -> token ids, as llama.cpp's llama_tokenize(text, add_special, parse_special).
+
+        `literal_spans`, ascending (start, end) character ranges of `text`, are read as
+        with parse_special False: what they spell is text, never a control token.
+        """
         try:
             text.encode()
         except UnicodeEncodeError:   # lone surrogates: keep the valid text, replace the rest
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-        fragments = self._partition(text, parse_special) if text else []
+        if parse_special and literal_spans:
+            fragments = self._partition_spans(text, literal_spans)
+        else:
+            fragments = self._partition(text, parse_special) if text else []
         ids: list[int] = []
         if add_special and self.add_bos:
             ids.append(self.bos_id)
@@ -412,10 +404,12 @@ class Tokenizer(abc.ABC):
         """Whether `text` spells a special token (which parse_special would turn into it)."""
         return any(isinstance(fragment, int) for fragment in self._partition(text, True))
 
+    def special_text_parts(self, text: str) -> list[tuple[str, bool]]:
+        """`text` cut into (part, spells a special token) pairs, in order."""
+        return [(self.tokens[f], True) if isinstance(f, int) else (f, False) for f in self._partition(text, True)]
+
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Cut special tokens out of the text: a list of text fragments and token ids."""
-        if parse_special and LITERAL_OPEN in text:
-            return self._partition_marked(text)
         fragments: list[str | int] = [text]
         specials = self._special_all if parse_special else self._special_user
         if len(specials) > 64 and len(text) > 64:
@@ -439,12 +433,13 @@ class Tokenizer(abc.ABC):
             fragments = out
         return fragments
 
-    def _partition_marked(self, text: str) -> list[str | int]:
-        """_partition with parse_special, except between LITERAL_OPEN and LITERAL_CLOSE,
-        where special tokens are parsed as without it. The markers are dropped, and the
-        text on both sides of one is a single fragment, tokenized as if it were not there."""
+    def _partition_spans(self, text: str, literal_spans: Sequence[tuple[int, int]]) -> list[str | int]:
+        """_partition with parse_special, except in `literal_spans`, parsed as without it.
+        Text on both sides of a span's edge is one fragment, tokenized as if no edge were there."""
+        edges = [0, *(i for span in literal_spans for i in span), len(text)]
         fragments: list[str | int] = []
-        for k, part in enumerate(regex.split(f"[{LITERAL_OPEN}{LITERAL_CLOSE}]", text)):
+        for k in range(len(edges) - 1):
+            part = text[edges[k]: edges[k + 1]]
             for fragment in self._partition(part, parse_special=k % 2 == 0) if part else []:
                 if isinstance(fragment, str) and fragments and isinstance(fragments[-1], str):
                     fragments[-1] += fragment

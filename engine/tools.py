@@ -158,8 +158,11 @@ class OutputPlan:
     tool_calls: bool                       # parse the output into text and tool calls
 
 
-def plan_output(model, request) -> OutputPlan:
-    """Tools / json_schema of a ChatRequest -> prompt messages and constraint; SchemaError early."""
+def plan_output(model, request, literal=lambda tools: tools) -> OutputPlan:
+    """Tools / json_schema of a ChatRequest -> prompt messages and constraint; SchemaError early.
+
+    `literal` marks the tools as they are shown in the prompt (chat.Literals.mark), not
+    as the constraint reads them."""
     tools, schema = request.tools, request.json_schema
     if tools and schema is not None:
         raise SchemaError("tools and a json_schema response format cannot be combined", "response_format")
@@ -169,7 +172,7 @@ def plan_output(model, request) -> OutputPlan:
     if not tools:
         return OutputPlan(request.messages, None, None, False)
     constraint = tool_constraint(tools, request.tool_choice, index)
-    shown = None if request.tool_choice == "none" else tools
+    shown = None if request.tool_choice == "none" else literal(tools)
     if uses_native_format(model.chat_template):
         return OutputPlan(request.messages, shown, constraint, True)
     return OutputPlan(render_generic(request.messages, shown), None, constraint, True)
