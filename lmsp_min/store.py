@@ -319,7 +319,7 @@ class Store:
                     fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except FileNotFoundError:
                 return True
-            except BlockingIOError:
+            except OSError:  # locked (BlockingIOError), or not known to be dead (no descriptor left)
                 return False
         path.unlink(missing_ok=True)
         return True

@@ -202,8 +202,8 @@ class Tasks:
                         await self.purge()
                     await trio.sleep(min(RECOVER_INTERVAL, purge_interval))
                     await self.recover()
-                except sqlite3.Error as exc:  # (a full disk, say) try again next time
-                    self._log(f"error: recovering or purging tasks failed: {exc}")
+                except Exception as exc:  # (a full disk, no file descriptor left...) try again next time
+                    self._log(f"error: recovering or purging tasks failed: {type(exc).__name__}: {exc}")
 
     # -- starting and running -----------------------------------------------------
 
@@ -347,8 +347,8 @@ class Tasks:
                 continue
             try:
                 requested = await self.store.cancel_requests()
-            except sqlite3.Error as exc:
-                self._log(f"error: looking for cancel requests failed: {exc}")
+            except Exception as exc:
+                self._log(f"error: looking for cancel requests failed: {type(exc).__name__}: {exc}")
                 continue
             for task_id in requested:
                 running = self._running.get(task_id)

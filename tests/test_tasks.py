@@ -461,3 +461,21 @@ async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_
             draining.start_soon(server.service.drain, 5.0)
             rest = [event async for event in stream if event is not None]
     assert rest[-1].event == "response.failed" and rest[-1].data["error"]["code"] == "generation_failed"
+
+
+async def test_a_failing_recovery_is_logged_and_the_service_goes_on(nursery, tiny_path, tmp_path, monkeypatch):
+    """An OSError (no file descriptor left to look at a peer's lock) ended the server."""
+    monkeypatch.setattr(tasks, "RECOVER_INTERVAL", 0.05)
+    lines = []
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path, log=lines.append))
+
+    async def no_descriptor_left():
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(server.service.store, "interrupted_tasks", no_descriptor_left)
+    with trio.fail_after(10):
+        while not any("Too many open files" in line for line in lines):
+            await trio.sleep(0.02)
+    monkeypatch.undo()
+    assert (await wait_final(server, (await create(server, task_body(max_output_tokens=2)))["id"]))["status"] in (
+        "completed", "incomplete")
