@@ -21,9 +21,10 @@ examples/trio-server.py:
   what we write (close: its generation is cancelled like a disconnect).
 - A malformed request gets 400 and the connection is closed: after a framing
   error nothing later on the connection can be trusted.
-- We close gently: FIN first, then what the client still sends is read and
-  dropped for a moment, so that a 413 or 429 answered before the request was
-  read reaches the client instead of being destroyed by a reset.
+- When a client may still be sending (a body refused with 413, a request we
+  could not read, a connection refused with 429) we close gently: FIN first,
+  then what it sends is read and dropped for a moment, so that the answer
+  reaches it instead of being destroyed by a reset.
 - A handler that raises a `Problem` gets its problem document; any other
   exception is logged and becomes 500 `internal_error`, never a crash or a
   hung connection.
@@ -61,6 +62,7 @@ DRAIN_LIMIT = 64 * 1024  # an unread request body up to this size is read and dr
 # the handler has read its way back under it.
 READ_AHEAD = 256 * 1024
 LINGER = 2.0  # seconds a closing connection reads and drops what its client still sends
+MAX_LINGERING_REFUSALS = 32  # connections refused over the limit that may linger at once
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,10 @@ class _Connection:
                     client_gone = True
                 finally:
                     nursery.cancel_scope.cancel()
-            if not (client_gone or self.peer_closed.is_set()):
+            # a client may still be sending what we will not read (a body refused with 413,
+            # a request we could not parse): closing now would reset the connection
+            still_sending = self.h11.their_state in (h11.SEND_BODY, h11.ERROR)
+            if still_sending and not (client_gone or self.peer_closed.is_set()):
                 await _close_gently(self.stream)
         finally:
             await trio.aclose_forcefully(self.stream)
@@ -328,7 +333,7 @@ class _Connection:
                 await self._refuse(_protocol_problem(exc))
                 return None
             if type(event) is h11.Request:
-                problem = self._unframed(event)
+                problem = self._check_head(event)
                 if problem is not None:
                     await self._refuse(problem)
                     return None
@@ -348,7 +353,7 @@ class _Connection:
                 await self._refuse(Problem("invalid_request", "the request headers took too long to arrive", status=408))
             return None
 
-    def _unframed(self, event: h11.Request) -> Problem | None:
+    def _check_head(self, event: h11.Request) -> Problem | None:
         """What h11 lets through and we refuse, closing the connection after the answer."""
         # h11 bounds the headers only while they are incomplete: a whole block that
         # arrived in one read is parsed whatever its size, so the bound is checked here too
@@ -627,6 +632,7 @@ class HTTPServer:
         self.draining = False
         self._accepting = trio.CancelScope()
         self._all_closed = trio.Event()  # set, while draining, once no connection is left
+        self._refusing = 0  # connections over the limit being refused, gently
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on host:port and serve connections until cancelled.
@@ -652,7 +658,14 @@ class HTTPServer:
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         if len(self.connections) >= self.limits.max_connections:
-            await _refuse_connection(stream, self.limits)
+            # those refused in one burst are held (reading what they send) for a second
+            # at most, and only so many at a time: past that they are closed at once
+            linger = self._refusing < MAX_LINGERING_REFUSALS
+            self._refusing += linger
+            try:
+                await _refuse_connection(stream, self.limits, linger)
+            finally:
+                self._refusing -= linger
             return
         connection = _Connection(stream, self.handler, self.limits, self.log, self)
         self.connections.add(connection)
@@ -666,9 +679,9 @@ class HTTPServer:
                 self._all_closed.set()
 
 
-async def _refuse_connection(stream: trio.SocketStream, limits: Limits) -> None:
+async def _refuse_connection(stream: trio.SocketStream, limits: Limits, linger: bool) -> None:
     """Over the connection limit: a 429 problem, then close, reading nothing but what is
-    dropped while closing (for at most a second in all)."""
+    dropped while closing (`linger`: for at most a second in all)."""
     problem = Problem(
         "rate_limited",
         f"the service already has {limits.max_connections} open connections",
@@ -677,7 +690,8 @@ async def _refuse_connection(stream: trio.SocketStream, limits: Limits) -> None:
     try:
         with trio.move_on_after(1):
             await stream.send_all(_raw_response(problem_response(problem)))
-            await _close_gently(stream)
+            if linger:
+                await _close_gently(stream)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
     finally:

@@ -6,6 +6,7 @@ import socket
 import pytest
 import trio
 
+from lmsp_min import http
 from lmsp_min.http import Limits
 from server_harness import make_service, parse_sse, server, start_server, tiny_path  # noqa: F401
 
@@ -225,6 +226,19 @@ async def test_idle_keep_alive_connection_is_closed(nursery, tiny_path):
             assert await client.read_until_closed() == b""
 
 
+async def test_an_idle_connection_is_closed_without_lingering(nursery, tiny_path):
+    """Nothing is left to read from it: its slot is free at once, whatever the client does."""
+    server = await start_server(nursery, await make_service([tiny_path], limits=Limits(idle_timeout=0.2)))
+    async with server.connection() as client:
+        await client.send("GET", MODELS)
+        assert (await client.read_reply()).status == 200
+        with trio.fail_after(3):
+            assert await client.read_until_closed() == b""
+        with trio.fail_after(0.5):  # (we have not closed our side)
+            while server.service.http.connections:
+                await trio.sleep(0.01)
+
+
 async def test_slow_body_times_out_with_408(nursery, tiny_path):
     limits = Limits(body_timeout=0.3)
     server = await start_server(nursery, await make_service([tiny_path], limits=limits))
@@ -284,6 +298,19 @@ async def test_a_429_for_one_connection_too_many_is_not_lost(nursery, tiny_path)
                 _send_all_then_read, server.host, server.port,
                 b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
             assert data.startswith(b"HTTP/1.1 429 ")
+
+
+async def test_only_so_many_refused_connections_linger(nursery, tiny_path, monkeypatch):
+    """A burst of refused connections cannot hold a descriptor each for long."""
+    monkeypatch.setattr(http, "MAX_LINGERING_REFUSALS", 1)
+    server = await start_server(nursery, await make_service([tiny_path], limits=Limits(max_connections=1)))
+    async with server.connection() as first:
+        await first.send("GET", MODELS)
+        assert (await first.read_reply()).status == 200
+        async with server.connection() as a, server.connection() as b, server.connection() as c:
+            for client in (a, b, c):  # (none of them closes: the server decides how long it waits)
+                assert (await client.read_until_closed()).startswith(b"HTTP/1.1 429 ")
+            assert server.service.http._refusing == 1  # one lingers, the others are closed already
 
 
 async def test_unexpected_exception_is_500_internal_error_and_the_server_goes_on(server):
