@@ -199,7 +199,8 @@ async def generate_chat(model, prepared: PreparedChat):
                 yield event
     finally:
         await generation.aclose()
-    yield Finished(generation.finish_reason or "stop", prepared.input_tokens,
+    stopped = message_stop is not None and message_stop.stopped  # (perhaps in the last token allowed)
+    yield Finished("stop" if stopped else generation.finish_reason or "stop", prepared.input_tokens,
                    generation.n_generated, cached_tokens=generation.cached_tokens)
 
 

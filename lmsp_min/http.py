@@ -505,6 +505,15 @@ class _Connection:
         await self._send(h11.EndOfMessage())
 
     async def _send_streaming(self, response: StreamingResponse) -> None:
+        try:
+            await self._send_stream(response)
+        finally:  # closed however it ends, even if its head could not be sent and it never started
+            close = getattr(response.chunks, "aclose", None)
+            if close is not None:
+                with trio.CancelScope(shield=True):
+                    await close()
+
+    async def _send_stream(self, response: StreamingResponse) -> None:
         self.watch_disconnect()  # a stream nobody reads is not worth producing
         extra = [("Cache-Control", "no-cache"), *response.headers]
         await self._send(await self._head(response.status, response.content_type, extra, None))

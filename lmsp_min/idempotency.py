@@ -110,7 +110,7 @@ async def run_once(
         await _release(store, principal, key)
         raise
     if isinstance(response, StreamingResponse):
-        response.chunks = _recorded_stream(store, principal, key, response, response.chunks)
+        response.chunks = _RecordedStream(store, principal, key, response)
         return response
     if 200 <= response.status < 300:
         task_id = None
@@ -123,27 +123,53 @@ async def run_once(
     return response
 
 
-async def _recorded_stream(
-    store: Store, principal: str, key: str, response: StreamingResponse,
-    chunks: AsyncIterable[bytes],
-) -> AsyncIterator[bytes]:
-    """The stream's `chunks`, passed on as they come and kept for replay at the end."""
-    sent: list[bytes] = []
-    try:
-        async with aclosing(aiter(chunks)) as inner:  # closing us closes the generation
-            async for chunk in inner:
-                sent.append(chunk)
-                yield chunk
-    except BaseException:
-        await _release(store, principal, key)
-        raise
-    whole = b"".join(sent)
-    last_event = whole[whole.rfind(b"\nevent: ") + 1:] if b"\nevent: " in whole else b""
-    if last_event.startswith(_SUCCESSFUL_ENDINGS):
-        await _complete(store, principal, key, status=response.status, content_type=response.content_type,
-                        body=whole)
-    else:
-        await _release(store, principal, key)
+class _RecordedStream:
+    """A stream's chunks, passed on as they come and kept for replay at the end.
+
+    The HTTP layer closes it (`aclose`) however the response ends: a stream whose
+    body never started (its client left before the head was sent) releases its key
+    then, as one that started does when it fails.
+    """
+
+    def __init__(self, store: Store, principal: str, key: str, response: StreamingResponse):
+        self.store, self.principal, self.key = store, principal, key
+        self.response = response
+        self.source = response.chunks
+        self.started = False
+        self._chunks_iter: AsyncIterator[bytes] | None = None
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._chunks_iter is None:
+            self._chunks_iter = self._chunks()
+        return self._chunks_iter
+
+    async def aclose(self) -> None:
+        if self._chunks_iter is not None:
+            await self._chunks_iter.aclose()  # (a started one releases or completes its key itself)
+        if not self.started:
+            await _release(self.store, self.principal, self.key)
+            close = getattr(self.source, "aclose", None)
+            if close is not None:
+                await close()  # (closing it closes the generation)
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        self.started = True
+        sent: list[bytes] = []
+        try:
+            async with aclosing(aiter(self.source)) as inner:  # closing us closes the generation
+                async for chunk in inner:
+                    sent.append(chunk)
+                    yield chunk
+        except BaseException:
+            await _release(self.store, self.principal, self.key)
+            raise
+        whole = b"".join(sent)
+        last_event = whole[whole.rfind(b"\nevent: ") + 1:] if b"\nevent: " in whole else b""
+        if last_event.startswith(_SUCCESSFUL_ENDINGS):
+            await _complete(self.store, self.principal, self.key, status=self.response.status,
+                            content_type=self.response.content_type, body=whole)
+        else:
+            await _release(self.store, self.principal, self.key)
 
 
 async def _complete(store: Store, principal: str, key: str, **result) -> None:

@@ -252,6 +252,9 @@ async def test_with_tools_a_stop_sequence_ends_the_message_text(model, tool_choi
     stop = free[len(free) // 2: len(free) // 2 + 3]
     cut, finished = await text_of(stop=("zzzz-never", stop))
     assert cut == free[: free.index(stop)] and finished.reason == "stop"
+    last = free[-2:]  # a stop that ends in the last token allowed: still "stop", not "length"
+    cut, finished = await text_of(stop=(last,))
+    assert cut == free[: free.index(last)] and finished.reason == "stop"
 
 
 def test_message_stop_lets_calls_through_and_cuts_only_text():

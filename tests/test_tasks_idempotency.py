@@ -136,6 +136,25 @@ async def test_an_interrupted_stream_releases_its_key(tmp_path):
     store.close()
 
 
+async def test_a_stream_that_never_starts_releases_its_key(tmp_path):
+    """Its client left before the head was sent: the HTTP layer only closes it."""
+    store = await Store.open(tmp_path)
+    closed = []
+
+    async def chunks():
+        try:
+            yield b"id: 1\nevent: response.created\ndata: {}\n\n"
+        finally:
+            closed.append(True)
+
+    source = chunks()
+    await source.asend(None)  # (started, as a generation's events are by then)
+    reply = await idempotency.run_once(store, FakeRequest("k"), "R", {}, _stream(lambda: source))
+    await reply.chunks.aclose()
+    assert await store.claim_idempotency_key("alice", "k", "whatever") is None and closed
+    store.close()
+
+
 @pytest.mark.parametrize("header", ["", "x" * 256, "tab\there", "caf\u00e9"])
 async def test_a_malformed_key_is_400(tmp_path, header):
     store = await Store.open(tmp_path)
