@@ -81,13 +81,14 @@ class Auth:
             tokens.append(Token(_digest(secret), principal, frozenset(scopes)))
         return cls(tokens)
 
-    def authenticate(self, authorization: str | None, scope: str, host: str | None = None) -> str:
+    def authenticate(self, authorization: str | None, scope: str, host: str | None) -> str:
         """The principal of a request that needs `scope`, or a 401 / 403 problem.
 
         Without tokens, only a request addressed to a loopback name (its `Host`) is
         the principal "local": a web page can point its own domain name at 127.0.0.1
         (DNS rebinding), and the user's browser would then send it requests that pass
-        as the same origin; they carry that domain as their Host.
+        as the same origin; they carry that domain as their Host. A request without a
+        Host (HTTP/1.0) comes from no browser, and passes.
         """
         if not self.tokens:
             if host is not None and not _addressed_locally(host):
@@ -128,6 +129,6 @@ def is_loopback(host: str) -> bool:
 
 def _addressed_locally(host: str) -> bool:
     """Whether a Host header ("localhost:8080", "[::1]:8080") names this machine."""
-    name = host.partition("]")[0] + "]" if host.startswith("[") else host.partition(":")[0]
+    name = (host.partition("]")[0] + "]") if host.startswith("[") else host.partition(":")[0]
     name = name.lower().rstrip(".")
     return name.endswith(".localhost") or is_loopback(name)  # RFC 6761: *.localhost is loopback

@@ -181,13 +181,15 @@ async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> No
                     await service.drain(SHUTDOWN_GRACE)
                     nursery.cancel_scope.cancel()
 
+                draining = False
                 async for signum in signals:
-                    if service.http.draining:
+                    if draining:
                         stderr_log(f"{signal.Signals(signum).name} again: stopping now")
                         nursery.cancel_scope.cancel()
                         break
                     stderr_log(f"{signal.Signals(signum).name}: finishing the requests in progress "
                                f"(at most {SHUTDOWN_GRACE:.0f} s; signal again to stop now)")
+                    draining = True
                     nursery.start_soon(drain_then_stop)
     finally:
         service.close()

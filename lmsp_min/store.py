@@ -480,20 +480,22 @@ class Store:
         )
         return [task_id for (task_id,) in rows]
 
-    async def read_events(self, task_id: str, after: int, limit: int = -1) -> list[LoggedEvent]:
-        """Up to `limit` (-1: all) logged events with seq > `after`, in order, in one read."""
+    async def read_events(self, task_id: str, after: int, limit: int | None = None) -> list[LoggedEvent]:
+        """Up to `limit` (None: all) logged events with seq > `after`, in order, in one read."""
         rows = await self._read(
             lambda conn: conn.execute(
                 "SELECT seq, event, data FROM task_events WHERE task_id = ? AND seq > ?"
                 " ORDER BY seq LIMIT ?",
-                (task_id, after, limit),
+                (task_id, after, -1 if limit is None else limit),
             ).fetchall()
         )
         return [LoggedEvent(*row) for row in rows]
 
-    async def interrupted_tasks(self) -> list[tuple[TaskRow, list[LoggedEvent]]]:
+    async def interrupted_tasks(self, running: Callable[[str], bool] = lambda task_id: False
+                                ) -> list[tuple[TaskRow, list[LoggedEvent]]]:
         """Tasks left queued or in progress by a process that died, with their logs, and
-        this Store's own unfinished tasks (the caller knows which of them still run)."""
+        this Store's own unfinished tasks that are not `running` (asked after the rows are
+        read: a task of ours is running before its row exists, until it is final)."""
 
         def select(conn: sqlite3.Connection) -> list[tuple[TaskRow, list[LoggedEvent]]]:
             rows = conn.execute(
@@ -503,7 +505,7 @@ class Store:
             ended = {owner for owner in {owner for _, owner in rows} if self._is_dead(owner)}
             ended.add(self.owner)
             result = []
-            for task_id in [task_id for task_id, owner in rows if owner in ended]:
+            for task_id in [task_id for task_id, owner in rows if owner in ended and not running(task_id)]:
                 events = conn.execute(
                     "SELECT seq, event, data FROM task_events WHERE task_id = ? ORDER BY seq",
                     (task_id,),
@@ -606,6 +608,13 @@ class Store:
         """Release the claims of requests that died with their process, and our own
         claims that no request holds any more (it could neither complete nor release
         its key: the disk was full, say). Returns how many were released."""
+
+        def claimed(conn: sqlite3.Connection) -> list[tuple[str, str, str]]:
+            return conn.execute("SELECT principal, key, owner FROM idempotency WHERE state = 'running'").fetchall()
+
+        if not any(owner != self.owner or (principal, key) not in self._claims_held
+                   for principal, key, owner in await self._read(claimed)):
+            return 0  # (the usual case: no write, no write lock)
 
         def release(conn: sqlite3.Connection) -> int:
             owners = conn.execute("SELECT DISTINCT owner FROM idempotency WHERE state = 'running'")

@@ -193,7 +193,8 @@ class Tasks:
         next_purge = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._watch_cancel_requests)
+            if self.store.persistent:  # (another process can share only a database on disk)
+                nursery.start_soon(self._watch_cancel_requests)
             task_status.started()
             while True:
                 try:
@@ -391,7 +392,7 @@ class Tasks:
         snapshot, which an expiry purge cannot cut in the middle of a replay."""
         quiet = 0.0
         while True:
-            events = await self.store.read_events(task_id, after, batch if follow else -1)
+            events = await self.store.read_events(task_id, after, batch if follow else None)
             if events:
                 yield b"".join(sse(event) for event in events)
                 after, quiet = events[-1].seq, 0.0
@@ -416,9 +417,8 @@ class Tasks:
         becomes `failed` with a problem saying why, and gets a final
         `response.failed` event, so followers of its (still readable) log close."""
         recovered = []
-        for row, events in await self.store.interrupted_tasks():
-            if row.id in self._running:
-                continue  # ours, and still running
+        # (one that ends meanwhile is final in the database, which finish_task checks)
+        for row, events in await self.store.interrupted_tasks(self._running.__contains__):
             problem = _stopped() if row.owner != self.store.owner else _runner_lost()
             response = {
                 "id": row.response_id, "object": "response", "created_at": row.created_at,

@@ -71,7 +71,7 @@ async def test_without_tokens_everyone_is_local_on_loopback(nursery, tiny_path):
     service = await make_service([tiny_path])
     server = await start_server(nursery, service)
     assert (await server.request("GET", "/lmsp/v1/models")).status == 200
-    assert Auth().authenticate(None, "responses:write") == "local"
+    assert Auth().authenticate(None, "responses:write", "localhost:8080") == "local"
 
 
 @pytest.mark.parametrize("host, status", [

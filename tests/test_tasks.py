@@ -469,7 +469,7 @@ async def test_a_failing_recovery_is_logged_and_the_service_goes_on(nursery, tin
     lines = []
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path, log=lines.append))
 
-    async def no_descriptor_left():
+    async def no_descriptor_left(*args):
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(server.service.store, "interrupted_tasks", no_descriptor_left)
