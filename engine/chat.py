@@ -115,21 +115,21 @@ class Literals:
         self.open, self.close = f"[[lmsp-{nonce}[[", f"]]lmsp-{nonce}]]"
 
     def mark(self, value):
-        """`value` (a string, or lists and dicts of them) with special-token text marked;
-        a call's `arguments` given as a JSON string is marked inside, as an object."""
+        """`value` (a string, or lists and dicts of them, keys included) with special-token
+        text marked; a call's `arguments` given as a JSON string is marked inside, as an object."""
         if isinstance(value, str):
             return self._mark_text(value)
         if isinstance(value, list):
             return [self.mark(item) for item in value]
         if isinstance(value, dict):
-            return {key: self.mark(json.loads(item) if key == "arguments" and isinstance(item, str)
-                                   and self.tokenizer.holds_special_text(item) else item)
+            return {self.mark(key): self.mark(json.loads(item) if key == "arguments" and isinstance(item, str)
+                                              and self._mark_text(item) != item else item)
                     for key, item in value.items()}
         return value
 
     def _mark_text(self, text: str) -> str:
         parts = self.tokenizer.special_text_parts(text)
-        if len(parts) == 1:
+        if not any(special for _, special in parts):
             return text
         return "".join(f"{self.open}{part}{self.close}" if special else part for part, special in parts)
 

@@ -400,13 +400,19 @@ class Tokenizer(abc.ABC):
     def _encode_fragments(self, fragments: list[str | int], ids: list[int]) -> None:
         """Append the ids of text fragments (token ids among them are appended as they are)."""
 
-    def holds_special_text(self, text: str) -> bool:
-        """Whether `text` spells a special token (which parse_special would turn into it)."""
-        return any(isinstance(fragment, int) for fragment in self._partition(text, True))
-
     def special_text_parts(self, text: str) -> list[tuple[str, bool]]:
-        """`text` cut into (part, spells a special token) pairs, in order."""
-        return [(self.tokens[f], True) if isinstance(f, int) else (f, False) for f in self._partition(text, True)]
+        """`text` cut into (part, True) for the text of a token that parse_special makes of
+        it and nothing else would (control and unknown tokens), (part, False) for the rest;
+        the parts concatenate to `text`."""
+        parts: list[tuple[str, bool]] = []
+        for fragment in self._partition(text, True):
+            special = isinstance(fragment, int) and not self.attrs[fragment] & Attr.USER_DEFINED
+            part = self.tokens[fragment] if isinstance(fragment, int) else fragment
+            if not special and parts and not parts[-1][1]:
+                parts[-1] = (parts[-1][0] + part, False)
+            else:
+                parts.append((part, special))
+        return parts
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Cut special tokens out of the text: a list of text fragments and token ids."""
