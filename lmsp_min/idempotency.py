@@ -160,16 +160,14 @@ class _RecordedStream:
                 async for chunk in inner:
                     sent.append(chunk)
                     yield chunk
-        except BaseException:
-            await _release(self.store, self.principal, self.key)
-            raise
-        whole = b"".join(sent)
-        last_event = whole[whole.rfind(b"\nevent: ") + 1:] if b"\nevent: " in whole else b""
-        if last_event.startswith(_SUCCESSFUL_ENDINGS):
-            await _complete(self.store, self.principal, self.key, status=self.response.status,
-                            content_type=self.response.content_type, body=whole)
-        else:
-            await _release(self.store, self.principal, self.key)
+        finally:  # (a client that leaves once it has the final event has its whole answer)
+            whole = b"".join(sent)
+            last_event = whole[whole.rfind(b"\nevent: ") + 1:] if b"\nevent: " in whole else b""
+            if last_event.startswith(_SUCCESSFUL_ENDINGS):
+                await _complete(self.store, self.principal, self.key, status=self.response.status,
+                                content_type=self.response.content_type, body=whole)
+            else:
+                await _release(self.store, self.principal, self.key)
 
 
 async def _complete(store: Store, principal: str, key: str, **result) -> None:

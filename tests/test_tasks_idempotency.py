@@ -155,6 +155,24 @@ async def test_a_stream_that_never_starts_releases_its_key(tmp_path):
     store.close()
 
 
+async def test_a_stream_closed_after_its_final_event_completes_its_key(tmp_path):
+    """The client has its whole answer: a retry replays it rather than running again."""
+    store = await Store.open(tmp_path)
+
+    async def chunks():
+        yield b"id: 1\nevent: response.created\ndata: {}\n\n"
+        yield b"id: 2\nevent: response.completed\ndata: {}\n\n"
+        await trio.sleep(0)  # the generation's own clean-up after its last event
+
+    reply = await idempotency.run_once(store, FakeRequest("k"), "R", {}, _stream(chunks))
+    stream = aiter(reply.chunks)
+    assert (await stream.__anext__(), await stream.__anext__())[1].startswith(b"id: 2\nevent: response.completed")
+    await reply.chunks.aclose()  # the client left (the HTTP layer closes the stream)
+    record = await store.claim_idempotency_key("alice", "k", "R")
+    assert record is not None and record.state == "done"
+    store.close()
+
+
 @pytest.mark.parametrize("header", ["", "x" * 256, "tab\there", "caf\u00e9"])
 async def test_a_malformed_key_is_400(tmp_path, header):
     store = await Store.open(tmp_path)
