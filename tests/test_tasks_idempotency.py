@@ -121,21 +121,6 @@ async def test_a_repeat_while_the_first_runs_is_409(tmp_path):
     store.close()
 
 
-async def test_an_interrupted_stream_releases_its_key(tmp_path):
-    store = await Store.open(tmp_path)
-
-    async def chunks():
-        yield b"id: 1\nevent: response.created\ndata: {}\n\n"
-        yield b"id: 2\nevent: response.output_text.delta\ndata: {}\n\n"
-
-    reply = await idempotency.run_once(store, FakeRequest("k"), "R", {}, _stream(chunks))
-    async for _ in reply.chunks:
-        break  # the client went away after one event
-    await reply.chunks.aclose()
-    assert await store.claim_idempotency_key("alice", "k", "whatever") is None
-    store.close()
-
-
 async def test_a_stream_that_never_starts_releases_its_key(tmp_path):
     """Its client left before the head was sent: the HTTP layer only closes it."""
     store = await Store.open(tmp_path)
@@ -155,21 +140,24 @@ async def test_a_stream_that_never_starts_releases_its_key(tmp_path):
     store.close()
 
 
-async def test_a_stream_closed_after_its_final_event_completes_its_key(tmp_path):
-    """The client has its whole answer: a retry replays it rather than running again."""
+@pytest.mark.parametrize("last, answered", [("response.output_text.delta", False), ("response.completed", True)])
+async def test_a_stream_its_client_leaves_keeps_its_key_only_if_answered(tmp_path, last, answered):
+    """Left before the final event: the key is released, a retry runs again. Left once
+    it had the final event: the client has its whole answer, a retry replays it."""
     store = await Store.open(tmp_path)
 
     async def chunks():
         yield b"id: 1\nevent: response.created\ndata: {}\n\n"
-        yield b"id: 2\nevent: response.completed\ndata: {}\n\n"
+        yield f"id: 2\nevent: {last}\ndata: {{}}\n\n".encode()
         await trio.sleep(0)  # the generation's own clean-up after its last event
 
     reply = await idempotency.run_once(store, FakeRequest("k"), "R", {}, _stream(chunks))
     stream = aiter(reply.chunks)
-    assert (await stream.__anext__(), await stream.__anext__())[1].startswith(b"id: 2\nevent: response.completed")
+    await stream.__anext__()
+    await stream.__anext__()
     await reply.chunks.aclose()  # the client left (the HTTP layer closes the stream)
     record = await store.claim_idempotency_key("alice", "k", "R")
-    assert record is not None and record.state == "done"
+    assert (record is not None and record.state == "done") if answered else record is None
     store.close()
 
 
