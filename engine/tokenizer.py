@@ -331,6 +331,10 @@ class Tokenizer(abc.ABC):
         self._special_all = [(i, tokens[i]) for i in special]
         self._special_user = [(i, tokens[i]) for i in special
                               if not self.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN)]
+        # Finds any text that only parse_special turns into a token: one regex search, where
+        # a partition tries thousands of tokens (Gemma's <unusedN>) one by one.
+        self._control_text = regex.compile("|".join(
+            regex.escape(tokens[i]) for i in special if self.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN)) or "(?!)")
 
         # The bytes each token writes (special=True rendering); control ones are blanked on use.
         self._pieces: list[bytes] = self._all_pieces()
@@ -404,6 +408,8 @@ class Tokenizer(abc.ABC):
         """`text` cut into (part, True) for the text of a token that parse_special makes of
         it and nothing else would (control and unknown tokens), (part, False) for the rest;
         the parts concatenate to `text`."""
+        if not self._control_text.search(text):  # (nearly every string a client writes)
+            return [(text, False)]
         parts: list[tuple[str, bool]] = []
         for fragment in self._partition(text, True):
             special = isinstance(fragment, int) and not self.attrs[fragment] & Attr.USER_DEFINED
