@@ -609,28 +609,28 @@ class Store:
         claims that no request holds any more (it could neither complete nor release
         its key: the disk was full, say). Returns how many were released."""
 
-        def claimed(conn: sqlite3.Connection) -> list[tuple[str, str, str]]:
-            return conn.execute("SELECT principal, key, owner FROM idempotency WHERE state = 'running'").fetchall()
+        def abandoned(conn: sqlite3.Connection) -> list[tuple[str, str, str]]:
+            claims = conn.execute("SELECT principal, key, owner FROM idempotency WHERE state = 'running'")
+            dead: dict[str, bool] = {}  # (one look at each owner's lock)
 
-        if not any(owner != self.owner or (principal, key) not in self._claims_held
-                   for principal, key, owner in await self._read(claimed)):
+            def is_abandoned(principal: str, key: str, owner: str) -> bool:
+                if owner == self.owner:
+                    return (principal, key) not in self._claims_held
+                if owner not in dead:
+                    dead[owner] = self._is_dead(owner)
+                return dead[owner]
+
+            return [claim for claim in claims.fetchall() if is_abandoned(*claim)]
+
+        found = await self._read(abandoned)
+        if not found:
             return 0  # (the usual case: no write, no write lock)
 
         def release(conn: sqlite3.Connection) -> int:
-            owners = conn.execute("SELECT DISTINCT owner FROM idempotency WHERE state = 'running'")
-            dead = [owner for (owner,) in owners.fetchall() if self._is_dead(owner)]
-            released = sum(
-                conn.execute("DELETE FROM idempotency WHERE state = 'running' AND owner = ?",
-                             (owner,)).rowcount
-                for owner in dead
-            )
-            ours = conn.execute("SELECT principal, key FROM idempotency WHERE state = 'running'"
-                                " AND owner = ?", (self.owner,)).fetchall()
-            for principal, key in ours:
-                if (principal, key) not in self._claims_held:
-                    released += conn.execute("DELETE FROM idempotency WHERE principal = ? AND key = ?",
-                                             (principal, key)).rowcount
-            return released
+            # (still 'running': a claim of ours found abandoned is never held again, a dead
+            # owner stays dead, and one completed meanwhile is 'done')
+            return sum(conn.execute("DELETE FROM idempotency WHERE principal = ? AND key = ? AND owner = ?"
+                                    " AND state = 'running'", claim).rowcount for claim in found)
 
         return await self._write(release)
 
