@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from engine.constrain import TokenIndex, json_constraint
-from engine.tiny import load_tokenizer_meta
+from tests.tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
 from engine.tools import tool_constraint
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.server [--requests 300] [--json FILE]
 
-Everything runs in one process on a tiny random-weight model (engine/tiny.py),
+Everything runs in one process on a tiny random-weight model (tests/tiny.py),
 so the figures are the server's own cost, not the model's:
 
 - `sync_1_token`: 1-token synchronous responses, one after another on one
@@ -151,7 +151,7 @@ async def stream_of(client: Client, n_tokens: int) -> None:
 
 
 async def run(n_requests: int) -> list[dict]:
-    from engine.tiny import write_tiny_chat_model
+    from tests.tiny import write_tiny_chat_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_chat_model(Path(tmp) / "tiny-chat-q8_0.gguf")

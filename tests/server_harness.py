@@ -199,7 +199,7 @@ def tiny_path(tmp_path_factory) -> Path:
     Each test module imports this fixture, which makes it one fixture per module
     for pytest: the module-level cache keeps it one file (and one loaded model).
     """
-    from engine.tiny import write_tiny_chat_model
+    from tiny import write_tiny_chat_model
 
     if not _tiny_path:
         _tiny_path.append(write_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat-q8_0.gguf"))

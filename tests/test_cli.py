@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny import write_tiny_model
+from tiny import write_tiny_model
 from lmsp_min import cli, fetch
 
 
@@ -110,7 +110,7 @@ def test_out_of_range_options_are_usage_errors(args, capsys):
 
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory):
-    from engine.tiny import write_tiny_chat_model
+    from tiny import write_tiny_chat_model
 
     return write_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat-q8_0.gguf")
 

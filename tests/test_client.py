@@ -380,7 +380,7 @@ def running_server(model_path, data_dir, **config):
 
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory):
-    from engine.tiny import write_tiny_chat_model
+    from tiny import write_tiny_chat_model
 
     return write_tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat-q8_0.gguf")
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine.constrain import TokenIndex, compile_schema, json_constraint, validate
 from engine.errors import SchemaError
-from engine.tiny import load_tokenizer_meta
+from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
 from tests.conftest import DATA
 
@@ -240,7 +240,7 @@ def test_can_constrain():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from engine.model import load_model
-    from engine.tiny import write_tiny_chat_model
+    from tiny import write_tiny_chat_model
 
     return load_model(write_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "chat.gguf"))
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
+from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from engine import ModelFileError, ModelInfo, SamplingParams, UnsupportedModelEr
 from engine.architectures import (attend, geglu, neox_pairs_order, rms_norm, rope_angles, rope_pairs,
                                   swiglu)
 from engine.sampling import Sampler
-from engine.tiny import ARCHITECTURES, write_tiny_model
+from tiny import ARCHITECTURES, write_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
 

@@ -12,7 +12,7 @@ from engine.chat import Literals, MessageStop, OutputSplitter, ReasoningSplitter
 from engine.tools import ToolCallParser
 from engine.generate import StopFilter
 from engine.sampling import Sampler
-from engine.tiny import write_tiny_chat_model
+from tiny import write_tiny_chat_model
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -12,7 +12,7 @@ import pytest
 from engine import helper as helper_module
 from engine import quants, threads
 from engine.model import load_model, quantized_matrices
-from engine.tiny import write_tiny_model
+from tiny import write_tiny_model
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "memfd_create"),
                                 reason="the helper process needs Linux's memfd")

@@ -18,7 +18,7 @@ from engine.kv_cache import KVCache, Sequence
 from engine.model import load_model
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
-from engine.tiny import write_tiny_model
+from tiny import write_tiny_model
 
 NEAR_TIE = 0.01  # nats between the top two logits
 

@@ -129,7 +129,7 @@ async def test_the_tiny_model_lists_what_it_can_do(server, capability):
 
 async def test_a_reasoning_model_keeps_its_thought_out_of_the_message_with_tools(nursery, tmp_path):
     """D4 holds with tools on: the template opens <think>, so the text is a thought."""
-    from engine.tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
+    from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
 
     meta = load_tokenizer_meta(SMOLLM2_TOKENIZER)
     meta["tokenizer.chat_template"] += "{% if add_generation_prompt %}<think>\n{% endif %}"

@@ -8,7 +8,7 @@ import pytest
 from engine.chat_template import ChatTemplate
 from engine.constrain import TokenIndex, validate
 from engine.errors import SchemaError
-from engine.tiny import load_tokenizer_meta
+from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
 from engine.tools import (CLOSER, MAX_CALLS, OPENER, ParsedCall, ToolCallParser, render_generic,
                           tool_constraint, uses_native_format)

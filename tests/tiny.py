@@ -20,7 +20,7 @@ from gguf.quants import quantize
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
-SMOLLM2_TOKENIZER = Path(__file__).parent.parent / "tests" / "data" / "tokenizer-meta.smollm2.json.gz"
+SMOLLM2_TOKENIZER = Path(__file__).parent / "data" / "tokenizer-meta.smollm2.json.gz"
 
 
 def load_tokenizer_meta(path: str | Path) -> dict:
