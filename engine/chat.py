@@ -162,7 +162,7 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     plan = plan_output(model, replace(request, messages=literals.mark(request.messages)), literals.mark)
     marked = model.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.template_tools)
     prompt, spans = literals.find(marked)
-    prompt_ids = model.tokenizer.encode(prompt, add_special=model.add_bos, parse_special=True, literal_spans=spans)
+    prompt_ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True, literal_spans=spans)
     n_ctx = model.n_ctx
     if request.max_tokens is not None and request.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")

@@ -90,16 +90,16 @@ class Model:
         self.tokenizer = tokenizer
         self.n_ctx = min(n_ctx or hp.context_length, hp.context_length)
         self.template_source: str | None = file.get("tokenizer.chat_template")
-        self.add_bos = bool(file.get("tokenizer.ggml.add_bos_token", tokenizer.bos_id is not None))
         vocab = file.get("tokenizer.ggml.tokens") or ()
-        eos_id = file.get("tokenizer.ggml.eos_token_id")
+        # the template drops the BOS / EOS text that the tokenizer adds itself: the
+        # tokenizer's own reading of the file decides both
         self.chat_template = ChatTemplate(
             self.template_source,
             bos_token=_token_text(vocab, tokenizer.bos_id),
-            eos_token=_token_text(vocab, eos_id),
+            eos_token=_token_text(vocab, tokenizer.eos_id),
             vocab=frozenset(vocab),
-            add_bos=self.add_bos,
-            add_eos=bool(file.get("tokenizer.ggml.add_eos_token", False)),
+            add_bos=tokenizer.add_bos,
+            add_eos=tokenizer.add_eos,
         )
         self.helper: Helper | None = None      # computes part of each decode matmul (engine/helper.py)
         self.steps = 0                       # forward steps run so far (tests watch it)

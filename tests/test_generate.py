@@ -12,7 +12,7 @@ from engine.chat import Literals, MessageStop, OutputSplitter, ReasoningSplitter
 from engine.tools import ToolCallParser
 from engine.generate import StopFilter
 from engine.sampling import Sampler
-from tiny import write_tiny_chat_model
+from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_chat_model, write_tiny_model
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -231,6 +231,20 @@ def test_chat_checks_the_context_window(tmp_path):
     with pytest.raises(ContextLengthExceeded):
         small.prepare_chat(ChatRequest([{"role": "user", "content": "word " * 40}]))
     assert small.prepare_chat(ChatRequest(messages)).max_tokens == 40 - n_input
+
+
+@pytest.mark.parametrize("add_bos", [None, True, False])
+def test_a_chat_prompt_has_one_bos_as_the_tokenizer_decides(tmp_path, add_bos):
+    # The template's leading "{{ bos_token }}" is dropped only when the tokenizer adds
+    # BOS itself. Without the add_bos_token key a gpt2-style vocabulary adds none, so
+    # the template's BOS must stay (it was once dropped by a second, different default).
+    meta = {k: v for k, v in load_tokenizer_meta(SMOLLM2_TOKENIZER).items() if k != "tokenizer.ggml.add_bos_token"}
+    if add_bos is not None:
+        meta["tokenizer.ggml.add_bos_token"] = add_bos
+    meta["tokenizer.chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tiny = load_model(write_tiny_model(tmp_path / "m.gguf", tokenizer_meta=meta))
+    ids = tiny.prepare_chat(ChatRequest([{"role": "user", "content": "hi"}], max_tokens=1)).prompt_ids
+    assert ids.count(tiny.tokenizer.bos_id) == 1 and ids[0] == tiny.tokenizer.bos_id
 
 
 def test_tools_are_prepared_with_a_constraint(model):
