@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from engine.errors import QueueFull
 from lmsp_min.problems import Problem
 
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed",
@@ -244,9 +243,6 @@ class ResponseRun:
                     if kind is Finished:
                         return
             raise RuntimeError("the engine's generation ended without a Finished event")
-        except QueueFull:
-            yield self.failed(Problem("rate_limited", "too many requests are waiting for this model; "
-                                      "retry in a moment"))
         except Exception as exc:
             if self._log is not None:
                 self._log(f"error: generation of {self.id} failed: {type(exc).__name__}: {exc}")
