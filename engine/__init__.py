@@ -5,8 +5,7 @@ memory, turns text into tokens and tokens into logits, and exposes generation
 as an async generator.
 """
 
-from .chat import (ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, ToolCall,
-                   ToolCallDelta)
+from .chat import ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, ToolCall
 from .errors import (ChatTemplateError, ContextLengthExceeded, EngineError, ModelFileError,
                      QueueFull, SchemaError, UnsupportedModelError)
 from .generate import Generation, Token
@@ -15,7 +14,7 @@ from .sampling import Constraint, SamplingParams
 
 __all__ = [
     "load_model", "Model", "ModelInfo", "SamplingParams", "Constraint", "Token", "Generation",
-    "ChatRequest", "PreparedChat", "TextDelta", "ReasoningDelta", "ToolCallDelta", "ToolCall",
+    "ChatRequest", "PreparedChat", "TextDelta", "ReasoningDelta", "ToolCall",
     "Finished", "EngineError", "ModelFileError", "UnsupportedModelError",
     "ContextLengthExceeded", "SchemaError", "QueueFull", "ChatTemplateError",
 ]

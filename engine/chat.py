@@ -9,7 +9,7 @@ input and the requested output fit the context window (decision D4). Then
 
     TextDelta(text)              message text (complete UTF-8, never a stop sequence)
     ReasoningDelta(text)         text between <think> and </think>, for models that reason
-    ToolCallDelta / ToolCall     tool calls (see below)
+    ToolCall(index, name, arguments)   a whole tool call (see below)
     Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
 
 Tools and structured output are enforced while decoding (engine/tools.py,
@@ -74,13 +74,6 @@ class TextDelta:
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    index: int
-    name: str
-    arguments_delta: str
 
 
 @dataclass(frozen=True)

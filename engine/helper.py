@@ -320,8 +320,9 @@ def _io_views(io: np.ndarray, x_values: int, w: QuantWeight, n: int) -> tuple[np
     return x, y
 
 
-def _poll(fd: int, spin: float, timeout: float) -> bool:
-    """Whether fd has data within `timeout` seconds, asking without sleeping for the first `spin`.
+def _poll(fd: int, spin: float, timeout: float | None) -> bool:
+    """Whether fd has data within `timeout` seconds (None: however long), asking without sleeping
+    for the first `spin`.
 
     A process that sleeps on a pipe takes tens of microseconds to wake up when the
     data comes (longer on a VM whose idle core was handed back to the host), and a

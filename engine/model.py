@@ -48,9 +48,6 @@ class ModelInfo:
     n_vocab: int
     n_layer: int
     n_embd: int
-    basename: str | None
-    size_label: str | None
-    finetune: str | None
     has_chat_template: bool
     capabilities: tuple[str, ...]  # among "tools", "structured_output", "reasoning"
 
@@ -193,9 +190,6 @@ class Model:
             n_vocab=hp.n_vocab,
             n_layer=hp.n_layer,
             n_embd=hp.n_embd,
-            basename=file.get("general.basename"),
-            size_label=file.get("general.size_label"),
-            finetune=file.get("general.finetune"),
             has_chat_template=bool(self.template_source),
             capabilities=capabilities,
         )

@@ -29,8 +29,6 @@ class PrefixCache:
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self.hits = 0      # lookups that reused at least one token
-        self.reused = 0    # tokens reused, summed over lookups
         # id -> (tokens (L,) int64 of the cached positions, the sequence holding them)
         self._entries: OrderedDict[int, tuple[np.ndarray, Sequence]] = OrderedDict()
         self._next_id = 0
@@ -62,8 +60,6 @@ class PrefixCache:
         self._entries.move_to_end(best_id)
         seq = self._entries[best_id][1].fork(best_n)
         seq.tokens = list(prompt)
-        self.hits += 1
-        self.reused += best_n
         return seq, best_n
 
     def store(self, seq: Sequence) -> None:

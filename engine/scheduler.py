@@ -129,16 +129,6 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._worker: threading.Thread | None = None
 
-    @property
-    def full(self) -> bool:
-        """Whether `submit` would raise QueueFull now.
-
-        The server asks before it starts a stream, so that a full queue is a 429
-        rather than a 200 whose first events say `rate_limited`.
-        """
-        with self._lock:
-            return len(self._waiting) >= self.max_queue
-
     def submit(self, prompt: list[int], *, pick: Pick, max_tokens: int,
                stop_ids: frozenset[int] = frozenset(),
                stop_when: Callable[[], bool] | None = None) -> Generation:

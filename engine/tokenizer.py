@@ -56,6 +56,7 @@ from __future__ import annotations
 import abc
 import codecs
 import heapq
+from typing import Sequence
 
 import regex
 

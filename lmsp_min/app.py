@@ -243,7 +243,7 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
     count_out = entry.admit()  # nothing is awaited from here until the Generation holds it
-    run = ResponseRun(entry.id, input_tokens=prepared.input_tokens, log=service.log)
+    run = ResponseRun(entry.id, log=service.log)
     return Generation(request, principal, items, model, prepared, run, count_out)
 
 
@@ -300,9 +300,7 @@ async def _respond(body: dict, request: Request, service):
                 await _finish(generation, request, service)
     run = generation.run
     if run.status == "failed":
-        error = run.error
-        retry = [("Retry-After", "1")] if error["code"] == "rate_limited" else None
-        raise Problem(error["code"], error["detail"], headers=retry)
+        raise Problem(run.error["code"], run.error["detail"])
     return json_response(run.response_object())
 
 

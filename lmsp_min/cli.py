@@ -317,11 +317,9 @@ def cmd_serve(args) -> int:
         event_retention=args.event_retention,
         limits=Limits(max_body_bytes=args.max_body_bytes),
     )
-    from lmsp_min.store import StoreError
-
     try:
         run(config, args.host, args.port)
-    except (ValueError, StoreError) as e:  # a bad --model, tokens file, bind address or database
+    except ValueError as e:  # a bad --model, tokens file, bind address or database (StoreError)
         raise CommandError(str(e)) from None
     except OSError as e:  # the address is taken or cannot be bound
         raise CommandError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None

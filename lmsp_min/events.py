@@ -1,8 +1,7 @@
 """Response objects and their events (responses.md 6.2, 6.3, 6.5).
 
 `ResponseRun.events()` is the one place LMSP events come from: it turns the
-engine's chat events (TextDelta, ReasoningDelta, ToolCallDelta, ToolCall,
-Finished) into numbered LMSP events while building the response object. A
+engine's chat events (TextDelta, ReasoningDelta, ToolCall, Finished) into numbered LMSP events while building the response object. A
 synchronous request drains it and returns `response_object()`; a stream writes
 each event as SSE the moment it is yielded; a task appends each one to its log.
 
@@ -17,9 +16,9 @@ The event sequence it produces, for a reasoning model answering in text:
     7 response.output_item.done       message item, the full text
     8 response.completed | response.incomplete | response.failed
 
-and for a tool call: output_item.added (arguments ""), optional
-response.function_call_arguments.delta events, output_item.done (the
-complete call). Ids count from 1 and only grow.
+and for a tool call (the engine gives out whole calls): output_item.added
+(arguments ""), then output_item.done (the complete call). Ids count from 1
+and only grow.
 """
 
 import json
@@ -77,8 +76,7 @@ SSE_KEEPALIVE = b": keep-alive\n\n"
 class ResponseRun:
     """One response being generated: its state, and the events that build it."""
 
-    def __init__(self, model_id: str, *, input_tokens: int | None = None,
-                 response_id: str | None = None, log=None):
+    def __init__(self, model_id: str, *, response_id: str | None = None, log=None):
         self.id = response_id or new_id("resp")
         self.model_id = model_id
         self.created_at = int(time.time())
@@ -87,11 +85,9 @@ class ResponseRun:
         self.usage: dict | None = None
         self.error: dict | None = None
         self.incomplete_details: dict | None = None
-        self.input_tokens = input_tokens
         self._log = log
         self._last_id = 0
         self._open: dict | None = None  # the reasoning or message item receiving deltas
-        self._calls: dict[int, dict] = {}  # engine tool-call index -> open function_call item
         self._call_ids: set[str] = set()
 
     def response_object(self) -> dict:
@@ -158,9 +154,8 @@ class ResponseRun:
                                       delta=text))
         return events
 
-    def _call_item(self, index: int, name: str) -> list[Event]:
-        if index in self._calls:
-            return []
+    def _call(self, name: str, arguments: str) -> list[Event]:
+        """A whole function_call item: added (arguments ""), then done."""
         events = self._close_open()
         call_id = new_id("call")
         while call_id in self._call_ids:  # unique within the response, whatever the clock
@@ -168,14 +163,13 @@ class ResponseRun:
         self._call_ids.add(call_id)
         item = {"id": new_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
                 "arguments": ""}
-        self._calls[index] = item
         events.append(self._add_item(item))
+        item["arguments"] = arguments
+        events.append(self._done_item(item))
         return events
 
     def _finish(self, reason: str, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> list[Event]:
         events = self._close_open()
-        for index in sorted(self._calls):
-            events.append(self._done_item(self._calls.pop(index)))
         if not self.output:
             # Nothing was generated (an immediate end of turn): the answer is an
             # empty message, so that clients always find one.
@@ -208,7 +202,7 @@ class ResponseRun:
         the client). Cancellation is not caught: the caller decides what it
         means (a stream whose client left; a task cancelled, see `cancelled`).
         """
-        from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall, ToolCallDelta
+        from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall
 
         yield self._event("response.created", status="in_progress")
         try:
@@ -219,20 +213,8 @@ class ResponseRun:
                         batch = self._text_delta("message", chat_event.text) if chat_event.text else []
                     elif kind is ReasoningDelta:
                         batch = self._text_delta("reasoning", chat_event.text) if chat_event.text else []
-                    elif kind is ToolCallDelta:
-                        batch = self._call_item(chat_event.index, chat_event.name)
-                        if chat_event.arguments_delta:
-                            item = self._calls[chat_event.index]
-                            item["arguments"] += chat_event.arguments_delta
-                            batch.append(self._event("response.function_call_arguments.delta",
-                                                     item_id=item["id"],
-                                                     output_index=self.output.index(item),
-                                                     delta=chat_event.arguments_delta))
                     elif kind is ToolCall:
-                        batch = self._call_item(chat_event.index, chat_event.name)
-                        item = self._calls.pop(chat_event.index)
-                        item["arguments"] = chat_event.arguments
-                        batch.append(self._done_item(item))
+                        batch = self._call(chat_event.name, chat_event.arguments)
                     elif kind is Finished:
                         batch = self._finish(chat_event.reason, chat_event.input_tokens,
                                              chat_event.output_tokens, chat_event.cached_tokens)

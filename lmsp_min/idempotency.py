@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 from contextlib import aclosing
-from typing import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import trio
 

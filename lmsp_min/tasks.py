@@ -474,6 +474,4 @@ def output_from_events(events: list[LoggedEvent]) -> list[dict]:
             if not item["summary"]:
                 item["summary"].append({"type": "summary_text", "text": ""})
             item["summary"][0]["text"] += data["delta"]
-        elif event.event == "response.function_call_arguments.delta":
-            by_id[data["item_id"]]["arguments"] += data["delta"]
     return items

@@ -239,21 +239,6 @@ async def test_generation_failure_is_500_generation_failed(server, monkeypatch):
     assert "/secret" not in doc["detail"]
 
 
-async def test_a_full_queue_is_429_with_retry_after(server, monkeypatch):
-    from engine.errors import QueueFull
-
-    model = server.service.registry.get(TINY_ID).model
-
-    async def full(prepared):
-        raise QueueFull(32)
-        yield
-
-    monkeypatch.setattr(model, "generate_chat", full)
-    reply = await server.responses(body())
-    assert_problem(reply, 429, "rate_limited")
-    assert reply.headers["retry-after"] == "1"
-
-
 async def test_a_full_queue_refuses_a_stream_before_it_starts(server, monkeypatch):
     monkeypatch.setattr(server.service.registry.get(TINY_ID), "admitted", 10**6)
     reply = await server.responses(body(stream=True))
