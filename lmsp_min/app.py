@@ -238,7 +238,7 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
         detail = f"the schema cannot be enforced: {exc}"
         if exc.keyword and exc.keyword not in detail:
             detail += f" (keyword '{exc.keyword}')"
-        raise Problem("invalid_request", detail, param=param + _dotted(exc.path)) from None
+        raise Problem("invalid_request", detail, param=param + _param_suffix(exc.path)) from None
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
@@ -247,9 +247,19 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
     return Generation(request, principal, items, model, prepared, run, count_out)
 
 
-def _dotted(pointer: str) -> str:
-    """A JSON pointer inside a schema ("/properties/x") as a param suffix (".properties.x")."""
-    return "".join(f".{part}" for part in pointer.split("/") if part)
+_SCHEMA_MAPPINGS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+def _param_suffix(pointer: str) -> str:
+    """A JSON pointer into the tools or a schema as a param suffix, written as validation
+    writes params: "/0/properties/x/anyOf/1" -> "[0].properties.x.anyOf[1]" (a number
+    is an array index, except as a key of a mapping such as `properties`)."""
+    suffix, previous = "", None
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        suffix += f"[{part}]" if part.isdigit() and previous not in _SCHEMA_MAPPINGS else f".{part}"
+        previous = part
+    return suffix
 
 
 def _text_size(messages: list[dict]) -> int:

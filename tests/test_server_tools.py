@@ -121,6 +121,15 @@ async def test_a_keyword_that_cannot_be_enforced_is_named(server):
     assert doc["param"].startswith("response_format.json_schema.schema")
 
 
+async def test_a_tool_schema_keyword_is_named_as_validation_names_params(server):
+    # array indices in brackets, as in "tools[0].name" and "input[2].content[0]"
+    tool = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"0": {"anyOf": [{"type": "null"}, {"type": "string", "pattern": "a"}]}}}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "tools": [tool]})
+    assert reply.status == 400
+    assert reply.json()["param"] == "tools[0].parameters.properties.0.anyOf[1].pattern"
+
+
 @pytest.mark.parametrize("capability", ["tools", "structured_output"])
 async def test_the_tiny_model_lists_what_it_can_do(server, capability):
     model = (await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")).json()
