@@ -18,7 +18,8 @@ the constraint (a schema it cannot enforce raises SchemaError there), and
 generate_chat splits the output into TextDelta and ToolCall events (and the text
 around the calls into ReasoningDelta and TextDelta, for a model that reasons); a
 call cut off by max_tokens is dropped (Finished "length"), never given out half-made.
-With `json_schema` the message text is one JSON document valid for the schema.
+With `json_schema` the message text is one JSON document valid for the schema (and
+no reasoning: a thought the template opens is closed empty in the prompt).
 Stop sequences apply to what is not constrained: without tools they end the raw
 output; with tools, the message text only (`MessageStop`: a call is never cut);
 with `json_schema` they are not applied (they could cut the document; the server
@@ -57,6 +58,7 @@ class PreparedChat:
     prompt: str               # the rendered template
     prompt_ids: list[int]
     max_tokens: int           # resolved: never past the context window
+    reasoning: bool           # <think> blocks in the output are reasoning (not with json_schema)
     starts_in_reasoning: bool  # the template's generation prompt opened a <think> block
     constraint: object = None  # engine/constrain.py GrammarConstraint for tools / json_schema
     tool_calls: bool = False   # split the output into text and tool calls
@@ -155,6 +157,11 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     plan = plan_output(model, replace(request, messages=literals.mark(request.messages)), literals.mark)
     marked = model.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.template_tools)
     prompt, spans = literals.find(marked)
+    reasoning = "reasoning" in model.info.capabilities and request.json_schema is None
+    if request.json_schema is not None and prompt.rstrip().endswith(THINK_OPEN):
+        # the schema leaves no room for a thought (the whole output is the document): the
+        # opened one is closed empty, as a template's no-thinking mode does (Qwen3)
+        prompt += "\n" + THINK_CLOSE + "\n\n"
     prompt_ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True, literal_spans=spans)
     n_ctx = model.n_ctx
     if request.max_tokens is not None and request.max_tokens < 1:
@@ -162,9 +169,8 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     if len(prompt_ids) >= n_ctx or len(prompt_ids) + (request.max_tokens or 0) > n_ctx:
         raise ContextLengthExceeded(len(prompt_ids), request.max_tokens or 0, n_ctx)
     max_tokens = request.max_tokens if request.max_tokens is not None else n_ctx - len(prompt_ids)
-    reasoning = "reasoning" in model.info.capabilities
     starts_in_reasoning = reasoning and prompt.rstrip().endswith(THINK_OPEN)
-    return PreparedChat(request, prompt, prompt_ids, max_tokens, starts_in_reasoning,
+    return PreparedChat(request, prompt, prompt_ids, max_tokens, reasoning, starts_in_reasoning,
                         plan.constraint, plan.tool_calls)
 
 
@@ -174,7 +180,7 @@ async def generate_chat(model, prepared: PreparedChat):
     constraint = prepared.constraint
     generation = model.generate(prepared.prompt_ids, max_tokens=prepared.max_tokens, sampling=request.sampling,
                                 stop=() if constraint is not None else request.stop, constraint=constraint)
-    splitter = ReasoningSplitter(prepared.starts_in_reasoning) if "reasoning" in model.info.capabilities else None
+    splitter = ReasoningSplitter(prepared.starts_in_reasoning) if prepared.reasoning else None
     output = OutputSplitter(ToolCallParser() if prepared.tool_calls else None, splitter)
     message_stop = MessageStop(request.stop) if prepared.tool_calls and request.stop else None
     try:

@@ -136,6 +136,25 @@ async def test_the_tiny_model_lists_what_it_can_do(server, capability):
     assert capability in model["capabilities"]
 
 
+async def test_a_reasoning_model_answers_a_json_schema_in_its_message(nursery, tmp_path):
+    """D5: the document is the message text, even when the template opens a <think>."""
+    from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
+
+    meta = load_tokenizer_meta(SMOLLM2_TOKENIZER)
+    meta["tokenizer.chat_template"] += "{% if add_generation_prompt %}<think>\n{% endif %}"
+    path = write_tiny_model(tmp_path / "think-chat-q8_0.gguf", "llama", tokenizer_meta=meta)
+    server = await start_server(nursery, await make_service([path]))
+    model_id = (await server.request("GET", "/lmsp/v1/models")).json()["data"][0]["id"]
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
+    response = (await server.responses({"model": model_id, "input": ASK, "temperature": 1.0, "max_output_tokens": 40,
+                                        "response_format": fmt, "extensions": {"lmsp-min": {"seed": 3}}})).json()
+    assert response["status"] == "completed", response
+    assert [item["type"] for item in response["output"]] == ["message"]
+    assert set(json.loads(response["output"][0]["content"][0]["text"])) == {"a"}
+
+
 async def test_a_reasoning_model_keeps_its_thought_out_of_the_message_with_tools(nursery, tmp_path):
     """D4 holds with tools on: the template opens <think>, so the text is a thought."""
     from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
