@@ -19,14 +19,14 @@ import json
 import re
 import weakref
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from urllib.parse import unquote
 
 import trio
 
 from lmsp_min import idempotency
-from lmsp_min.events import SSE_KEEPALIVE, ResponseRun
+from lmsp_min.events import SSE_KEEPALIVE, ResponseRun, ServiceStopping
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.problems import Problem
 from lmsp_min.validate import (
@@ -157,6 +157,36 @@ async def read_json_body(request: Request) -> dict:
     return parse_json_body(await request.body())
 
 
+class GenerationsInProgress:
+    """The responses generating now, so that a stopping service can end them itself.
+
+    Once a drain's grace is over, `stop` cancels each one's wait for the engine: the
+    response ends `failed` with `model_unavailable`, which a stream gets as its final
+    event and a synchronous request as a 503, instead of a connection cut mid-body.
+    """
+
+    def __init__(self):
+        self._waits: set[trio.CancelScope] = set()
+        self.stopped = False
+
+    @contextmanager
+    def engine_wait(self):
+        """A cancel scope around one wait for the engine's next event."""
+        with trio.CancelScope() as scope:
+            if self.stopped:
+                scope.cancel()
+            self._waits.add(scope)
+            try:
+                yield scope
+            finally:
+                self._waits.discard(scope)
+
+    def stop(self) -> None:
+        self.stopped = True
+        for scope in list(self._waits):
+            scope.cancel()
+
+
 @dataclass
 class Generation:
     """A validated, prepared response, ready to generate."""
@@ -168,6 +198,7 @@ class Generation:
     prepared: object  # the engine's prepared chat (prompt tokens, constraints)
     run: ResponseRun
     count_out: Callable[[], None]  # ends the admission (ModelEntry.admit) of this response
+    in_progress: GenerationsInProgress  # the service's, which ends it if the service stops first
 
     def __post_init__(self):
         # Counted out when its events end; one whose events never start (a stream whose
@@ -177,22 +208,32 @@ class Generation:
     async def events(self):
         """The LMSP events of this response (start it once)."""
         try:
-            async with aclosing(self.run.events(_engine_events(self.model, self.prepared))) as events:
+            engine_events = _engine_events(self.model, self.prepared, self.in_progress)
+            async with aclosing(self.run.events(engine_events)) as events:
                 async for event in events:
                     yield event
         finally:
             self.count_out()
 
 
-async def _engine_events(model, prepared):
+async def _engine_events(model, prepared, in_progress: GenerationsInProgress):
     """The engine's chat events, asked for only when the first one is wanted.
 
-    So that an engine refusing to start (a full queue) fails inside the event
-    generator, where it becomes a failed response, like any generation failure.
+    So that an engine refusing to start fails inside the event generator, where it
+    becomes a failed response, like any generation failure. A service that stops
+    cuts the wait for the next event (never a yield: the consumer runs outside the
+    cancel scope), and ServiceStopping ends the response.
     """
     chat = model.generate_chat(prepared)
     try:
-        async for event in chat:
+        while True:
+            with in_progress.engine_wait() as wait:
+                try:
+                    event = await chat.__anext__()
+                except StopAsyncIteration:
+                    return
+            if wait.cancelled_caught:
+                raise ServiceStopping
             yield event
     finally:
         if hasattr(chat, "aclose"):
@@ -244,7 +285,7 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
                       param="input") from None
     count_out = entry.admit()  # nothing is awaited from here until the Generation holds it
     run = ResponseRun(entry.id, log=service.log)
-    return Generation(request, principal, items, model, prepared, run, count_out)
+    return Generation(request, principal, items, model, prepared, run, count_out, service.generations)
 
 
 _SCHEMA_MAPPINGS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}

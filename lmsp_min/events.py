@@ -36,6 +36,10 @@ FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed",
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
+class ServiceStopping(Exception):
+    """The service stopped before this response ended (see app.GenerationsInProgress)."""
+
+
 def new_id(prefix: str) -> str:
     """`prefix_` + a ULID: 48 bits of milliseconds then 80 random bits, Crockford base32.
 
@@ -199,7 +203,7 @@ class ResponseRun:
 
         An exception out of the engine ends the response `failed` (with a
         `generation_failed` problem; the traceback goes to the log, never to
-        the client). Cancellation is not caught: the caller decides what it
+        the client), except a stopping service's (`model_unavailable`). Cancellation is not caught: the caller decides what it
         means (a stream whose client left; a task cancelled, see `cancelled`).
         """
         from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall
@@ -225,6 +229,8 @@ class ResponseRun:
                     if kind is Finished:
                         return
             raise RuntimeError("the engine's generation ended without a Finished event")
+        except ServiceStopping:
+            yield self.failed(Problem("model_unavailable", "the service is shutting down"))
         except Exception as exc:
             if self._log is not None:
                 self._log(f"error: generation of {self.id} failed: {type(exc).__name__}: {exc}")

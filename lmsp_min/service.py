@@ -8,7 +8,8 @@ A trio program runs one like this:
 
 `lmsp-min serve` does exactly that. On SIGINT or SIGTERM it stops cleanly:
 no new connection, idle ones closed, requests in progress given
-SHUTDOWN_GRACE seconds to finish (`Service.drain`), then everything cancelled.
+SHUTDOWN_GRACE seconds to finish (`Service.drain`), then those still generating
+ended `failed` (model_unavailable), and everything cancelled.
 """
 
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 import trio
 
 from lmsp_min import paths
-from lmsp_min.app import App, default_router
+from lmsp_min.app import App, GenerationsInProgress, default_router
 from lmsp_min.auth import Auth, is_loopback
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem
@@ -29,6 +30,7 @@ from lmsp_min.tasks import Tasks
 
 DEFAULT_MODEL = "smollm2:135m-instruct-q4_1"
 SHUTDOWN_GRACE = 10.0  # seconds requests in progress get to finish after SIGINT / SIGTERM
+LAST_WORDS = 2.0  # seconds, after that, for the responses still generating to say they were stopped
 
 
 def stderr_log(line: str) -> None:
@@ -69,6 +71,7 @@ class Service:
         self.http: HTTPServer | None = None  # set by serve()
         self.router = default_router()
         self.log = log
+        self.generations = GenerationsInProgress()  # ended `failed` if the service stops first
 
     @classmethod
     async def open(cls, config: ServiceConfig, log=stderr_log) -> "Service":
@@ -81,15 +84,20 @@ class Service:
                               stores_responses=service.stores_responses, log=log)
         return service
 
-    async def drain(self, grace: float = 10.0) -> None:
+    async def drain(self, grace: float = SHUTDOWN_GRACE) -> None:
         """Stop taking requests; give those in progress up to `grace` seconds to finish.
 
         Running tasks end `failed` first, so that the clients following them get
-        their final event before their streams close."""
+        their final event before their streams close. Responses still generating
+        after the grace end `failed` too (`model_unavailable`), and get LAST_WORDS
+        seconds to send that: a stream its final event, a synchronous request a 503."""
         if self.tasks is not None:
             await self.tasks.stop()
         if self.http is not None:
             await self.http.drain(grace)
+            if self.http.connections:
+                self.generations.stop()
+                await self.http.drain(LAST_WORDS)
 
     def close(self) -> None:
         """Close the store (the throw-away database of --no-store is deleted)."""

@@ -386,6 +386,35 @@ async def test_drain_finishes_requests_in_progress_and_closes_idle_connections(n
         raise AssertionError("the server still accepts connections after a drain")
 
 
+async def test_responses_still_generating_after_the_grace_end_failed_and_say_why(nursery, tiny_path):
+    # A stream gets a final event and a synchronous request a 503, not a cut connection.
+    from engine import TextDelta
+
+    service = await make_service([tiny_path])
+    server = await start_server(nursery, service)
+    model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
+    model = await service.registry.get(model_id).load(service.log)
+
+    async def never_ends(prepared):
+        yield TextDelta("Once")
+        await trio.sleep_forever()
+
+    model.generate_chat = never_ends
+    body = {"model": model_id, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 30}
+    async with server.connection() as streamed, server.connection() as synchronous:
+        await streamed.send("POST", "/lmsp/v1/responses", json_body={**body, "stream": True})
+        await synchronous.send("POST", "/lmsp/v1/responses", json_body=body)
+        head = await streamed.read_head()
+        await trio.sleep(0.2)  # both are waiting for the engine
+        nursery.start_soon(service.drain, 0.2)
+        with trio.fail_after(10):
+            events = parse_sse(b"".join([chunk async for chunk in streamed.read_chunks()]))
+            reply = await synchronous.read_reply()
+    assert head.status == 200 and [e.event for e in events][-2:] == ["response.output_text.delta", "response.failed"]
+    assert events[-1].data["error"]["code"] == "model_unavailable"
+    assert reply.status == 503 and reply.json()["code"] == "model_unavailable"
+
+
 async def test_a_request_arriving_during_a_drain_is_503(server):
     async with server.connection() as client:
         await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\n")  # a request has begun
