@@ -74,6 +74,14 @@ ENTER = 2  # (ENTER, local, child): the byte is consumed, then `child` starts wi
 MAX_INT_DIGITS = 15    # integer part of an unbounded number
 MAX_FRAC_DIGITS = 6    # fraction digits of a "number"
 MAX_ANY_DEPTH = 6      # nesting depth of schema-less ("any") values
+# Bounds on what a client's schema may cost (D9). An object's optional properties cost
+# n^2 (where each may come next); 8,000 of them took 85 s and 3 GB to compile.
+MAX_PROPERTIES = 256   # declared properties of one object
+MAX_ENUM = 1024        # values of one enum
+# Alternatives followed side by side: nested anyOf branches that agree on a prefix multiply
+# (2^depth stacks after "[[[..." for an anyOf of two array types, each level nested once
+# more: 12 levels, 4,096 stacks, made a single mask take 15 s).
+MAX_CONFIGURATIONS = 256
 
 SPACE, QUOTE, BACKSLASH, COMMA, COLON = 0x20, 0x22, 0x5C, 0x2C, 0x3A
 
@@ -664,6 +672,9 @@ class Grammar:
                 if stack:
                     _feed(stack, b, out)
             nxt = frozenset(out) or None
+            if nxt is not None and len(nxt) > MAX_CONFIGURATIONS:
+                raise SchemaError(f"the schema's alternatives (anyOf, type lists) grow past "
+                                  f"{MAX_CONFIGURATIONS} ways to read one output", "", "anyOf")
             if len(self._steps) >= self.MAX_TRANSITIONS:
                 self._steps.clear()
             self._steps[key] = nxt
@@ -1023,6 +1034,9 @@ class _Compiler:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise SchemaError("'enum' must be a non-empty array", f"{path}/enum", "enum")
+            if len(values) > MAX_ENUM:
+                raise SchemaError(f"an enum of more than {MAX_ENUM} values at {path or '/'} is not supported",
+                                  f"{path}/enum", "enum")
         else:
             values = [schema["const"]]
         rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
@@ -1091,6 +1105,9 @@ class _Compiler:
         props = schema.get("properties", {})
         if not isinstance(props, dict):
             raise SchemaError("'properties' must be an object", f"{path}/properties", "properties")
+        if len(props) > MAX_PROPERTIES:
+            raise SchemaError(f"more than {MAX_PROPERTIES} properties in one object at {path or '/'} "
+                              "are not supported", f"{path}/properties", "properties")
         required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError("'required' must be an array of strings", f"{path}/required", "required")

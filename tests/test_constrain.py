@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from engine import constrain
 from engine.constrain import TokenIndex, compile_schema, json_constraint, validate
 from engine.errors import SchemaError
 from tiny import load_tokenizer_meta
@@ -404,3 +405,26 @@ def test_a_schema_nested_too_deeply_to_compile_is_a_schema_error():
         schema = {"type": "array", "items": schema}
     with pytest.raises(SchemaError, match="nested too deeply"):
         compile_schema(schema)
+
+
+def test_what_a_schema_may_cost_is_bounded():
+    """D9: many optional properties (n^2 to compile) or a huge enum are refused by name,
+    and alternatives that multiply as the output goes on stop at a bound, not a stall."""
+    with pytest.raises(SchemaError) as e:
+        json_constraint({"type": "object", "properties": {f"p{i}": {} for i in range(constrain.MAX_PROPERTIES + 1)}},
+                        BYTES)
+    assert e.value.keyword == "properties"
+    with pytest.raises(SchemaError) as e:
+        json_constraint({"enum": list(range(constrain.MAX_ENUM + 1))}, BYTES)
+    assert e.value.keyword == "enum"
+    # each level: an array of one or of up to two of the level below: both stay possible
+    # after "[", so n levels of "[" are 2^n ways to read the output
+    defs = {"L0": {"type": "integer"}}
+    for k in range(1, 11):
+        one = {"type": "array", "items": {"$ref": f"#/$defs/L{k - 1}"}, "minItems": 1, "maxItems": 1}
+        defs[f"L{k}"] = {"anyOf": [one, {**one, "maxItems": 2}]}
+    c = json_constraint({"$ref": "#/$defs/L10", "$defs": defs}, BYTES)
+    with pytest.raises(SchemaError) as e:
+        for b in b"[" * 10:
+            c.advance(b)
+    assert e.value.keyword == "anyOf"

@@ -133,6 +133,17 @@ async def test_engine_failure_ends_failed_without_details():
     assert any("/home/secret/x broke" in line for line in lines)  # the log has the reason
 
 
+@pytest.mark.parametrize("reason, code", [("schema", "invalid_request"), ("stopping", "model_unavailable")])
+async def test_two_engine_ends_say_what_happened(reason, code):
+    from engine.errors import SchemaError
+    from lmsp_min.events import ServiceStopping
+
+    fail = SchemaError("alternatives grow past 256", "", "anyOf") if reason == "schema" else ServiceStopping()
+    _, events = await run(TextDelta("["), fail=fail)
+    check_sequence(events)
+    assert events[-1].name == "response.failed" and events[-1].data["error"]["code"] == code
+
+
 async def test_an_engine_that_stops_without_finished_has_failed():
     _, events = await run(TextDelta("a"))
     assert events[-1].name == "response.failed"
