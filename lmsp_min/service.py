@@ -173,7 +173,19 @@ def run(config: ServiceConfig, host: str, port: int) -> None:
         raise ValueError(f"refusing to listen on {host} without --tokens-file: without tokens "
                          "the service only listens on loopback (127.0.0.1, ::1 or localhost)")
     ensure_default_model(config)
-    trio.run(_serve_until_signal, config, host, port)
+    try:
+        trio.run(_serve_until_signal, config, host, port)
+    except Exception as exc:
+        # trio's nurseries wrap what fails in them in exception groups (strictly since trio
+        # 0.25): an address that is taken is one OSError for the user, not a traceback
+        raise _only(exc, OSError) or exc from None
+
+
+def _only(exc: BaseException, kind: type) -> BaseException | None:
+    """The one `kind` exception that exc is, or that its (nested) groups hold alone, else None."""
+    while isinstance(getattr(exc, "exceptions", None), tuple) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, kind) else None
 
 
 async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> None:

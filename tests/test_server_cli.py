@@ -59,3 +59,18 @@ def test_serve_refuses_a_public_address_without_tokens(tiny_path):
     assert result.returncode == 1
     assert "refusing to listen on 0.0.0.0 without --tokens-file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_on_a_taken_port_says_so_in_one_line(tmp_path, tiny_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "lmsp_min.cli", "serve", "--model", str(tiny_path), "--port", str(port),
+             "--no-store"],
+            env={**os.environ, "PYTHONPATH": str(ROOT), "LMSP_HOME": str(tmp_path)},
+            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
