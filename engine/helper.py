@@ -91,10 +91,13 @@ class Helper:
         # the helper must run this very code: its package's directory goes first on its
         # path, before the working directory, which `python -c` puts first
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # in a session of its own: a Ctrl-C at the terminal goes to the model's process,
+        # which decides what it means (stop an answer, drain the server); the helper
+        # would only die of it, with a traceback. It ends when its command pipe closes.
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _HELPER_MAIN, package_root], stdin=subprocess.PIPE,
-                pass_fds=(weights_fd, io_fd, cmd_r, ans_w))
+                pass_fds=(weights_fd, io_fd, cmd_r, ans_w), start_new_session=True)
         except BaseException:
             os.close(self._cmd)
             os.close(self._answers)

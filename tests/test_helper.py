@@ -128,6 +128,12 @@ def test_a_killed_helper_is_replaced_by_the_model_itself(model_with_helper):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_ctrl_c_at_the_terminal_does_not_reach_the_helper(model_with_helper):
+    # the terminal signals its foreground process group; the helper has a session of its own
+    assert os.getpgid(model_with_helper.helper.process.pid) != os.getpgid(0)
+    assert model_with_helper.helper.alive
+
+
 def test_the_helper_exits_when_closed(model_with_helper):
     process = model_with_helper.helper.process
     model_with_helper.helper.close()
