@@ -104,9 +104,9 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="benchmarks/run.py",
+        prog="lmsp-min bench",
         description="Run the benchmarks (each in its own process), print one table, save JSON.",
-        epilog="Arguments after `--` go to every benchmark, e.g. `-- --quick`.",
+        epilog="Arguments after `--` go to every benchmark named, e.g. `tasks -- --events 2000`.",
     )
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
     parser.add_argument("--list", action="store_true", help="list the benchmarks present and exit")

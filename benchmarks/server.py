@@ -102,6 +102,7 @@ class StubEngine:
         self.info = model.info
         self.steps = 0
         self.n_tokens = n_tokens
+        self.scheduler = model.scheduler  # its queue bound is what the registry admits up to
 
     def prepare_chat(self, request):
         class Prepared:

@@ -31,6 +31,7 @@ import json
 import statistics
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import trio
@@ -135,6 +136,7 @@ class ScriptedModel:
 
     def __init__(self, rate: float):
         self.period = 1.0 / rate
+        self.scheduler = types.SimpleNamespace(max_queue=32)  # what the registry admits up to
 
     def prepare_chat(self, request):
         request.input_tokens = 1
