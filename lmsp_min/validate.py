@@ -88,7 +88,8 @@ def parse_json_body(body: bytes) -> dict:
     try:
         value = _loads(text)
     except (ValueError, RecursionError) as exc:
-        detail = f"the request body is not valid JSON ({exc})" if isinstance(exc, json.JSONDecodeError) \
+        # (a ValueError: the parser's message, or NaN, Infinity or a number past a double's range)
+        detail = f"the request body is not valid JSON ({exc})" if isinstance(exc, ValueError) \
             else "the request body is not valid JSON"
         raise Problem("invalid_request", detail) from None
     except _TooDeep:
@@ -109,18 +110,29 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or an exponent, refused when it overflows a double:
+    1e400 would read as inf, and be written back (a schema's enum, const or bound)
+    as `Infinity`, which is not JSON."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is too large for a 64-bit float")
+    return value
+
+
 class _TooDeep(Exception):
     pass
 
 
 def _loads(text: str):
-    """json.loads, refusing NaN and Infinity and anything nested deeper than MAX_JSON_DEPTH.
+    """json.loads, refusing NaN, Infinity, numbers past a double's range and anything
+    nested deeper than MAX_JSON_DEPTH.
 
     A value nested nearly as deep as the parser can read would make every later
     recursive walk of it (json.dumps when it is stored, a schema compiler) fail with
     RecursionError: the bound is checked here, once, without recursing.
     """
-    value = json.loads(text, parse_constant=_reject_constant)
+    value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     level = [value] if isinstance(value, (dict, list)) else []
     for _ in range(MAX_JSON_DEPTH):
         level = [child for container in level

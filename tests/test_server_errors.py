@@ -52,6 +52,15 @@ async def test_malformed_json(server, payload):
     assert_problem(await post_raw(server, payload), 400, "invalid_request")
 
 
+async def test_a_number_past_a_doubles_range_is_refused(server):
+    # 1e400 would read as inf and be written back into a schema's output as Infinity
+    schema = b'{"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": [1e400]}}}'
+    payload = b'{"model": "' + TINY_ID.encode() + b'", "input": "x", "response_format": ' + schema + b'}'
+    reply = await post_raw(server, payload)
+    assert_problem(reply, 400, "invalid_request")
+    assert "too large for a 64-bit float" in reply.json()["detail"]
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": 5}, "max_tokens"),  # a typo is not ignored
     ({"instructions": "be brief"}, "instructions"),
