@@ -10,9 +10,12 @@ probability), and one token is drawn with the request's own numpy Generator
 A constraint (engine/constrain.py) restricts which tokens may come next. Its
 mask costs a pass over the vocabulary, so the sampler first draws as if
 unconstrained and asks `allows(token)`; only when the answer is no does it
-build the mask and draw again from the allowed tokens. Both ways the token
-comes from the same distribution: the unconstrained one renormalized over the
-allowed tokens.
+build the mask and draw again, from the same filtered candidates restricted to
+the allowed ones. Both ways the token comes from one distribution: the filtered
+one renormalized over the allowed tokens (a rejected draw followed by a draw
+from that restriction is exactly a draw from it). Only when no candidate is
+allowed are the filters applied to the allowed tokens alone. (llama.cpp instead
+redraws with the filters applied to the allowed tokens, which mixes the two.)
 """
 
 from __future__ import annotations
@@ -61,20 +64,27 @@ class Sampler:
 
     def pick(self, logits: np.ndarray) -> int:
         """The next token id for logits (V,); advances the constraint with it."""
-        token = self._draw(logits)
+        ids, probs = self._candidates(logits)
+        token = self._draw(ids, probs)
         if self.constraint is not None:
             if not self.constraint.allows(token):
                 allowed = self.constraint.mask()                   # (V,) bool
                 if not allowed.any():
                     raise EngineError("the output constraint allows no token at this point")
-                token = self._draw(np.where(allowed, logits, -np.inf))
+                keep = allowed[ids]                                # (C,) the candidates allowed
+                if keep.any() and self.params.temperature != 0:
+                    token = self._draw(ids[keep], probs[keep])
+                else:  # greedy, or no candidate allowed: the filters over the allowed tokens
+                    token = self._draw(*self._candidates(np.where(allowed, logits, -np.inf)))
             self.constraint.advance(token)
         return token
 
-    def _draw(self, logits: np.ndarray) -> int:
+    def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The token ids that may be drawn, and their probabilities (to be renormalized),
+        after temperature, top_k, top_p and min_p; greedy: the argmax alone."""
         p = self.params
         if p.temperature == 0:
-            return int(np.argmax(logits))
+            return np.array([int(np.argmax(logits))]), np.ones(1)
         z = logits.astype(np.float64)                               # (V,)
         with np.errstate(over="ignore"):  # a tiny temperature: -inf at worst, whose exp is 0
             z = (z - z.max()) / p.temperature                       # (V,) <= 0, the best is 0
@@ -92,6 +102,12 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs.max()
             ids, probs = ids[keep], probs[keep]
+        return ids, probs
+
+    def _draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        """One of `ids`, drawn by `probs` (renormalized) with this request's generator."""
+        if len(ids) == 1:
+            return int(ids[0])
         probs = probs / probs.sum()
         u = self.rng.random()
         i = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)

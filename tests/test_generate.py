@@ -59,6 +59,38 @@ def test_a_tiny_temperature_picks_the_best_token(temperature, top_k, top_p):
     assert all(sampler.pick(logits) == int(np.argmax(logits)) for _ in range(5))
 
 
+class _Forbid:
+    """A constraint that allows every token but the given ones (and never ends)."""
+
+    def __init__(self, *forbidden):
+        self.forbidden = set(forbidden)
+
+    def allows(self, token_id):
+        return token_id not in self.forbidden
+
+    def mask(self):
+        mask = np.ones(3, bool)
+        mask[list(self.forbidden)] = False
+        return mask
+
+    def advance(self, token_id):
+        assert self.allows(token_id)
+
+
+def test_a_constrained_draw_is_the_filtered_distribution_over_the_allowed_tokens():
+    logits = np.log(np.array([0.5, 0.3, 0.2]))                     # (V,)
+    # top_k keeps tokens 0 and 1; 1 is not allowed: only 0 is left, whichever draw came first
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=0), _Forbid(1))
+    assert {sampler.pick(logits) for _ in range(400)} == {0}
+    # no candidate is allowed: the filters apply to the allowed tokens alone (top_k 1 of {1, 2})
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0), _Forbid(0))
+    assert {sampler.pick(logits) for _ in range(50)} == {1}
+    # without filters: the distribution renormalized over the allowed tokens, 0.625 / 0.375
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0), _Forbid(2))
+    picks = [sampler.pick(logits) for _ in range(4000)]
+    assert abs(picks.count(0) / len(picks) - 0.625) < 0.03
+
+
 async def test_a_character_cut_by_the_token_limit_is_left_out(model, prompt, monkeypatch):
     """Not written as U+FFFD: the limit cut it, the model did not write a broken one."""
     first_half = next(i for i in range(model.tokenizer.n_vocab) if model.tokenizer.token_bytes(i) == b"\xc3")
