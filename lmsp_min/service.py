@@ -225,7 +225,8 @@ def _banner(service: Service, addresses) -> None:
         stderr_log("  no models")
     if service.auth.enabled:
         principals = sorted({token.principal for token in service.auth.tokens})
-        stderr_log(f"  auth: bearer tokens ({len(service.auth.tokens)} tokens; principals {', '.join(principals)})")
+        n = len(service.auth.tokens)
+        stderr_log(f"  auth: bearer tokens ({n} token{'s' if n != 1 else ''}; principals {', '.join(principals)})")
     else:
         stderr_log("  auth: none (loopback only, principal 'local')")
     stderr_log(f"  storage: {'on' if service.stores_responses else 'off'}")
