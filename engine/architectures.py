@@ -341,7 +341,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
 
 def rope_angles(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
                 freq_factors: tuple[float, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin (n, rope_dim/2) of scale * position * base^(-2i/rope_dim) / factor_i, in float64."""
+    """cos and sin (n, rope_dim/2) float32 of scale * position * base^(-2i/rope_dim) / factor_i
+    (the angles computed in float64)."""
     inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # (rope_dim/2,)
     if freq_factors is not None:
         inv_freq = inv_freq / np.asarray(freq_factors, np.float64)

@@ -20,9 +20,10 @@ ONCE into one uniform representation, and one pair of kernels serves every forma
     g = 16, min     (Q2_K):                    1 + 8/16  = 1.5
     F32: 4 (the memory-mapped file), F16 / BF16: 2 (kept half-size, converted per tile)
 
-against 0.56 to 1.06 bytes per weight in the file: at most 2.0x for 4-bit files
-(SmolLM2 Q4_1: 1.67x the file, Gemma 3 Q4_K_M: 1.21x), and no float32 copy of a
-quantized matrix is ever kept.
+against 0.33 (Q2_K) to 1.06 (Q8_0) bytes per weight in the file: 1.06x the file for
+Q8_0, 2.0x for Q4_0 and Q4_1, 2.2x for Q4_K, 2.9x for Q3_K and 4.6x for Q2_K. Files mix
+formats (SmolLM2 Q4_1 keeps its embeddings in Q8_0: 1.67x; Gemma 3 Q4_K_M: 1.21x). No
+float32 copy of a quantized matrix is ever kept.
 
 The kernels, for `y = x @ W.T` with x float32 (n, in):
 - few rows (decode): W's codes are converted to float32 one cache-sized tile of rows
@@ -63,7 +64,9 @@ PREFILL_TILE_VALUES = 1 << 20
 # per chunk: 741 tok/s on Gemma 3, 8: 809).
 PREFILL_CHUNK_TILES = 8
 # Up to this many rows of x (decode, a batch of decoding sequences) the decode kernel is
-# used, above it the dequantize-and-GEMM one (measured crossover: ~48 rows).
+# used, above it the dequantize-and-GEMM one. The two cost about the same at 48 rows
+# (measured, noisily); 32 stays on the side of the crossover where the decode kernel
+# surely wins.
 DECODE_MAX_ROWS = 32
 # The decode kernel splits a matmul over threads only from this much work (values of W
 # times rows of x): each thread's GIL hand-offs between its short numpy calls cost more

@@ -4,7 +4,7 @@ numpy releases the GIL inside its loops and inside BLAS, so Python threads can k
 several cores busy on one matmul as long as each call is long enough; the kernels
 (engine/quants.py) and attention (engine/architectures.py) hand row ranges of their
 work to `parallel_for`. BLAS itself is kept to one thread (`_single_threaded_blas`).
-The thread count is fixed at start: `LMSP_THREADS`, else one per core.
+The thread count is `LMSP_THREADS`, else one per core (`set_num_threads` changes it).
 """
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
     if request.previous_response_id is not None:
         earlier = await service.conversation_items(principal, request.previous_response_id)
     items = earlier + request.input
-    messages = items_to_messages(items, first_index=-len(earlier))
+    messages = items_to_messages(items, input_start=len(earlier))
     chat_request = _chat_request(request, messages)
     try:
         constrained = bool(request.tools) or request.json_schema is not None  # compiles a grammar

@@ -55,8 +55,8 @@ class Service:
     """What a request handler can reach: the models, auth, the store, the log.
 
     `store` (lmsp_min/store.py) is optional: without one, `previous_response_id`
-    is `unsupported_capability` and `store: true` is ignored (D2). `tasks` is
-    set by the tasks module when it is wired in; `nursery` is where background
+    is `unsupported_capability` and `store: true` is ignored (D2). `tasks` (set
+    by `open`) runs the background responses; `nursery` is where background
     work lives while `serve` runs.
     """
 
@@ -100,7 +100,7 @@ class Service:
                 await self.http.drain(LAST_WORDS)
 
     def close(self) -> None:
-        """Close the store (the throw-away database of --no-store is deleted)."""
+        """Close the store (--no-store's database is in memory: nothing is left)."""
         if self.store is not None:
             self.store.close()
 

@@ -409,14 +409,14 @@ def _extensions(extensions: dict, request: ResponsesRequest) -> None:
 # -- input items -> chat messages -------------------------------------------------
 
 
-def items_to_messages(items: list[dict], first_index: int = 0) -> list[dict]:
+def items_to_messages(items: list[dict], input_start: int = 0) -> list[dict]:
     """Turn validated LMSP input items into chat-template messages (engine ChatRequest).
 
     Consecutive `function_call` items become the `tool_calls` of one assistant
     message (joined to the assistant message just before them, if any); a
     `function_call_output` becomes a `tool` message, and must answer a call made
     earlier in the input. `param` paths in errors index the request's own
-    `input`, which starts at `first_index` in `items` (after the items of a
+    `input`, which starts at `input_start` in `items` (after the items of a
     previous response).
     """
     messages: list[dict] = []
@@ -443,7 +443,7 @@ def items_to_messages(items: list[dict], first_index: int = 0) -> list[dict]:
         elif kind == "function_call_output":
             call_id = item["call_id"]
             if call_id not in calls:
-                raise invalid(f"input[{index + first_index}].call_id",
+                raise invalid(f"input[{index - input_start}].call_id",
                               f"no earlier function_call item has call_id {call_id!r}")
             messages.append({"role": "tool", "content": item["output"], "tool_call_id": call_id,
                              "name": calls[call_id]})
