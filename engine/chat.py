@@ -188,7 +188,7 @@ async def generate_chat(model, prepared: PreparedChat):
             events = output.feed(token.text)
             for event in message_stop.apply(events) if message_stop else events:
                 yield event
-            if message_stop and message_stop.stopped:
+            if message_stop and message_stop.stopped or output.repeated_call:
                 break
         else:
             events = output.finish(complete=generation.finish_reason == "stop")
@@ -198,7 +198,8 @@ async def generate_chat(model, prepared: PreparedChat):
                 yield event
     finally:
         await generation.aclose()
-    stopped = message_stop is not None and message_stop.stopped  # (perhaps in the last token allowed)
+    # (perhaps in the last token allowed)
+    stopped = message_stop is not None and message_stop.stopped or output.repeated_call
     yield Finished("stop" if stopped else generation.finish_reason or "stop", prepared.input_tokens,
                    generation.n_generated, cached_tokens=generation.cached_tokens)
 
@@ -281,6 +282,11 @@ class OutputSplitter:
 
     def feed(self, text: str) -> list[TextDelta | ReasoningDelta | ToolCall]:
         return self._events(self.calls.feed(text) if self.calls is not None else [text])
+
+    @property
+    def repeated_call(self) -> bool:
+        """The model wrote a call it had already made: it is looping, the response ends."""
+        return self.calls is not None and self.calls.repeated
 
     def finish(self, complete: bool) -> list[TextDelta | ReasoningDelta | ToolCall]:
         """The text held back at the end (`complete` False: a call cut off by max_tokens is dropped)."""

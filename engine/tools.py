@@ -22,12 +22,14 @@ only write `{"name": <a listed tool>, "arguments": <JSON valid for its parameter
 closing tag; several calls may follow each other (up to MAX_CALLS), and nothing but calls
 after the first one. `tool_choice`:
 
-- "required" / {"name": N}: constrained from the first token (only N for a named choice);
+- "required": constrained from the first token, one call or more;
+- {"name": N}: constrained from the first token, exactly one call, of N;
 - "auto": free text until the model writes `<tool_call>`, then constrained;
 - "none": the tools are not shown and `<tool_call>` can never be completed.
 
 `ToolCallParser` turns the generated text into message text and complete calls; a call that
-repeats an earlier one of the response, or that max_tokens cut off, is not given out.
+max_tokens cut off is not given out, and one that repeats an earlier one of the response
+ends it (a small model repeats its call until the token limit).
 """
 
 from __future__ import annotations
@@ -145,7 +147,9 @@ def tool_call_grammar(tools: list[dict], tool_choice):
         return FreeText(OPENER.encode(), None)
     if tool_choice == "auto":
         return FreeText(OPENER.encode(), Seq([*body, more]))
-    return Seq([one, more])
+    if tool_choice == "required":
+        return Seq([one, more])
+    return one  # a named function: called once
 
 
 @dataclass
@@ -197,7 +201,8 @@ class ToolCallParser:
     Text that might be the beginning of `<tool_call>` is held back until it is known not to
     be; once the first call has started, everything else is calls (the grammar allows only
     whitespace between them). A call identical to an earlier one of the same response is
-    dropped: small models tend to repeat their call, and running it twice tells nothing new.
+    dropped, and `repeated` says the response should end there: small models tend to
+    repeat their call until the token limit, and running it twice tells nothing new.
     """
 
     def __init__(self):
@@ -206,6 +211,7 @@ class ToolCallParser:
         self.seen_call = False
         self.n_calls = 0
         self.calls: set[tuple[str, str]] = set()  # (name, arguments) given out so far
+        self.repeated = False  # a call came again: the model is looping
 
     def feed(self, text: str) -> list:
         """-> a list of str (message text) and ParsedCall, in order."""
@@ -217,7 +223,9 @@ class ToolCallParser:
                 if found is None:
                     return out
                 call, end = found
-                if (call.name, call.arguments) not in self.calls:
+                if (call.name, call.arguments) in self.calls:
+                    self.repeated = True
+                else:
                     self.calls.add((call.name, call.arguments))
                     out.append(call)
                     self.n_calls += 1

@@ -58,8 +58,8 @@ def test_random_model_makes_valid_calls_in_50_of_50_runs(smollm2):
         assert complete, (seed, text)
         calls = check_calls(parse(text.decode()), TOOLS)
         assert 1 <= len(calls) <= MAX_CALLS
-        if isinstance(choice, dict):
-            assert {c.name for c in calls} == {choice["name"]}
+        if isinstance(choice, dict):  # a named function is called exactly once
+            assert [c.name for c in calls] == [choice["name"]]
         assert parse(text.decode())[0] == calls[0]   # nothing before the first call
 
 
@@ -127,6 +127,11 @@ def test_parser_streams_text_and_calls():
     assert "".join(parse("a < b, <tool_ is text")) == "a < b, <tool_ is text"
     twice = '<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
     assert parse(twice) == [ParsedCall(0, "f", '{"a":1}')]     # a repeated call is dropped
+    parser = ToolCallParser()
+    parser.feed(twice[: len(twice) // 2 + 20])
+    assert not parser.repeated
+    parser.feed(twice[len(twice) // 2 + 20:])
+    assert parser.repeated                                     # and ends the response (chat.py)
 
 
 def test_the_start_of_an_opener_cut_by_the_limit_is_not_text():
