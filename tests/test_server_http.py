@@ -386,7 +386,7 @@ async def test_drain_finishes_requests_in_progress_and_closes_idle_connections(n
         raise AssertionError("the server still accepts connections after a drain")
 
 
-async def test_responses_still_generating_after_the_grace_end_failed_and_say_why(nursery, tiny_path):
+async def test_responses_still_generating_after_the_grace_end_failed_and_say_why(nursery, tiny_path, monkeypatch):
     # A stream gets a final event and a synchronous request a 503, not a cut connection.
     from engine import TextDelta
 
@@ -399,7 +399,7 @@ async def test_responses_still_generating_after_the_grace_end_failed_and_say_why
         yield TextDelta("Once")
         await trio.sleep_forever()
 
-    model.generate_chat = never_ends
+    monkeypatch.setattr(model, "generate_chat", never_ends)  # (the loaded model is shared by the tests)
     body = {"model": model_id, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 30}
     async with server.connection() as streamed, server.connection() as synchronous:
         await streamed.send("POST", "/lmsp/v1/responses", json_body={**body, "stream": True})
