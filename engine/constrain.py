@@ -73,6 +73,10 @@ ENTER = 2  # (ENTER, local, child): the byte is consumed, then `child` starts wi
 
 MAX_INT_DIGITS = 15    # integer part of an unbounded number
 MAX_FRAC_DIGITS = 6    # fraction digits of a "number"
+# digits of a number with a fraction, in all: what a 64-bit float, which JSON readers
+# parse numbers into, holds exactly. Past it 100000000000.000001 reads as 1e11, which
+# an exclusiveMinimum of 1e11 the grammar had checked the decimal against refuses.
+MAX_SIGNIFICANT = 15
 MAX_ANY_DEPTH = 6      # nesting depth of schema-less ("any") values
 # Bounds on what a client's schema may cost (D9). An object's optional properties cost
 # n^2 (where each may come next); 8,000 of them took 85 s and 3 GB to compile.
@@ -241,7 +245,9 @@ class Number(Node):
 
     Locals: (negative, integer digits, fraction digits or None before a '.'). A byte is only
     accepted when some completion of the new prefix still lies within [lo, hi], so the model
-    can never write itself into a dead end.
+    can never write itself into a dead end. A fraction has at most MAX_FRAC_DIGITS digits,
+    and a number with one at most MAX_SIGNIFICANT digits in all (fewer fraction digits
+    for a longer integer part), so that the double a reader parses is the decimal checked.
     """
 
     start = (False, "", None)
@@ -249,31 +255,42 @@ class Number(Node):
     def __init__(self, integer: bool, lo: Fraction | None = None, hi: Fraction | None = None):
         self.integer, self.lo, self.hi = integer, lo, hi
         self.frac_digits = 0 if integer else MAX_FRAC_DIGITS
-        self.unit = Fraction(1, 10 ** self.frac_digits)
         self.int_digits = MAX_INT_DIGITS
         if lo is not None and hi is not None:
             self.int_digits = max(1, len(str(math.floor(max(abs(lo), abs(hi))))))
         self._final: dict = {}
 
+    def _frac_limit(self, int_digits: int) -> int:
+        """Fraction digits a number with this many integer digits may have ("0" counts 0)."""
+        return max(0, min(self.frac_digits, MAX_SIGNIFICANT - int_digits))
+
+    def _unit(self, int_digits: int) -> Fraction:
+        return Fraction(1, 10 ** self._frac_limit(int_digits))
+
     def _feasible(self, neg: bool, ip: str, fp: str | None) -> bool:
         """Does some completion of this prefix lie within [lo, hi]?"""
         if self.lo is None and self.hi is None:
             return True
-        unit, top = self.unit, self.int_digits
+        top = self.int_digits
+        # (low, high, unit): magnitudes the completions may have, multiples of unit
         if ip == "":
-            ranges = [(Fraction(0), Fraction(10 ** top) - unit)]
+            ranges = [(Fraction(0), 1 - self._unit(0), self._unit(0))]
+            ranges += [(Fraction(10 ** (n - 1)), Fraction(10 ** n) - self._unit(n), self._unit(n))
+                       for n in range(1, top + 1)]
         elif fp is None:
             if ip == "0":
-                ranges = [(Fraction(0), 1 - unit)]
+                ranges = [(Fraction(0), 1 - self._unit(0), self._unit(0))]
             else:  # the integer part may still grow by e digits
                 v = int(ip)
-                ranges = [(Fraction(v * 10 ** e), Fraction((v + 1) * 10 ** e) - unit)
-                          for e in range(top - len(ip) + 1)]
+                ranges = [(Fraction(v * 10 ** e), Fraction((v + 1) * 10 ** e) - self._unit(len(ip) + e),
+                           self._unit(len(ip) + e)) for e in range(top - len(ip) + 1)]
         else:
+            n = 0 if ip == "0" else len(ip)
+            unit = self._unit(n)
             base = int(ip) + Fraction(int(fp or "0"), 10 ** len(fp))
-            width = 0 if len(fp) == self.frac_digits else Fraction(1, 10 ** len(fp)) - unit
-            ranges = [(base, base + width)]
-        for a, b in ranges:  # magnitudes, inclusive, multiples of unit
+            width = 0 if len(fp) == self._frac_limit(n) else Fraction(1, 10 ** len(fp)) - unit
+            ranges = [(base, base + width, unit)]
+        for a, b, unit in ranges:  # magnitudes, inclusive, multiples of unit
             if neg:
                 a, b = -b, -a
                 if self.integer:  # "-0" is not written
@@ -295,12 +312,12 @@ class Number(Node):
                     return ()
                 new = (neg, ip + d, None)
             else:
-                if len(fp) >= self.frac_digits:
+                if len(fp) >= self._frac_limit(0 if ip == "0" else len(ip)):
                     return ()
                 new = (neg, ip, fp + d)
         elif b == 0x2D and local == self.start:  # '-'
             new = (True, "", None)
-        elif b == 0x2E and ip and fp is None and not self.integer:  # '.'
+        elif b == 0x2E and ip and fp is None and self._frac_limit(0 if ip == "0" else len(ip)):  # '.'
             new = (neg, ip, "")
         else:
             return ()
@@ -1086,7 +1103,11 @@ class _Compiler:
         limit = Fraction(10 ** MAX_INT_DIGITS) - unit
         if (lo is not None and lo > limit) or (hi is not None and hi < -limit):
             raise SchemaError(f"numeric bounds at {path or '/'} are beyond {MAX_INT_DIGITS} digits", path, "minimum")
-        return Number(integer, lo, hi)
+        node = Number(integer, lo, hi)
+        if not (node._feasible(False, "", None) or node._feasible(True, "", None)):  # MAX_SIGNIFICANT
+            raise SchemaError(f"no number of at most {MAX_SIGNIFICANT} digits lies between the bounds at "
+                              f"{path or '/'}", path, "minimum")
+        return node
 
     def t_boolean(self, schema, path):
         return Literal([b"true", b"false"])

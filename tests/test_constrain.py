@@ -428,3 +428,24 @@ def test_what_a_schema_may_cost_is_bounded():
         for b in b"[" * 10:
             c.advance(b)
     assert e.value.keyword == "anyOf"
+
+
+def test_a_number_means_what_a_double_reads():
+    """The decimal the grammar checks against the bounds is the double a reader parses:
+    at most MAX_SIGNIFICANT digits. 100000000000.000001 read as 1e11 and broke an
+    exclusiveMinimum of 1e11."""
+    with pytest.raises(SchemaError):  # no 15-digit number lies in (1e11, 1e11 + 2e-5]
+        json_constraint({"type": "number", "exclusiveMinimum": 100000000000, "maximum": 100000000000.00002}, BYTES)
+    schema = {"type": "number", "exclusiveMinimum": 1234567890.5, "maximum": 1234567891}
+    assert not accepts(schema, "1234567890.500001")  # 16 digits: 15 at most
+    assert accepts(schema, "1234567890.50001") and accepts(schema, "1234567891")
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # random walks: every document's double satisfies the bounds
+        c, text = json_constraint(schema, BYTES), b""
+        while not (c.allows(256) and (len(text) > 12 or rng.random() < 0.3)):
+            allowed = np.flatnonzero(c.mask()[:256])
+            b = int(rng.choice(allowed))
+            c.advance(b)
+            text += bytes([b])
+        assert validate(json.loads(text), schema) is None, text
+        assert 1234567890.5 < float(text) <= 1234567891, text
