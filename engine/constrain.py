@@ -25,7 +25,8 @@ end-of-sequence token only once the document is complete. Three layers:
 The JSON written is compact and bounded: no whitespace except at most one space after `:`
 and `,`, object properties in schema order (optional ones may be skipped, required ones must
 appear; with `properties` given no other key is written, without it any string keys), numbers
-without exponent with at most 15 integer and 6 fraction digits. Strings are as long as the
+without exponent with at most 15 integer and 6 fraction digits, and 15 digits in all
+when there is a fraction (what a double holds exactly). Strings are as long as the
 model makes them unless `maxLength` says otherwise: a cut-off document is reported as such
 (finish reason "length"), never silently shortened.
 
