@@ -69,7 +69,7 @@ class Request:
         self.cancelled = False
 
 
-class Generation:
+class StepStream:
     """The caller's side of a request: an async iterator of `Step`s.
 
     Use it in a `with` block (or call `cancel()`): leaving early takes the request
@@ -91,7 +91,7 @@ class Generation:
         """"stop" when a stop id ended it, "length" at max_tokens or a full context, else None."""
         return self._request.finish_reason
 
-    def __aiter__(self) -> Generation:
+    def __aiter__(self) -> StepStream:
         return self
 
     async def __anext__(self) -> Step:
@@ -107,7 +107,7 @@ class Generation:
         self._scheduler._cancel(self._request)
         self._receive.close()
 
-    def __enter__(self) -> Generation:
+    def __enter__(self) -> StepStream:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -131,7 +131,7 @@ class Scheduler:
 
     def submit(self, prompt: list[int], *, pick: Pick, max_tokens: int,
                stop_ids: frozenset[int] = frozenset(),
-               stop_when: Callable[[], bool] | None = None) -> Generation:
+               stop_when: Callable[[], bool] | None = None) -> StepStream:
         """Queue a generation; call from a trio task. Raises QueueFull when the queue is full.
 
         The generation ends ("stop") after a token in `stop_ids` or a token after
@@ -155,7 +155,7 @@ class Scheduler:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._run, name="lmsp-scheduler", daemon=True)
                 self._worker.start()
-        return Generation(self, request, receive)
+        return StepStream(self, request, receive)
 
     def _cancel(self, request: Request) -> None:
         with self._lock:

@@ -188,7 +188,7 @@ class GenerationsInProgress:
 
 
 @dataclass
-class Generation:
+class PreparedResponse:
     """A validated, prepared response, ready to generate."""
 
     request: ResponsesRequest
@@ -240,7 +240,7 @@ async def _engine_events(model, prepared, in_progress: GenerationsInProgress):
             await chat.aclose()
 
 
-async def prepare_generation(body: dict, principal: str, service) -> Generation:
+async def prepare_generation(body: dict, principal: str, service) -> PreparedResponse:
     """Everything that can refuse a request, done before any generation (D1, D2, D4)."""
     from engine.errors import ChatTemplateError, ContextLengthExceeded, SchemaError
 
@@ -283,9 +283,9 @@ async def prepare_generation(body: dict, principal: str, service) -> Generation:
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
-    count_out = entry.admit()  # nothing is awaited from here until the Generation holds it
+    count_out = entry.admit()  # nothing is awaited from here until the PreparedResponse holds it
     run = ResponseRun(entry.id, log=service.log)
-    return Generation(request, principal, items, model, prepared, run, count_out, service.generations)
+    return PreparedResponse(request, principal, items, model, prepared, run, count_out, service.generations)
 
 
 _SCHEMA_MAPPINGS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
@@ -355,7 +355,7 @@ async def _respond(body: dict, request: Request, service):
     return json_response(run.response_object())
 
 
-async def _sse(generation: Generation, request: Request, service) -> AsyncIterator[bytes]:
+async def _sse(generation: PreparedResponse, request: Request, service) -> AsyncIterator[bytes]:
     """The SSE body of a streamed response: each event as it is produced."""
     async with aclosing(generation.events()) as events:
         try:
@@ -368,7 +368,7 @@ async def _sse(generation: Generation, request: Request, service) -> AsyncIterat
             yield generation.run.error_event(Problem("internal_error", "an unexpected error occurred")).sse()
 
 
-async def _finish(generation: Generation, request: Request, service) -> None:
+async def _finish(generation: PreparedResponse, request: Request, service) -> None:
     """Before the final event goes out: note the tokens, store the response if asked (D6).
 
     A failed response is stored too when it was streamed, as a task's is: the client has

@@ -157,7 +157,7 @@ class _Running:
 
     task_id: str
     principal: str
-    generation: object  # app.Generation: the prepared response
+    generation: object  # app.PreparedResponse: the prepared response
     log: LiveLog
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     ended: trio.Event = field(default_factory=trio.Event)
@@ -209,7 +209,7 @@ class Tasks:
     # -- starting and running -----------------------------------------------------
 
     async def start(self, generation, body: dict) -> TaskRow:
-        """Create a task for a prepared generation (app.Generation) and start it.
+        """Create a task for a prepared generation (app.PreparedResponse) and start it.
 
         Once this returns, the task is in the database (durably) and running."""
         if self._nursery is None:
