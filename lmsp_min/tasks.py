@@ -30,7 +30,7 @@ from typing import AsyncIterator
 
 import trio
 
-from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, new_id
+from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, compact_json, new_id, sse_message
 from lmsp_min.problems import Problem
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
 
@@ -142,13 +142,9 @@ class LiveLog:
                 yield None
 
 
-def _json(data: dict) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-
-
 def sse(event: LoggedEvent) -> bytes:
     """A logged event as SSE, byte for byte what a direct stream sends (events.Event.sse)."""
-    return f"id: {event.seq}\nevent: {event.event}\ndata: {event.data}\n\n".encode("utf-8")
+    return sse_message(event.seq, event.event, event.data)
 
 
 @dataclass
@@ -225,13 +221,13 @@ class Tasks:
         with trio.CancelScope(shield=True):
             try:
                 await self.store.create_task(task_id, generation.principal, run.created_at,
-                                             run.model_id, run.id, _json(body))
+                                             run.model_id, run.id, compact_json(body))
             except BaseException:
                 del self._running[task_id]
                 raise
             self._nursery.start_soon(self._run, running)
         return TaskRow(task_id, generation.principal, self.store.owner, run.created_at, run.model_id,
-                       run.id, "queued", _json(body), None, None, False)
+                       run.id, "queued", compact_json(body), None, None, False)
 
     async def _run(self, running: _Running) -> None:
         generation = running.generation
@@ -245,7 +241,7 @@ class Tasks:
                 with running.cancel_scope:
                     async with aclosing(generation.events()) as events:
                         async for event in events:
-                            logged = LoggedEvent(event.id, event.name, _json(event.data))
+                            logged = LoggedEvent(event.id, event.name, compact_json(event.data))
                             if event.is_final:
                                 final = logged
                                 break
@@ -255,11 +251,8 @@ class Tasks:
                     return
                 if final is None:  # cancelled by POST /cancel
                     event = run.cancelled()
-                    final = LoggedEvent(event.id, event.name, _json(event.data))
-                stored = None
-                if generation.request.store and self.stores_responses:
-                    stored = (running.principal, generation.input_items)
-                await log.finish(run.status, _json(run.response_object()), final, stored)
+                    final = LoggedEvent(event.id, event.name, compact_json(event.data))
+                await log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
         except Exception as exc:
             # A bug or a failing database: the task fails, the service goes on.
             self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
@@ -275,19 +268,28 @@ class Tasks:
             del self._running[running.task_id]
             running.ended.set()
 
+    def _stored(self, running: _Running) -> tuple[str, list] | None:
+        """(principal, effective input) when the task's response is to be stored (D6)."""
+        generation = running.generation
+        if generation.request.store and self.stores_responses:
+            return running.principal, generation.input_items
+        return None
+
     async def _fail(self, running: _Running, problem: Problem) -> None:
         """End a task whose runner cannot go on `failed`, if the database lets us. Its
         final event follows the last committed one, and its output is what the
-        committed events hold (uncommitted ones were never seen)."""
+        committed events hold (uncommitted ones were never seen). With `store: true`
+        the failed response is stored, as a completed one would be."""
         log = running.log
         run = running.generation.run
         error = problem.to_dict()
         response = dict(run.response_object(), status="failed", output=output_from_events(log.events),
                         usage=None, error=error, incomplete_details=None)
         final = LoggedEvent(len(log.events) + 1, "response.failed",
-                            _json({"response_id": run.id, "status": "failed", "error": error}))
+                            compact_json({"response_id": run.id, "status": "failed", "error": error}))
         try:
-            if await self.store.finish_task(running.task_id, "failed", _json(response), [final]):
+            if await self.store.finish_task(running.task_id, "failed", compact_json(response), [final],
+                                            self._stored(running)):
                 log.end(final)
         except Exception as exc:
             self._log(f"error: task {running.task_id} could not be marked failed: {exc}")
@@ -427,11 +429,11 @@ class Tasks:
             }
             final = LoggedEvent(
                 events[-1].seq + 1 if events else 1, "response.failed",
-                _json({"response_id": row.response_id, "status": "failed", "error": problem.to_dict()}),
+                compact_json({"response_id": row.response_id, "status": "failed", "error": problem.to_dict()}),
             )
             # Not kept as a stored response even with `store: true`: the effective
             # input died with the process; the task object keeps the response.
-            if await self.store.finish_task(row.id, "failed", _json(response), [final]):
+            if await self.store.finish_task(row.id, "failed", compact_json(response), [final]):
                 recovered.append(row.id)
                 self._log(f"task {row.id} was left unfinished ({problem.detail}): marked failed")
         await self.store.release_abandoned_keys()

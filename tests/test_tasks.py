@@ -453,7 +453,7 @@ async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_
     following them get the final event before their streams close."""
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
     paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.02)
-    task = await create(server, task_body(max_output_tokens=300))
+    task = await create(server, task_body(max_output_tokens=300, store=True))
     async with server.connection() as client:
         stream = follow(client, task["id"])
         await stream.__anext__()
@@ -461,6 +461,9 @@ async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_
             draining.start_soon(server.service.drain, 5.0)
             rest = [event async for event in stream if event is not None]
     assert rest[-1].event == "response.failed" and rest[-1].data["error"]["code"] == "generation_failed"
+    # with store: true, the failed response is stored like any other (6.2, D6)
+    stored = await server.service.store.get_response(task["response_id"], "local")
+    assert stored is not None and json.loads(stored.body)["status"] == "failed"
 
 
 async def test_a_failing_recovery_is_logged_and_the_service_goes_on(nursery, tiny_path, tmp_path, monkeypatch):
