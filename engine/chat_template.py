@@ -22,9 +22,10 @@ assistant messages are `{"id", "type": "function", "function": {"name",
 "arguments": dict}}` and tool results are `{"role": "tool", "content",
 "tool_call_id"}`, as in transformers.
 
-A model without a template gets a fallback, chosen by its vocabulary (and a model
-whose template never mentions `tools` gets it for requests with tools, tool calls
-or tool results, since its own template cannot show them):
+A model without a template gets a fallback, chosen by its vocabulary, which shows
+tools, calls and results in the Hermes `<tool_call>` format. (A template that never
+mentions `tools` renders what it renders; engine/tools.py writes tools, calls and
+results into the messages for it.)
 
 - ChatML when the vocabulary has `<|im_start|>` and `<|im_end|>`::
 
@@ -185,21 +186,13 @@ def _normalize_tools(tools):
     return [t if "function" in t or "name" not in t else {"type": "function", "function": t} for t in tools]
 
 
-def _has_tool_turns(messages) -> bool:
-    return any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
-
-
 class ChatTemplate:
     """A model's chat template, compiled once, rendered per request.
 
     `template_source` None (or empty) means the model has no template: the fallback
     chosen from `vocab` (the model's token texts) is used and `is_fallback` is true.
-    `supports_tools` says whether the template in use mentions `tools`. A template
-    that does not cannot show tools, tool calls or tool results, so requests that
-    have any are rendered with the fallback format instead (for SmolLM2: ChatML with
-    Hermes-style tools); `tool_format` tells which syntax the model then sees and is
-    expected to answer in: "hermes" (`<tool_call>{json}</tool_call>`, see the module
-    docstring) or "template" (whatever the model's own template defines).
+    `supports_tools` says whether the template in use mentions `tools` (engine/tools.py
+    shows tools to one that does not through the messages).
     """
 
     def __init__(self, template_source: str | None, bos_token: str = "", eos_token: str = "",
@@ -225,16 +218,13 @@ class ChatTemplate:
                 raise ChatTemplateError(
                     f"the model's chat template does not compile: {e.message} (line {e.lineno})") from e
             self.supports_tools = "tools" in variables
-        self.tool_format = "template" if self.supports_tools and not self.is_fallback else "hermes"
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None) -> str:
         """The prompt text for these messages (special tokens as text, to be parsed)."""
-        template, variables = self._template, {}
-        if self.is_fallback or (not self.supports_tools and (tools or _has_tool_turns(messages))):
-            template, variables = _FALLBACK_TEMPLATE, self._fallback_variables
+        variables = self._fallback_variables if self.is_fallback else {}
         try:
-            text = template.render(
+            text = self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=_normalize_tools(tools),

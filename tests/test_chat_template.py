@@ -57,19 +57,6 @@ def test_smollm2_identical_to_llama_cpp(smollm2_template):
     assert not smollm2_template.supports_tools and not smollm2_template.is_fallback
 
 
-def test_template_without_tools_renders_tool_requests_with_the_fallback():
-    with gzip.open(DATA / "tokenizer-meta.smollm2.json.gz") as f:
-        meta = json.load(f)
-    t = ChatTemplate(meta["tokenizer.chat_template"], "<|im_start|>", "<|im_end|>",
-                     vocab=meta["tokenizer.ggml.tokens"])
-    assert not t.supports_tools and t.tool_format == "hermes"
-    hi = [{"role": "user", "content": "Hi"}]
-    assert t.render(hi).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    with_tools = t.render(hi, tools=[WEATHER_TOOL])
-    assert with_tools == f"<|im_start|>system\n{TOOLS_SYSTEM}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    assert CALL in t.render(TOOL_CONVERSATION)   # tool calls in the history, no tools offered
-
-
 def test_huggingface_environment():
     source = (
         "{{ bos_token }}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
@@ -113,7 +100,7 @@ def test_fallback_format_follows_the_vocabulary():
 
 def test_chatml_fallback():
     t = ChatTemplate(None, "", "", vocab={"<|im_start|>", "<|im_end|>"})
-    assert t.is_fallback and t.supports_tools and t.fallback_format == "chatml" and t.tool_format == "hermes"
+    assert t.is_fallback and t.supports_tools and t.fallback_format == "chatml"
     assert t.render([{"role": "user", "content": "Hi"}]) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert t.render(TOOL_CONVERSATION, tools=[WEATHER_TOOL]) == (
