@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from .errors import ContextLengthExceeded
 from .generate import StopFilter
 from .sampling import SamplingParams
-from .tools import ToolCallParser, plan_output
+from .tools import ToolCall, ToolCallParser, plan_output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -76,13 +76,6 @@ class TextDelta:
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    index: int
-    name: str
-    arguments: str            # a JSON string valid for the tool's parameters schema
 
 
 @dataclass(frozen=True)
@@ -304,5 +297,5 @@ class OutputSplitter:
             else:  # a call: the text held back before it comes first (no text follows a call)
                 if self.reasoning is not None:
                     events += self.reasoning.flush()
-                events.append(ToolCall(part.index, part.name, part.arguments))
+                events.append(part)
         return events

@@ -189,10 +189,12 @@ def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex) -> Gramma
 
 
 @dataclass(frozen=True)
-class ParsedCall:
+class ToolCall:
+    """A whole tool call of a response (engine.chat gives it out as an event as it is)."""
+
     index: int      # 0, 1, ... in the order of the response
     name: str
-    arguments: str  # compact JSON
+    arguments: str  # compact JSON, valid for the tool's parameters schema
 
 
 class ToolCallParser:
@@ -214,7 +216,7 @@ class ToolCallParser:
         self.repeated = False  # a call came again: the model is looping
 
     def feed(self, text: str) -> list:
-        """-> a list of str (message text) and ParsedCall, in order."""
+        """-> a list of str (message text) and ToolCall, in order."""
         self.pending += text
         out = []
         while True:
@@ -266,7 +268,7 @@ class ToolCallParser:
         self.pending = ""
         return out
 
-    def _whole_call(self) -> tuple[ParsedCall, int] | None:
+    def _whole_call(self) -> tuple[ToolCall, int] | None:
         """(the call, where its closer ends) once `pending` holds a whole call, else None.
 
         The call is the JSON object after the opener, and it ends at the first closer
@@ -282,6 +284,6 @@ class ToolCallParser:
         if close < 0:
             return None
         try:
-            return ParsedCall(self.n_calls, call["name"], _compact(call["arguments"])), close + len(CLOSER)
+            return ToolCall(self.n_calls, call["name"], _compact(call["arguments"])), close + len(CLOSER)
         except (KeyError, TypeError) as e:
             raise EngineError(f"malformed tool call {self.pending[:end]!r}") from e

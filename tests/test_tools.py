@@ -9,7 +9,7 @@ from engine.constrain import TokenIndex, validate
 from engine.errors import SchemaError
 from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
-from engine.tools import (CLOSER, MAX_CALLS, OPENER, ParsedCall, ToolCallParser, render_generic,
+from engine.tools import (CLOSER, MAX_CALLS, OPENER, ToolCall, ToolCallParser, render_generic,
                           tool_constraint, uses_native_format)
 from tests.conftest import DATA
 from tests.test_constrain import random_run, smollm2_model, tiny  # noqa: F401 (fixtures)
@@ -42,7 +42,7 @@ def parse(text: str) -> list:
 
 def check_calls(events, tools):
     """Every call names a listed tool and its arguments validate; returns the calls."""
-    calls = [e for e in events if isinstance(e, ParsedCall)]
+    calls = [e for e in events if isinstance(e, ToolCall)]
     by_name = {t["name"]: t for t in tools}
     for call in calls:
         assert call.name in by_name
@@ -123,10 +123,10 @@ def test_parser_streams_text_and_calls():
     out += parser.finish()
     assert "".join(e for e in out if isinstance(e, str)) == "Checking."
     assert [e for e in out if not isinstance(e, str)] == [
-        ParsedCall(0, "add", '{"a":1,"b":2}'), ParsedCall(1, "get_time", "{}")]
+        ToolCall(0, "add", '{"a":1,"b":2}'), ToolCall(1, "get_time", "{}")]
     assert "".join(parse("a < b, <tool_ is text")) == "a < b, <tool_ is text"
     twice = '<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
-    assert parse(twice) == [ParsedCall(0, "f", '{"a":1}')]     # a repeated call is dropped
+    assert parse(twice) == [ToolCall(0, "f", '{"a":1}')]     # a repeated call is dropped
     parser = ToolCallParser()
     parser.feed(twice[: len(twice) // 2 + 20])
     assert not parser.repeated
@@ -147,7 +147,7 @@ def test_a_closer_inside_an_argument_is_text():
     for size in (1, 5, len(text)):
         parser = ToolCallParser()
         out = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
-        assert out == [ParsedCall(0, "render", '{"tag":"</tool_call>","n":1}')]
+        assert out == [ToolCall(0, "render", '{"tag":"</tool_call>","n":1}')]
 
 
 HISTORY = [
@@ -254,7 +254,7 @@ async def test_chat_tool_calls(tiny):
         events = await chat_events(tiny, request)
         calls = [e for e in events if isinstance(e, ToolCall)]
         assert [c.index for c in calls] == list(range(len(calls))) and calls
-        check_calls([ParsedCall(c.index, c.name, c.arguments) for c in calls], TINY_TOOLS)
+        check_calls(calls, TINY_TOOLS)
         assert not [e for e in events if isinstance(e, TextDelta)]
         assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
     # cut off by max_tokens: no half-made call, and the response is incomplete
@@ -330,7 +330,7 @@ async def test_smollm2_tool_calls_are_valid(smollm2_model):
     for i, events in results.items():
         calls = [e for e in events if isinstance(e, ToolCall)]
         assert events[-1].reason == "stop" and calls, (REAL_REQUESTS[i], events)
-        check_calls([ParsedCall(c.index, c.name, c.arguments) for c in calls], REAL_TOOLS)
+        check_calls(calls, REAL_TOOLS)
         if REAL_REQUESTS[i][1] != "required":
             assert {c.name for c in calls} == {REAL_REQUESTS[i][1]}
 
