@@ -53,8 +53,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{''.join(reversed(chars))}"
 
 
-def _json(data: dict) -> str:
+def compact_json(data: dict) -> str:
+    """An event's data as the streams send it and the task logs keep it."""
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse_message(event_id: int, name: str, data_json: str) -> bytes:
+    """One SSE message (event data is JSON, which never contains a raw newline)."""
+    return f"id: {event_id}\nevent: {name}\ndata: {data_json}\n\n".encode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,7 @@ class Event:
         return self.name in FINAL_EVENTS
 
     def sse(self) -> bytes:
-        """The event as one SSE message (JSON never contains a raw newline)."""
-        return f"id: {self.id}\nevent: {self.name}\ndata: {_json(self.data)}\n\n".encode("utf-8")
+        return sse_message(self.id, self.name, compact_json(self.data))
 
 
 SSE_KEEPALIVE = b": keep-alive\n\n"

@@ -28,7 +28,6 @@ from lmsp_min.registry import Registry
 from lmsp_min.store import Store
 from lmsp_min.tasks import Tasks
 
-DEFAULT_MODEL = "smollm2:135m-instruct-q4_1"
 SHUTDOWN_GRACE = 10.0  # seconds requests in progress get to finish after SIGINT / SIGTERM
 LAST_WORDS = 2.0  # seconds, after that, for the responses still generating to say they were stopped
 
@@ -160,8 +159,8 @@ def ensure_default_model(config: ServiceConfig, log=stderr_log) -> None:
         return
     from lmsp_min import fetch
 
-    log(f"no model given and none in {config.models_dir}: fetching {DEFAULT_MODEL}")
-    config.model_paths.append(Path(fetch.pull(DEFAULT_MODEL)))
+    log(f"no model given and none in {config.models_dir}: fetching {fetch.DEFAULT_MODEL}")
+    config.model_paths.append(Path(fetch.pull(fetch.DEFAULT_MODEL)))
 
 
 def run(config: ServiceConfig, host: str, port: int) -> None:

@@ -148,13 +148,13 @@ async def test_a_model_that_fails_to_load_is_503(monkeypatch, nursery, tiny_path
 
 def test_serve_without_models_pulls_the_default_one(tmp_path, monkeypatch, tiny_path):
     from lmsp_min import fetch
-    from lmsp_min.service import DEFAULT_MODEL, ensure_default_model
+    from lmsp_min.service import ensure_default_model
 
     pulled = []
     monkeypatch.setattr(fetch, "pull", lambda name: pulled.append(name) or tiny_path)
     empty = ServiceConfig(models_dir=tmp_path, store=False)
     ensure_default_model(empty, log=lambda line: None)
-    assert pulled == [DEFAULT_MODEL] and empty.model_paths == [tiny_path]
+    assert pulled == [fetch.DEFAULT_MODEL] and empty.model_paths == [tiny_path]
     given = ServiceConfig(model_paths=[tiny_path], models_dir=tmp_path, store=False)
     ensure_default_model(given, log=lambda line: None)
-    assert pulled == [DEFAULT_MODEL]  # a model was given: nothing fetched
+    assert pulled == [fetch.DEFAULT_MODEL]  # a model was given: nothing fetched
