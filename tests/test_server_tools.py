@@ -136,15 +136,20 @@ async def test_the_tiny_model_lists_what_it_can_do(server, capability):
     assert capability in model["capabilities"]
 
 
-async def test_a_reasoning_model_answers_a_json_schema_in_its_message(nursery, tmp_path):
-    """D5: the document is the message text, even when the template opens a <think>."""
+async def thinking_model_server(nursery, tmp_path):
+    """A server of a tiny model whose template opens a <think> block: it reasons (D4)."""
     from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
 
     meta = load_tokenizer_meta(SMOLLM2_TOKENIZER)
     meta["tokenizer.chat_template"] += "{% if add_generation_prompt %}<think>\n{% endif %}"
     path = write_tiny_model(tmp_path / "think-chat-q8_0.gguf", "llama", tokenizer_meta=meta)
     server = await start_server(nursery, await make_service([path]))
-    model_id = (await server.request("GET", "/lmsp/v1/models")).json()["data"][0]["id"]
+    return server, (await server.request("GET", "/lmsp/v1/models")).json()["data"][0]["id"]
+
+
+async def test_a_reasoning_model_answers_a_json_schema_in_its_message(nursery, tmp_path):
+    """D5: the document is the message text, even when the template opens a <think>."""
+    server, model_id = await thinking_model_server(nursery, tmp_path)
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"],
               "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
@@ -157,13 +162,7 @@ async def test_a_reasoning_model_answers_a_json_schema_in_its_message(nursery, t
 
 async def test_a_reasoning_model_keeps_its_thought_out_of_the_message_with_tools(nursery, tmp_path):
     """D4 holds with tools on: the template opens <think>, so the text is a thought."""
-    from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
-
-    meta = load_tokenizer_meta(SMOLLM2_TOKENIZER)
-    meta["tokenizer.chat_template"] += "{% if add_generation_prompt %}<think>\n{% endif %}"
-    path = write_tiny_model(tmp_path / "think-chat-q8_0.gguf", "llama", tokenizer_meta=meta)
-    server = await start_server(nursery, await make_service([path]))
-    model_id = (await server.request("GET", "/lmsp/v1/models")).json()["data"][0]["id"]
+    server, model_id = await thinking_model_server(nursery, tmp_path)
     response = (await server.responses({"model": model_id, "input": ASK, "temperature": 0, "max_output_tokens": 12,
                                         "tools": [TIME], "tool_choice": "auto"})).json()
     assert [item["type"] for item in response["output"]] == ["reasoning"]
