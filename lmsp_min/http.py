@@ -179,6 +179,10 @@ class _ClientGone(Exception):
     """The socket broke while we were writing: nothing more can be sent."""
 
 
+class _StreamFailed(_ClientGone):
+    """A response stream failed after its head went out: nothing more can be sent either."""
+
+
 class _DateHeader:
     """`Date` in IMF-fixdate, formatted once per second rather than per response."""
 
@@ -431,8 +435,8 @@ class _Connection:
                 else:
                     await self._send_response(response)
             outcome = " (client disconnected)" if scope.cancelled_caught else ""
-        except _ClientGone:
-            outcome = " (client gone)"
+        except _ClientGone as exc:
+            outcome = " (stream failed)" if isinstance(exc, _StreamFailed) else " (client gone)"
             raise
         except trio.Cancelled:
             outcome = " (stopped)"  # the server is shutting down
@@ -533,7 +537,7 @@ class _Connection:
             # more, so the connection ends without its final chunk and the
             # client sees a truncated stream rather than a clean end.
             self.log("error: a response stream failed:\n" + traceback.format_exc())
-            raise _ClientGone() from None
+            raise _StreamFailed() from None
         await self._send(h11.EndOfMessage())
 
     async def _write_chunks(self, source: AsyncIterable[bytes]) -> None:

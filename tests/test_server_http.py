@@ -324,6 +324,27 @@ async def test_unexpected_exception_is_500_internal_error_and_the_server_goes_on
     assert (await server.request("GET", MODELS)).status == 200
 
 
+async def test_a_stream_that_fails_midway_is_logged_as_failed_not_as_a_client_gone(server):
+    async def chunks():
+        yield b"data: 1\n\n"
+        raise RuntimeError("the producer broke")
+
+    async def streams(request, service):
+        return http.StreamingResponse(chunks())
+
+    server.service.router.add("GET", "/lmsp/v1/streams", "models:read", streams)
+    async with server.connection() as client:
+        await client.send("GET", "/lmsp/v1/streams")
+        assert (await client.read_head()).status == 200
+        with trio.fail_after(10):
+            await client.read_until_closed()  # cut: no final chunk can be sent
+    with trio.fail_after(10):
+        while not any("/lmsp/v1/streams" in line for line in server.service.log_lines):
+            await trio.sleep(0.01)
+    line = [line for line in server.service.log_lines if "/lmsp/v1/streams" in line][-1]
+    assert line.endswith("(stream failed)"), line
+
+
 async def test_stream_is_chunked_and_flushed_per_event(server):
     model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
     async with server.connection() as client:
