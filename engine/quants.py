@@ -51,7 +51,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from engine.errors import UnsupportedModelError
 from engine.gguf_file import Tensor, release_pages
-from engine.threads import CHUNK_VALUES, parallel_for, scratch
+from engine.threads import parallel_for, scratch
 
 # Decode tiles hold about this many float32 values (512 KiB): small enough to stay in a
 # core's L2 cache while BLAS reads them back.
@@ -271,8 +271,8 @@ class QuantWeight(Weight):
             parallel_for(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
                          DECODE_PARALLEL_MIN_WORK // x.shape[0])
         else:
-            parallel_for(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles,
-                         n_out * n_in * CHUNK_VALUES // (PREFILL_CHUNK_TILES * n_in * self.tile_rows))
+            parallel_for(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
+                         items_per_chunk=PREFILL_CHUNK_TILES)
         return y[:, :n_out] if y.shape[1] > n_out else y
 
     def _prefill_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:

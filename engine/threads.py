@@ -95,13 +95,15 @@ def _work() -> None:
 
 
 def parallel_for(fn: Callable[[int, int], None], n_items: int, n_values: int,
-                 min_values: int = PARALLEL_MIN_VALUES) -> None:
+                 min_values: int = PARALLEL_MIN_VALUES, items_per_chunk: int | None = None) -> None:
     """Run fn(i0, i1) over contiguous ranges covering [0, n_items), on all threads.
 
     The items (rows, tiles, blocks of queries) stand for n_values values of work; below
-    min_values it all runs on the calling thread. Otherwise the items are cut into chunks of about CHUNK_VALUES values (at least one per
-    thread) fed through one queue to daemon worker threads (cheaper per call than
-    concurrent.futures, which matters for ~100 small matmuls per decoded token). The
+    min_values it all runs on the calling thread. Otherwise the items are cut into
+    chunks of about CHUNK_VALUES values, or of `items_per_chunk` items when given (at
+    least one chunk per thread), fed through one queue to daemon worker threads (cheaper
+    per call than concurrent.futures, which matters for ~100 small matmuls per decoded
+    token). The
     caller works through the queue too, so it only ever waits for chunks a worker has
     already started: on a busy machine a worker can wait milliseconds for a core, and
     a matmul must not wait with it.
@@ -119,7 +121,8 @@ def parallel_for(fn: Callable[[int, int], None], n_items: int, n_values: int,
     done = getattr(_local, "done", None)
     if done is None:
         done = _local.done = queue.SimpleQueue()
-    n_chunks = min(n_items, max(k, n_values // CHUNK_VALUES))
+    wanted = n_items // items_per_chunk if items_per_chunk else n_values // CHUNK_VALUES
+    n_chunks = min(n_items, max(k, wanted))
     bounds = [n_items * i // n_chunks for i in range(n_chunks + 1)]
     for i in range(1, n_chunks):
         _jobs.put((fn, bounds[i], bounds[i + 1], done))
