@@ -34,6 +34,9 @@ Supported keywords: type (also lists), properties, required, additionalPropertie
 enum, const, anyOf, minItems/maxItems, minLength/maxLength, minimum/maximum and
 exclusiveMinimum/exclusiveMaximum, local $ref with $defs/definitions; annotations (title,
 description, examples, default, ...) are ignored; any other keyword raises SchemaError.
+A subschema that no value satisfies (false, bounds that exclude every value) is left
+out where it is optional (a property not required, one of anyOf's alternatives, the
+items of an array that may be empty: `[]`); where it is not, the schema is refused.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ import re
 import threading
 import weakref
 from fractions import Fraction
+from urllib.parse import unquote
 from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import EngineError, SchemaError
+from .errors import EngineError, SchemaError, Unsatisfiable
 
 __all__ = [
     "TokenIndex",
@@ -952,6 +956,14 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _pointer_keys(ref: str) -> list[str]:
+    """The keys a local $ref walks ("#/$defs/a%20b" -> ["$defs", "a b"]): a URI fragment,
+    %-encoded, holding a JSON pointer (in which ~1 is "/" and ~0 is "~")."""
+    if ref == "#":
+        return []
+    return [unquote(part).replace("~1", "/").replace("~0", "~") for part in ref[2:].split("/")]
+
+
 def _count(schema, key, path) -> int | None:
     v = schema.get(key)
     if v is None:
@@ -973,8 +985,7 @@ class _Compiler:
         if ref != "#" and not ref.startswith("#/"):
             raise SchemaError(f"only local $ref ('#/$defs/...') is supported, not {ref!r}", path, "$ref")
         target, where = self.root, ""
-        for part in ref[2:].split("/") if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
+        for part in _pointer_keys(ref):
             where += "/" + part
             if isinstance(target, dict) and part in target:
                 target = target[part]
@@ -989,7 +1000,7 @@ class _Compiler:
         if schema is True or schema == {}:
             return AnyValue()
         if schema is False:
-            raise SchemaError(f"the schema at {path or '/'} is false: no value is valid", path)
+            raise Unsatisfiable(f"the schema at {path or '/'} is false: no value is valid", path)
         if not isinstance(schema, dict):
             raise SchemaError(f"the schema at {path or '/'} must be an object or a boolean", path)
         for key in schema:
@@ -1019,9 +1030,7 @@ class _Compiler:
             options = schema["anyOf"]
             if not isinstance(options, list) or not options:
                 raise SchemaError("'anyOf' must be a non-empty array", f"{path}/anyOf", "anyOf")
-            node = AnyOf([self.compile(s, f"{path}/anyOf/{i}") for i, s in enumerate(options)])
-            self.lazy.append(node)
-            return node
+            return self.alternatives([(s, f"{path}/anyOf/{i}") for i, s in enumerate(options)], path)
         if "enum" in constraints or "const" in constraints:
             return self.literal(schema, path)
         types = schema.get("type")
@@ -1030,12 +1039,24 @@ class _Compiler:
         if isinstance(types, list):
             if not types or len(set(types)) != len(types):
                 raise SchemaError("'type' must be a non-empty list of distinct types", f"{path}/type", "type")
-            node = AnyOf([self.compile({**schema, "type": t}, path) for t in types])
-            self.lazy.append(node)
-            return node
+            return self.alternatives([({**schema, "type": t}, path) for t in types], path)
         if types not in TYPES:
             raise SchemaError(f"unknown type {types!r} at {path or '/'}", f"{path}/type", "type")
         return getattr(self, "t_" + types)(schema, path)
+
+    def alternatives(self, schemas: list[tuple], path: str) -> Node:
+        """anyOf, or a list of types: the (schema, path) options that some value satisfies."""
+        nodes, unsatisfiable = [], None
+        for schema, where in schemas:
+            try:
+                nodes.append(self.compile(schema, where))
+            except Unsatisfiable as e:
+                unsatisfiable = e
+        if not nodes:
+            raise unsatisfiable
+        node = AnyOf(nodes)
+        self.lazy.append(node)
+        return node
 
     @staticmethod
     def implied_type(constraints):
@@ -1061,13 +1082,13 @@ class _Compiler:
         self.compile(rest, path)  # reject unsupported keywords beside the enum too
         kept = [v for v in values if validate(v, rest, self.root) is None]
         if not kept:
-            raise SchemaError(f"no value of 'enum'/'const' at {path or '/'} satisfies the schema", path, "enum")
+            raise Unsatisfiable(f"no value of 'enum'/'const' at {path or '/'} satisfies the schema", path, "enum")
         return Literal(_dump(v) for v in kept)
 
     def t_string(self, schema, path):
         lo, hi = _count(schema, "minLength", path) or 0, _count(schema, "maxLength", path)
         if hi is not None and lo > hi:
-            raise SchemaError(f"minLength > maxLength at {path or '/'}", f"{path}/minLength", "minLength")
+            raise Unsatisfiable(f"minLength > maxLength at {path or '/'}", f"{path}/minLength", "minLength")
         return String(lo, hi)
 
     def t_integer(self, schema, path):
@@ -1099,14 +1120,14 @@ class _Compiler:
                 b = (math.ceil(v / unit) - 1) * unit
                 hi = b if hi is None else min(hi, b)
         if lo is not None and hi is not None and lo > hi:
-            raise SchemaError(f"no {'integer' if integer else 'number'} lies between the bounds at {path or '/'}",
+            raise Unsatisfiable(f"no {'integer' if integer else 'number'} lies between the bounds at {path or '/'}",
                               path, "minimum")
         limit = Fraction(10 ** MAX_INT_DIGITS) - unit
         if (lo is not None and lo > limit) or (hi is not None and hi < -limit):
             raise SchemaError(f"numeric bounds at {path or '/'} are beyond {MAX_INT_DIGITS} digits", path, "minimum")
         node = Number(integer, lo, hi)
         if not (node._feasible(False, "", None) or node._feasible(True, "", None)):  # MAX_SIGNIFICANT
-            raise SchemaError(f"no number of at most {MAX_SIGNIFICANT} digits lies between the bounds at "
+            raise Unsatisfiable(f"no number of at most {MAX_SIGNIFICANT} digits lies between the bounds at "
                               f"{path or '/'}", path, "minimum")
         return node
 
@@ -1119,8 +1140,13 @@ class _Compiler:
     def t_array(self, schema, path):
         lo, hi = _count(schema, "minItems", path) or 0, _count(schema, "maxItems", path)
         if hi is not None and lo > hi:
-            raise SchemaError(f"minItems > maxItems at {path or '/'}", f"{path}/minItems", "minItems")
-        items = self.compile(schema["items"], f"{path}/items") if "items" in schema else AnyValue()
+            raise Unsatisfiable(f"minItems > maxItems at {path or '/'}", f"{path}/minItems", "minItems")
+        try:
+            items = self.compile(schema["items"], f"{path}/items") if "items" in schema else AnyValue()
+        except Unsatisfiable:
+            if lo > 0:
+                raise
+            return Literal([b"[]"])  # no item can be written: only the empty array
         return Array(items, lo, hi)
 
     def t_object(self, schema, path):
@@ -1144,8 +1170,16 @@ class _Compiler:
         if "properties" in schema or extra is False:
             # declared properties only, even where extra ones would be allowed: the schema's
             # author listed the keys that mean something (`"properties": {}` -> `{}`)
-            values = [self.compile(s, f"{path}/properties/{name}") for name, s in props.items()]
-            return Object(list(props), values, required)
+            names, values = [], []
+            for name, s in props.items():
+                try:
+                    values.append(self.compile(s, f"{path}/properties/{name}"))
+                except Unsatisfiable:
+                    if name in required:
+                        raise
+                    continue  # an optional property no value satisfies: never written
+                names.append(name)
+            return Object(names, values, required)
         values = self.compile(extra, f"{path}/additionalProperties") if isinstance(extra, dict) else AnyValue()
         return FreeObject(values)
 
@@ -1224,8 +1258,8 @@ def validate(value, schema, root=None, path: str = "") -> str | None:
     at = path or "/"
     if "$ref" in schema:
         target = root
-        for part in schema["$ref"][2:].split("/") if schema["$ref"] != "#" else []:
-            target = target[part.replace("~1", "/").replace("~0", "~")]
+        for part in _pointer_keys(schema["$ref"]):
+            target = target[part]
         err = validate(value, target, root, path)
         if err:
             return err

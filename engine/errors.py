@@ -44,6 +44,12 @@ class SchemaError(EngineError):
         super().__init__(message)
 
 
+class Unsatisfiable(SchemaError):
+    """A (sub)schema that no value we can write satisfies: where it is optional (a
+    property not required, one of several alternatives, the items of an array that
+    may be empty) it is left out; elsewhere the whole schema is refused."""
+
+
 class QueueFull(EngineError):
     """The model's request queue is full: try again after `retry_after` seconds."""
 

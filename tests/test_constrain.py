@@ -449,3 +449,33 @@ def test_a_number_means_what_a_double_reads():
             text += bytes([b])
         assert validate(json.loads(text), schema) is None, text
         assert 1234567890.5 < float(text) <= 1234567891, text
+
+
+@pytest.mark.parametrize("schema, documents", [
+    # an optional property, an alternative, an array's items that no value satisfies are left out
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3},
+                                       "b": {"type": "integer", "minimum": 1, "maximum": 0}}, "required": ["a"]},
+     ['{"a": "x"}']),
+    ({"anyOf": [{"type": "integer", "minimum": 1, "maximum": 0}, {"type": "string", "maxLength": 2}]}, ['"ok"']),
+    ({"type": "object", "properties": {"a": False, "b": {"const": 1}}}, ['{}', '{"b": 1}']),
+    ({"type": "array", "items": False}, ["[]"]),
+    ({"type": "array", "items": {"enum": ["a"], "type": "integer"}, "maxItems": 0}, ["[]"]),
+    ({"$ref": "#/$defs/a%20b", "$defs": {"a b": {"const": 7}}}, ["7"]),  # a %-encoded pointer
+])
+def test_what_no_value_satisfies_is_left_out_where_it_is_optional(schema, documents):
+    for text in documents:
+        assert accepts(schema, text), text
+        assert validate(json.loads(text), schema) is None, text
+    for seed in range(20):
+        text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=60)
+        if complete:
+            assert validate(json.loads(text), schema) is None, text
+
+
+def test_what_no_value_satisfies_where_it_is_required_is_refused():
+    for schema in ({"type": "object", "properties": {"b": {"type": "integer", "minimum": 1, "maximum": 0}},
+                    "required": ["b"]},
+                   {"type": "array", "items": False, "minItems": 1},
+                   {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 0}, False]}):
+        with pytest.raises(SchemaError):
+            json_constraint(schema, BYTES)
