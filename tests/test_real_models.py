@@ -62,7 +62,7 @@ def perplexity(model, tokens: list[int], n_ctx: int) -> float:
     first = n_ctx // 2
     for c in range(len(tokens) // n_ctx):
         chunk = tokens[c * n_ctx: (c + 1) * n_ctx]
-        inputs = [model.tokenizer.bos_id] + chunk[1:] if model.add_bos else chunk
+        inputs = [model.tokenizer.bos_id] + chunk[1:] if model.tokenizer.add_bos else chunk
         logprobs = log_softmax(model.logits(inputs)[first: n_ctx - 1])         # (n_ctx-1-first, V)
         targets = chunk[first + 1: n_ctx]
         nll -= float(logprobs[np.arange(len(targets)), targets].sum())
