@@ -29,11 +29,10 @@ from .gguf_file import GGUFFile
 from .kv_cache import KVCache, Sequence
 from .helper import Helper, start as start_helper
 from .quants import QuantWeight, StackedWeight, concat_weights, load_weight, reorder_rows
-from .scheduler import Scheduler
+from .scheduler import PREFILL_CHUNK, Scheduler
 from .threads import num_threads, release_freed_memory
 from .tokenizer import Tokenizer
 
-PREFILL_CHUNK = 512  # tokens of one sequence per forward step while prefilling
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ from .errors import QueueFull
 from .kv_cache import Sequence
 from .prefix_cache import PrefixCache
 
+PREFILL_CHUNK = 512  # prompt tokens per forward step while prefilling (Model.step's default too)
+
 Pick = Callable[[np.ndarray], int]  # logits (V,) float32 -> the next token id; runs in the worker thread
 
 
@@ -117,7 +119,7 @@ class StepStream:
 class Scheduler:
     """Continuous batching over one model's `step` (see the module docstring)."""
 
-    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 32, prefill_chunk: int = 512,
+    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 32, prefill_chunk: int = PREFILL_CHUNK,
                  interleave_chunk: int = 64, prefix_cache_bytes: int = 256 << 20):
         self.model = model
         self.max_batch = max_batch

@@ -288,7 +288,7 @@ class Progress:
         self.done = 0
         self.start = self.last_draw = time.monotonic()
         self.tty = out.isatty()
-        self.next_line_at = 0.0  # fraction of total at which the next plain line is due
+        self.last_line_at = 0.0  # fraction of total at the last plain line (the next comes 0.25 later)
         print(f"downloading {label} ({_mb(total)})", file=out, flush=True)
 
     def update(self, n: int) -> None:
@@ -299,9 +299,9 @@ class Progress:
             if now - self.last_draw >= 0.1:
                 self.last_draw = now
                 self._draw(fraction)
-        elif self.total and fraction >= self.next_line_at + 0.25:
-            self.next_line_at = fraction - fraction % 0.25
-            print(f"  {int(self.next_line_at * 100)}% of {self.label}", file=self.out, flush=True)
+        elif self.total and fraction >= self.last_line_at + 0.25:
+            self.last_line_at = fraction - fraction % 0.25
+            print(f"  {int(self.last_line_at * 100)}% of {self.label}", file=self.out, flush=True)
 
     def _draw(self, fraction: float) -> None:
         width = 30
