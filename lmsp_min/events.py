@@ -150,17 +150,9 @@ class ResponseRun:
     def _text_delta(self, kind: str, text: str) -> list[Event]:
         events = self._text_item(kind)
         item = self._open
-        if kind == "message":
-            if not item["content"]:
-                item["content"].append({"type": "output_text", "text": ""})
-            item["content"][0]["text"] += text
-            events.append(self._event("response.output_text.delta", item_id=item["id"], delta=text))
-        else:
-            if not item["summary"]:
-                item["summary"].append({"type": "summary_text", "text": ""})
-            item["summary"][0]["text"] += text
-            events.append(self._event("response.reasoning_summary_text.delta", item_id=item["id"],
-                                      delta=text))
+        add_text(item, text)
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_summary_text.delta"
+        events.append(self._event(name, item_id=item["id"], delta=text))
         return events
 
     def _call(self, name: str, arguments: str) -> list[Event]:
@@ -261,6 +253,17 @@ class ResponseRun:
         """An `error` event: the stream cannot go on for a reason not tied to the response."""
         self._last_id += 1
         return Event(self._last_id, "error", {"error": problem.to_dict()})
+
+
+def add_text(item: dict, text: str) -> None:
+    """Append a delta's text to a message item (its output_text) or a reasoning item (its summary_text)."""
+    if item["type"] == "message":
+        parts, empty = item["content"], {"type": "output_text", "text": ""}
+    else:
+        parts, empty = item["summary"], {"type": "summary_text", "text": ""}
+    if not parts:
+        parts.append(empty)
+    parts[0]["text"] += text
 
 
 def _snapshot(item: dict) -> dict:

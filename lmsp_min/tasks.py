@@ -30,7 +30,7 @@ from typing import AsyncIterator
 
 import trio
 
-from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, compact_json, new_id, sse_message
+from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, add_text, compact_json, new_id, sse_message
 from lmsp_min.problems import Problem
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
 
@@ -466,14 +466,6 @@ def output_from_events(events: list[LoggedEvent]) -> list[dict]:
             items[len(items):index + 1] = [{}] * (index + 1 - len(items))
             items[index] = data["item"]
             by_id[data["item"]["id"]] = data["item"]
-        elif event.event == "response.output_text.delta":
-            item = by_id[data["item_id"]]
-            if not item["content"]:
-                item["content"].append({"type": "output_text", "text": ""})
-            item["content"][0]["text"] += data["delta"]
-        elif event.event == "response.reasoning_summary_text.delta":
-            item = by_id[data["item_id"]]
-            if not item["summary"]:
-                item["summary"].append({"type": "summary_text", "text": ""})
-            item["summary"][0]["text"] += data["delta"]
+        elif event.event in ("response.output_text.delta", "response.reasoning_summary_text.delta"):
+            add_text(by_id[data["item_id"]], data["delta"])
     return items
