@@ -14,7 +14,8 @@ build the mask and draw again, from the same filtered candidates restricted to
 the allowed ones. Both ways the token comes from one distribution: the filtered
 one renormalized over the allowed tokens (a rejected draw followed by a draw
 from that restriction is exactly a draw from it). Only when no candidate is
-allowed are the filters applied to the allowed tokens alone. (llama.cpp instead
+allowed (or all those allowed have underflowed to 0 at a tiny temperature) are
+the filters applied to the allowed tokens alone. (llama.cpp instead
 redraws with the filters applied to the allowed tokens, which mixes the two.)
 """
 
@@ -72,9 +73,10 @@ class Sampler:
                 if not allowed.any():
                     raise EngineError("the output constraint allows no token at this point")
                 keep = allowed[ids]                                # (C,) the candidates allowed
-                if keep.any() and self.params.temperature != 0:
+                if self.params.temperature != 0 and probs[keep].sum() > 0:
                     token = self._draw(ids[keep], probs[keep])
-                else:  # greedy, or no candidate allowed: the filters over the allowed tokens
+                else:  # greedy, or no allowed candidate can be drawn (none is left, or all
+                    # underflowed to 0 at a tiny temperature): the filters over the allowed tokens
                     token = self._draw(*self._candidates(np.where(allowed, logits, -np.inf)))
             self.constraint.advance(token)
         return token

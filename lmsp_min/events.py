@@ -1,9 +1,10 @@
 """Response objects and their events (responses.md 6.2, 6.3, 6.5).
 
 `ResponseRun.events()` is the one place LMSP events come from: it turns the
-engine's chat events (TextDelta, ReasoningDelta, ToolCall, Finished) into numbered LMSP events while building the response object. A
-synchronous request drains it and returns `response_object()`; a stream writes
-each event as SSE the moment it is yielded; a task appends each one to its log.
+engine's chat events (TextDelta, ReasoningDelta, ToolCall, Finished) into
+numbered LMSP events while building the response object. A synchronous request
+drains it and returns `response_object()`; a stream writes each event as SSE the
+moment it is yielded; a task appends each one to its log.
 
 The event sequence it produces, for a reasoning model answering in text:
 

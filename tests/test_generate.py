@@ -85,6 +85,11 @@ def test_a_constrained_draw_is_the_filtered_distribution_over_the_allowed_tokens
     # no candidate is allowed: the filters apply to the allowed tokens alone (top_k 1 of {1, 2})
     sampler = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0), _Forbid(0))
     assert {sampler.pick(logits) for _ in range(50)} == {1}
+    # a tiny temperature leaves the allowed candidates probability 0: the best allowed one
+    logits8 = np.array([20.0, 0, 0, -3.0, 0, 0, 0, 5.0])
+    sampler = Sampler(SamplingParams(temperature=0.01, seed=0), _Forbid(0, 1, 2, 4, 5, 6))
+    sampler.constraint.mask = lambda: np.isin(np.arange(8), [3, 7])
+    assert {sampler.pick(logits8) for _ in range(20)} == {7}
     # without filters: the distribution renormalized over the allowed tokens, 0.625 / 0.375
     sampler = Sampler(SamplingParams(temperature=1.0, seed=0), _Forbid(2))
     picks = [sampler.pick(logits) for _ in range(4000)]
