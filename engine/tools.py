@@ -171,13 +171,16 @@ def plan_output(model, request, literal=lambda tools: tools) -> OutputPlan:
     if tools and schema is not None:
         raise SchemaError("tools and a json_schema response format cannot be combined", "response_format")
     index = TokenIndex.of(model.tokenizer)
-    if schema is not None:
-        return OutputPlan(request.messages, None, json_constraint(schema, index), False)
-    if not tools:
-        return OutputPlan(request.messages, None, None, False)
+    native = uses_native_format(model.chat_template)
+    if schema is not None or not tools:
+        # no tools offered, but the history may hold calls and results all the same
+        has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in request.messages)
+        messages = render_generic(request.messages, None) if has_tool_turns and not native else request.messages
+        constraint = json_constraint(schema, index) if schema is not None else None
+        return OutputPlan(messages, None, constraint, False)
     constraint = tool_constraint(tools, request.tool_choice, index)
     shown = None if request.tool_choice == "none" else literal(tools)
-    if uses_native_format(model.chat_template):
+    if native:
         return OutputPlan(request.messages, shown, constraint, True)
     return OutputPlan(render_generic(request.messages, shown), None, constraint, True)
 

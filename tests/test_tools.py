@@ -207,8 +207,14 @@ def test_output_plan(smollm2):
     plan = plan_output(smol, request(tools=TOOLS, tool_choice="none"))
     assert "# Tools" not in plan.messages[0]["content"] and plan.constraint.complete()
     plan = plan_output(smol, request(json_schema={"type": "boolean"}))
-    assert not plan.tool_calls and plan.messages is HISTORY and plan.constraint is not None
-    assert plan_output(smol, request()).constraint is None
+    assert not plan.tool_calls and plan.constraint is not None
+    # no tools offered: the history's calls and results are still written for a template
+    # that cannot write them (a follow-up without `tools` lost them)
+    plan = plan_output(smol, request())
+    assert plan.constraint is None and plan.messages == render_generic(HISTORY, None)
+    assert OPENER in plan.messages[2]["content"] and "The tool result is" in plan.messages[3]["content"]
+    assert plan_output(native, request()).messages is HISTORY
+    assert plan_output(smol, request(messages=HISTORY[:2])).messages == HISTORY[:2]
     with pytest.raises(SchemaError):
         plan_output(smol, request(tools=TOOLS, json_schema={"type": "boolean"}))
     with pytest.raises(SchemaError):
