@@ -36,7 +36,9 @@ exclusiveMinimum/exclusiveMaximum, local $ref with $defs/definitions; annotation
 description, examples, default, ...) are ignored; any other keyword raises SchemaError.
 A subschema that no value satisfies (false, bounds that exclude every value) is left
 out where it is optional (a property not required, one of anyOf's alternatives, the
-items of an array that may be empty: `[]`); where it is not, the schema is refused.
+items of an array that may be empty: `[]`, the values of a free object: `{}`); where
+it is not, the schema is refused. (A $ref is compiled after the rest, so one that
+leads to such a subschema refuses the schema wherever it is.)
 """
 
 from __future__ import annotations
@@ -1180,7 +1182,10 @@ class _Compiler:
                     continue  # an optional property no value satisfies: never written
                 names.append(name)
             return Object(names, values, required)
-        values = self.compile(extra, f"{path}/additionalProperties") if isinstance(extra, dict) else AnyValue()
+        try:
+            values = self.compile(extra, f"{path}/additionalProperties") if isinstance(extra, dict) else AnyValue()
+        except Unsatisfiable:
+            return Literal([b"{}"])  # no value of any key can be written: only the empty object
         return FreeObject(values)
 
 

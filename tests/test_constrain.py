@@ -459,6 +459,7 @@ def test_a_number_means_what_a_double_reads():
     ({"anyOf": [{"type": "integer", "minimum": 1, "maximum": 0}, {"type": "string", "maxLength": 2}]}, ['"ok"']),
     ({"type": "object", "properties": {"a": False, "b": {"const": 1}}}, ['{}', '{"b": 1}']),
     ({"type": "array", "items": False}, ["[]"]),
+    ({"type": "object", "additionalProperties": {"type": "integer", "minimum": 2, "maximum": 1}}, ["{}"]),
     ({"type": "array", "items": {"enum": ["a"], "type": "integer"}, "maxItems": 0}, ["[]"]),
     ({"$ref": "#/$defs/a%20b", "$defs": {"a b": {"const": 7}}}, ["7"]),  # a %-encoded pointer
 ])
