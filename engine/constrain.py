@@ -265,39 +265,40 @@ class Number(Node):
         self.int_digits = MAX_INT_DIGITS
         if lo is not None and hi is not None:
             self.int_digits = max(1, len(str(math.floor(max(abs(lo), abs(hi))))))
+        # by integer digits (0 for "0"): fraction digits allowed, and the step between values
+        self._frac_limits = [max(0, min(self.frac_digits, MAX_SIGNIFICANT - n)) for n in range(self.int_digits + 1)]
+        self._units = [Fraction(1, 10 ** f) for f in self._frac_limits]
         self._final: dict = {}
 
-    def _frac_limit(self, int_digits: int) -> int:
-        """Fraction digits a number with this many integer digits may have ("0" counts 0)."""
-        return max(0, min(self.frac_digits, MAX_SIGNIFICANT - int_digits))
+    def _frac_limit(self, ip: str) -> int:
+        """Fraction digits a number whose integer part is ip may have (MAX_SIGNIFICANT in all)."""
+        return self._frac_limits[0 if ip in ("", "0") else len(ip)]
 
-    def _unit(self, int_digits: int) -> Fraction:
-        return Fraction(1, 10 ** self._frac_limit(int_digits))
+    def _ranges(self, ip: str, fp: str | None):
+        """(low, high, unit): the magnitudes the completions of this prefix may have,
+        inclusive, multiples of unit (one range per length the integer part may reach)."""
+        units, top = self._units, self.int_digits
+        if ip == "" or (ip == "0" and fp is None):
+            yield Fraction(0), 1 - units[0], units[0]
+            if ip == "":
+                for n in range(1, top + 1):
+                    yield Fraction(10 ** (n - 1)), Fraction(10 ** n) - units[n], units[n]
+        elif fp is None:  # the integer part may still grow by e digits
+            v = int(ip)
+            for n in range(len(ip), top + 1):
+                scale = 10 ** (n - len(ip))
+                yield Fraction(v * scale), Fraction((v + 1) * scale) - units[n], units[n]
+        else:
+            n = 0 if ip == "0" else len(ip)
+            base = int(ip) + Fraction(int(fp or "0"), 10 ** len(fp))
+            width = 0 if len(fp) == self._frac_limits[n] else Fraction(1, 10 ** len(fp)) - units[n]
+            yield base, base + width, units[n]
 
     def _feasible(self, neg: bool, ip: str, fp: str | None) -> bool:
         """Does some completion of this prefix lie within [lo, hi]?"""
         if self.lo is None and self.hi is None:
             return True
-        top = self.int_digits
-        # (low, high, unit): magnitudes the completions may have, multiples of unit
-        if ip == "":
-            ranges = [(Fraction(0), 1 - self._unit(0), self._unit(0))]
-            ranges += [(Fraction(10 ** (n - 1)), Fraction(10 ** n) - self._unit(n), self._unit(n))
-                       for n in range(1, top + 1)]
-        elif fp is None:
-            if ip == "0":
-                ranges = [(Fraction(0), 1 - self._unit(0), self._unit(0))]
-            else:  # the integer part may still grow by e digits
-                v = int(ip)
-                ranges = [(Fraction(v * 10 ** e), Fraction((v + 1) * 10 ** e) - self._unit(len(ip) + e),
-                           self._unit(len(ip) + e)) for e in range(top - len(ip) + 1)]
-        else:
-            n = 0 if ip == "0" else len(ip)
-            unit = self._unit(n)
-            base = int(ip) + Fraction(int(fp or "0"), 10 ** len(fp))
-            width = 0 if len(fp) == self._frac_limit(n) else Fraction(1, 10 ** len(fp)) - unit
-            ranges = [(base, base + width, unit)]
-        for a, b, unit in ranges:  # magnitudes, inclusive, multiples of unit
+        for a, b, unit in self._ranges(ip, fp):
             if neg:
                 a, b = -b, -a
                 if self.integer:  # "-0" is not written
@@ -319,12 +320,12 @@ class Number(Node):
                     return ()
                 new = (neg, ip + d, None)
             else:
-                if len(fp) >= self._frac_limit(0 if ip == "0" else len(ip)):
+                if len(fp) >= self._frac_limit(ip):
                     return ()
                 new = (neg, ip, fp + d)
         elif b == 0x2D and local == self.start:  # '-'
             new = (True, "", None)
-        elif b == 0x2E and ip and fp is None and self._frac_limit(0 if ip == "0" else len(ip)):  # '.'
+        elif b == 0x2E and ip and fp is None and self._frac_limit(ip):  # '.'
             new = (neg, ip, "")
         else:
             return ()
