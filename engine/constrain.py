@@ -684,6 +684,9 @@ class Grammar:
     def __init__(self, root: Node, index: TokenIndex):
         self.index = index
         self.initial = frozenset(_settle((f,)) for f in root.expand())
+        if len(self.initial) > MAX_CONFIGURATIONS:  # (nested alternatives, before any byte)
+            raise SchemaError(f"the schema's alternatives (anyOf, type lists) are more than "
+                              f"{MAX_CONFIGURATIONS} ways to read one output", "", "anyOf")
         self._steps: dict = {}
         self._masks: dict = {}  # state -> uint8 (n_vocab / 8,) packed mask
         self._lock = threading.Lock()
@@ -1049,6 +1052,9 @@ class _Compiler:
 
     def alternatives(self, schemas: list[tuple], path: str) -> Node:
         """anyOf, or a list of types: the (schema, path) options that some value satisfies."""
+        if len(schemas) > MAX_CONFIGURATIONS:  # they are all followed at once from the first byte
+            raise SchemaError(f"an anyOf of more than {MAX_CONFIGURATIONS} alternatives at {path or '/'} "
+                              "is not supported", f"{path}/anyOf", "anyOf")
         nodes, unsatisfiable = [], None
         for schema, where in schemas:
             try:

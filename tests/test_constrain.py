@@ -417,6 +417,9 @@ def test_what_a_schema_may_cost_is_bounded():
     with pytest.raises(SchemaError) as e:
         json_constraint({"enum": list(range(constrain.MAX_ENUM + 1))}, BYTES)
     assert e.value.keyword == "enum"
+    with pytest.raises(SchemaError) as e:  # refused before generating, not on its first byte
+        json_constraint({"anyOf": [{"const": i} for i in range(constrain.MAX_CONFIGURATIONS + 1)]}, BYTES)
+    assert e.value.keyword == "anyOf"
     # each level: an array of one or of up to two of the level below: both stay possible
     # after "[", so n levels of "[" are 2^n ways to read the output
     defs = {"L0": {"type": "integer"}}
