@@ -23,6 +23,7 @@ once the model is known.
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 
 from lmsp_min.problems import Problem
@@ -120,6 +121,15 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _double_sized_int(text: str) -> int:
+    """A JSON integer, refused past a double's range as 1e400 is (readers hold numbers as
+    doubles; a schema's checks compare values as floats)."""
+    value = int(text)
+    if abs(value) > sys.float_info.max:
+        raise ValueError(f"the number {text[:40]}... is too large for a 64-bit float")
+    return value
+
+
 class _TooDeep(Exception):
     pass
 
@@ -132,7 +142,8 @@ def _loads(text: str):
     recursive walk of it (json.dumps when it is stored, a schema compiler) fail with
     RecursionError: the bound is checked here, once, without recursing.
     """
-    value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                       parse_int=_double_sized_int)
     level = [value] if isinstance(value, (dict, list)) else []
     for _ in range(MAX_JSON_DEPTH):
         level = [child for container in level
