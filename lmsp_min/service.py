@@ -177,7 +177,10 @@ def run(config: ServiceConfig, host: str, port: int) -> None:
     except Exception as exc:
         # trio's nurseries wrap what fails in them in exception groups (strictly since trio
         # 0.25): an address that is taken is one OSError for the user, not a traceback
-        raise _only(exc, OSError) or exc from None
+        os_error = _only(exc, OSError)
+        if os_error is None:
+            raise
+        raise os_error from None
 
 
 def _only(exc: BaseException, kind: type) -> BaseException | None:

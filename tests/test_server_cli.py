@@ -74,3 +74,18 @@ def test_serve_on_a_taken_port_says_so_in_one_line(tmp_path, tiny_path):
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_one_os_error_is_found_inside_nested_exception_groups():
+    # trio >= 0.25 wraps what fails in a nursery in groups: serve reports the OSError itself
+    from lmsp_min.service import _only
+
+    try:
+        group = ExceptionGroup
+    except NameError:  # Python 3.10: trio's dependency
+        from exceptiongroup import ExceptionGroup as group
+    taken = OSError(98, "Address already in use")
+    assert _only(group("", [group("", [taken])]), OSError) is taken
+    assert _only(taken, OSError) is taken
+    assert _only(group("", [taken, OSError()]), OSError) is None
+    assert _only(group("", [ValueError()]), OSError) is None
