@@ -150,8 +150,9 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     plan = plan_output(model, replace(request, messages=literals.mark(request.messages)), literals.mark)
     marked = model.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.template_tools)
     prompt, spans = literals.find(marked)
+    opens_thought = prompt.rstrip().endswith(THINK_OPEN)
     reasoning = "reasoning" in model.info.capabilities and request.json_schema is None
-    if request.json_schema is not None and prompt.rstrip().endswith(THINK_OPEN):
+    if request.json_schema is not None and opens_thought:
         # the schema leaves no room for a thought (the whole output is the document): the
         # opened one is closed empty, as a template's no-thinking mode does (Qwen3)
         prompt += "\n" + THINK_CLOSE + "\n\n"
@@ -162,7 +163,7 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     if len(prompt_ids) >= n_ctx or len(prompt_ids) + (request.max_tokens or 0) > n_ctx:
         raise ContextLengthExceeded(len(prompt_ids), request.max_tokens or 0, n_ctx)
     max_tokens = request.max_tokens if request.max_tokens is not None else n_ctx - len(prompt_ids)
-    starts_in_reasoning = reasoning and prompt.rstrip().endswith(THINK_OPEN)
+    starts_in_reasoning = reasoning and opens_thought
     return PreparedChat(request, prompt, prompt_ids, max_tokens, reasoning, starts_in_reasoning,
                         plan.constraint, plan.tool_calls)
 

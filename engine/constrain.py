@@ -26,7 +26,8 @@ The JSON written is compact and bounded: no whitespace except at most one space 
 and `,`, object properties in schema order (optional ones may be skipped, required ones must
 appear; with `properties` given no other key is written, without it any string keys), numbers
 without exponent with at most 15 integer and 6 fraction digits, and 15 digits in all
-when there is a fraction (what a double holds exactly). Strings are as long as the
+when there is a fraction (so that the float a reader parses compares with the bounds
+as the decimal did). Strings are as long as the
 model makes them unless `maxLength` says otherwise: a cut-off document is reported as such
 (finish reason "length"), never silently shortened.
 
@@ -80,9 +81,10 @@ ENTER = 2  # (ENTER, local, child): the byte is consumed, then `child` starts wi
 
 MAX_INT_DIGITS = 15    # integer part of an unbounded number
 MAX_FRAC_DIGITS = 6    # fraction digits of a "number"
-# digits of a number with a fraction, in all: what a 64-bit float, which JSON readers
-# parse numbers into, holds exactly. Past it 100000000000.000001 reads as 1e11, which
-# an exclusiveMinimum of 1e11 the grammar had checked the decimal against refuses.
+# digits of a number with a fraction, in all. Decimals of at most 15 significant digits
+# map one to one, and in order, onto 64-bit floats (which JSON readers parse numbers
+# into), so comparing one with a bound gives the answer the reader's float gives. Past
+# it, 100000000000.000001 reads as 1e11, which an exclusiveMinimum of 1e11 refuses.
 MAX_SIGNIFICANT = 15
 MAX_ANY_DEPTH = 6      # nesting depth of schema-less ("any") values
 # Bounds on what a client's schema may cost (D9). An object's optional properties cost
@@ -254,7 +256,8 @@ class Number(Node):
     accepted when some completion of the new prefix still lies within [lo, hi], so the model
     can never write itself into a dead end. A fraction has at most MAX_FRAC_DIGITS digits,
     and a number with one at most MAX_SIGNIFICANT digits in all (fewer fraction digits
-    for a longer integer part), so that the double a reader parses is the decimal checked.
+    for a longer integer part), so that the float a reader parses meets the bounds as the
+    decimal does (MAX_SIGNIFICANT).
     """
 
     start = (False, "", None)

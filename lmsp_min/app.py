@@ -292,12 +292,12 @@ _SCHEMA_MAPPINGS = {"properties", "patternProperties", "$defs", "definitions", "
 
 
 def _param_suffix(pointer: str) -> str:
-    """A JSON pointer into the tools or a schema as a param suffix, written as validation
-    writes params: "/0/properties/x/anyOf/1" -> "[0].properties.x.anyOf[1]" (a number
-    is an array index, except as a key of a mapping such as `properties`)."""
+    """A path into the tools or a schema, as the compiler writes it ("/0/properties/x/anyOf/1",
+    keys as they are), as a param suffix written as validation writes params:
+    "[0].properties.x.anyOf[1]" (a number is an array index, except as a key of a mapping
+    such as `properties`)."""
     suffix, previous = "", None
     for part in pointer.split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
         suffix += f"[{part}]" if part.isdigit() and previous not in _SCHEMA_MAPPINGS else f".{part}"
         previous = part
     return suffix
@@ -351,7 +351,8 @@ async def _respond(body: dict, request: Request, service):
                 await _finish(generation, request, service)
     run = generation.run
     if run.status == "failed":
-        raise Problem(run.error["code"], run.error["detail"])
+        retry = [("Retry-After", "5")] if run.error["code"] == "model_unavailable" else None  # stopping
+        raise Problem(run.error["code"], run.error["detail"], headers=retry)
     return json_response(run.response_object())
 
 

@@ -160,7 +160,7 @@ def ensure_default_model(config: ServiceConfig, log=stderr_log) -> None:
     from lmsp_min import fetch
 
     log(f"no model given and none in {config.models_dir}: fetching {fetch.DEFAULT_MODEL}")
-    config.model_paths.append(Path(fetch.pull(fetch.DEFAULT_MODEL)))
+    config.model_paths.append(fetch.pull(fetch.DEFAULT_MODEL))
 
 
 def run(config: ServiceConfig, host: str, port: int) -> None:
@@ -210,7 +210,7 @@ async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> No
                         nursery.cancel_scope.cancel()
                         break
                     stderr_log(f"{signal.Signals(signum).name}: finishing the requests in progress "
-                               f"(at most {SHUTDOWN_GRACE:.0f} s; signal again to stop now)")
+                               f"(at most {SHUTDOWN_GRACE + LAST_WORDS:.0f} s; signal again to stop now)")
                     draining = True
                     nursery.start_soon(drain_then_stop)
     finally:

@@ -433,7 +433,7 @@ async def test_responses_still_generating_after_the_grace_end_failed_and_say_why
             reply = await synchronous.read_reply()
     assert head.status == 200 and [e.event for e in events][-2:] == ["response.output_text.delta", "response.failed"]
     assert events[-1].data["error"]["code"] == "model_unavailable"
-    assert reply.status == 503 and reply.json()["code"] == "model_unavailable"
+    assert reply.status == 503 and reply.json()["code"] == "model_unavailable" and "retry-after" in reply.headers
 
 
 async def test_a_request_arriving_during_a_drain_is_503(server):
