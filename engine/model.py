@@ -34,7 +34,6 @@ from .threads import num_threads, release_freed_memory
 from .tokenizer import Tokenizer
 
 
-
 @dataclass(frozen=True)
 class ModelInfo:
     path: str
