@@ -39,7 +39,8 @@ A subschema that no value satisfies (false, bounds that exclude every value) is 
 out where it is optional (a property not required, one of anyOf's alternatives, the
 items of an array that may be empty: `[]`, the values of a free object: `{}`); where
 it is not, the schema is refused. (A $ref is compiled after the rest, so one that
-leads to such a subschema refuses the schema wherever it is.)
+leads to such a subschema refuses the schema wherever it is.) So is a schema that has
+no finite document (a required property that contains its own object again).
 """
 
 from __future__ import annotations
@@ -403,6 +404,7 @@ class Object(Node):
         self.keys = [json.dumps(name, ensure_ascii=False).encode() for name in names]
         self.values = list(values)
         self.n = n
+        self.required_values = [v for name, v in zip(names, self.values) if name in required]
         # candidates[i]: properties that may come next when i is the first not yet passed
         # (up to and including the first required one); can_close[i]: none required from i on
         self.candidates, self.can_close = [], []
@@ -1199,6 +1201,63 @@ class _Compiler:
         return FreeObject(values)
 
 
+def _parts(node: Node) -> list[Node]:
+    """The nodes a node's documents are made of."""
+    if isinstance(node, Array):
+        return [node.items]
+    if isinstance(node, Object):
+        return node.values
+    if isinstance(node, FreeObject):
+        return [node.values]
+    if isinstance(node, AnyOf):
+        return node.options
+    if isinstance(node, Seq):
+        return node.children
+    if isinstance(node, Repeat):
+        return [node.child]
+    if isinstance(node, FreeText):
+        return [node.then] if node.then is not None else []
+    return []
+
+
+def _ends_given(node: Node, ending: set[int]) -> bool:
+    """Whether node has a finite document, given the nodes (by id) known to have one."""
+    if isinstance(node, Array):
+        return node.min_items == 0 or id(node.items) in ending
+    if isinstance(node, Object):
+        return all(id(v) in ending for v in node.required_values)
+    if isinstance(node, AnyOf):
+        return any(id(o) in ending for o in node.options)
+    if isinstance(node, Seq):
+        return all(id(c) in ending for c in node.children)
+    if isinstance(node, Repeat):
+        return node.lo == 0 or id(node.child) in ending
+    return True  # literals, strings, numbers, free objects, free text: a short one always exists
+
+
+def _has_finite_document(root: Node) -> bool:
+    """Whether some finite document matches root. Not so when a required property, or
+    an array's required items, can only be written by writing their own object again
+    (`{"properties": {"c": {"$ref": "#"}}, "required": ["c"]}`): the model would write
+    until the token limit. A fixpoint: nodes that can end, until no more are found."""
+    nodes, seen, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            nodes.append(node)
+            todo.extend(_parts(node))
+    ending: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for node in nodes:
+            if id(node) not in ending and _ends_given(node, ending):
+                ending.add(id(node))
+                grew = True
+    return id(root) in ending
+
+
 def compile_schema(schema) -> Node:
     """JSON Schema (the supported subset) -> grammar node; SchemaError names what is not supported."""
     compiler = _Compiler(schema)
@@ -1210,6 +1269,9 @@ def compile_schema(schema) -> Node:
             done += 1
     except RecursionError:  # the compiler recurses once per level: a client's schema, not a bug
         raise SchemaError("the schema is nested too deeply", "") from None
+    if not _has_finite_document(node):
+        raise Unsatisfiable("no finite document satisfies the schema: a required property or array "
+                            "item can only be written by writing its own object again", "", "required")
     return node
 
 

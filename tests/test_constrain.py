@@ -483,3 +483,17 @@ def test_what_no_value_satisfies_where_it_is_required_is_refused():
                    {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 0}, False]}):
         with pytest.raises(SchemaError):
             json_constraint(schema, BYTES)
+
+
+def test_a_schema_without_a_finite_document_is_refused():
+    """The model could only write it until the token limit: D5 wants a 400, not a best effort."""
+    for schema in ({"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]},
+                   {"$ref": "#/$defs/list", "$defs": {"list": {"type": "array", "items": {"$ref": "#/$defs/list"},
+                                                                "minItems": 1}}}):
+        with pytest.raises(SchemaError):
+            json_constraint(schema, BYTES)
+    # recursive, but it may stop: fine
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["v", "kids"]}
+    assert accepts(tree, '{"v": 1, "kids": [{"v": 2, "kids": []}]}')
+    assert accepts({"type": "object", "properties": {"c": {"$ref": "#"}}}, '{"c": {}}')
