@@ -110,10 +110,16 @@ class Literals:
         if isinstance(value, list):
             return [self.mark(item) for item in value]
         if isinstance(value, dict):
-            return {self.mark(key): self.mark(json.loads(item) if key == "arguments" and isinstance(item, str)
-                                              and self._mark_text(item) != item else item)
+            return {self.mark(key): self._mark_arguments(item) if key == "arguments" else self.mark(item)
                     for key, item in value.items()}
         return value
+
+    def _mark_arguments(self, arguments):
+        """A call's arguments, marked: a JSON string that holds special-token text is marked
+        as the object it encodes (a mark inside a JSON string would be escaped away)."""
+        if isinstance(arguments, str) and any(special for _, special in self.tokenizer.special_text_parts(arguments)):
+            arguments = json.loads(arguments)
+        return self.mark(arguments)
 
     def _mark_text(self, text: str) -> str:
         parts = self.tokenizer.special_text_parts(text)
