@@ -282,14 +282,9 @@ class Tasks:
         the failed response is stored, as a completed one would be."""
         log = running.log
         run = running.generation.run
-        error = problem.to_dict()
-        response = dict(run.response_object(), status="failed", output=output_from_events(log.events),
-                        usage=None, error=error, incomplete_details=None)
-        final = LoggedEvent(len(log.events) + 1, "response.failed",
-                            compact_json({"response_id": run.id, "status": "failed", "error": error}))
+        response, final = _failed_ending(run.id, run.created_at, run.model_id, log.events, problem)
         try:
-            if await self.store.finish_task(running.task_id, "failed", compact_json(response), [final],
-                                            self._stored(running)):
+            if await self.store.finish_task(running.task_id, "failed", response, [final], self._stored(running)):
                 log.end(final)
         except Exception as exc:
             self._log(f"error: task {running.task_id} could not be marked failed: {exc}")
@@ -422,18 +417,10 @@ class Tasks:
         # (one that ends meanwhile is final in the database, which finish_task checks)
         for row, events in await self.store.interrupted_tasks(self._running.__contains__):
             problem = _stopped() if row.owner != self.store.owner else _runner_lost()
-            response = {
-                "id": row.response_id, "object": "response", "created_at": row.created_at,
-                "status": "failed", "model": row.model, "output": output_from_events(events),
-                "usage": None, "error": problem.to_dict(), "incomplete_details": None,
-            }
-            final = LoggedEvent(
-                events[-1].seq + 1 if events else 1, "response.failed",
-                compact_json({"response_id": row.response_id, "status": "failed", "error": problem.to_dict()}),
-            )
+            response, final = _failed_ending(row.response_id, row.created_at, row.model, events, problem)
             # Not kept as a stored response even with `store: true`: the effective
             # input died with the process; the task object keeps the response.
-            if await self.store.finish_task(row.id, "failed", compact_json(response), [final]):
+            if await self.store.finish_task(row.id, "failed", response, [final]):
                 recovered.append(row.id)
                 self._log(f"task {row.id} was left unfinished ({problem.detail}): marked failed")
         await self.store.release_abandoned_keys()
@@ -443,6 +430,19 @@ class Tasks:
         from lmsp_min.idempotency import RECORD_TTL
 
         await self.store.purge(time.time(), self.event_retention, RECORD_TTL)
+
+
+def _failed_ending(response_id: str, created_at: int, model: str, events: list[LoggedEvent],
+                   problem: Problem) -> tuple[str, LoggedEvent]:
+    """The failed response (JSON) and final event of a task whose runner could not end it:
+    its output is what its logged events hold."""
+    error = problem.to_dict()
+    response = {"id": response_id, "object": "response", "created_at": created_at, "status": "failed",
+                "model": model, "output": output_from_events(events), "usage": None, "error": error,
+                "incomplete_details": None}
+    final = LoggedEvent((events[-1].seq if events else 0) + 1, "response.failed",
+                        compact_json({"response_id": response_id, "status": "failed", "error": error}))
+    return compact_json(response), final
 
 
 def _stopped() -> Problem:
