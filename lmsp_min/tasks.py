@@ -154,7 +154,7 @@ class _Running:
     task_id: str
     principal: str
     generation: object  # app.PreparedResponse: the prepared response
-    log: LiveLog
+    event_log: LiveLog
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     ended: trio.Event = field(default_factory=trio.Event)
 
@@ -232,10 +232,10 @@ class Tasks:
     async def _run(self, running: _Running) -> None:
         generation = running.generation
         run = generation.run
-        log = running.log
+        event_log = running.event_log
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(log.write_loop)
+                nursery.start_soon(event_log.write_loop)
                 await self.store.set_task_status(running.task_id, "in_progress")
                 final = None
                 with running.cancel_scope:
@@ -245,26 +245,26 @@ class Tasks:
                             if event.is_final:
                                 final = logged
                                 break
-                            log.append(logged)
+                            event_log.append(logged)
                 if final is None and self._stopping:  # (stop(), below): failed, in `finally`
                     nursery.cancel_scope.cancel()
                     return
                 if final is None:  # cancelled by POST /cancel
                     event = run.cancelled()
                     final = LoggedEvent(event.id, event.name, compact_json(event.data))
-                await log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
+                await event_log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
         except Exception as exc:
             # A bug or a failing database: the task fails, the service goes on.
             self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
             await self._fail(running, Problem("internal_error", "the task stopped on an unexpected error"))
         finally:
-            if not log.done:
+            if not event_log.done:
                 # The service is stopping (cancelled): end the task now as a restart
                 # would, so that the database says so at once and followers get a
                 # final event.
                 with trio.CancelScope(shield=True):
                     await self._fail(running, _stopped())
-            log.abandon()  # (release followers if no final event could be published)
+            event_log.abandon()  # (release followers if no final event could be published)
             del self._running[running.task_id]
             running.ended.set()
 
@@ -280,12 +280,12 @@ class Tasks:
         final event follows the last committed one, and its output is what the
         committed events hold (uncommitted ones were never seen). With `store: true`
         the failed response is stored, as a completed one would be."""
-        log = running.log
+        event_log = running.event_log
         run = running.generation.run
-        response, final = _failed_ending(run.id, run.created_at, run.model_id, log.events, problem)
+        response, final = _failed_ending(run.id, run.created_at, run.model_id, event_log.events, problem)
         try:
             if await self.store.finish_task(running.task_id, "failed", response, [final], self._stored(running)):
-                log.end(final)
+                event_log.end(final)
         except Exception as exc:
             self._log(f"error: task {running.task_id} could not be marked failed: {exc}")
 
@@ -366,7 +366,7 @@ class Tasks:
             )
         running = self._running.get(task_id)
         if running is not None:
-            return self._follow(running.log, after)
+            return self._follow(running.event_log, after)
         if row.status not in FINAL_STATUSES and row.owner == self.store.owner:
             await self.recover()  # ours, but its runner is gone: it ends failed, with a final event
             row = await self.get(task_id, principal)
@@ -374,8 +374,8 @@ class Tasks:
         # sharing the data directory runs it.
         return self._from_database(task_id, after, follow=row.status not in FINAL_STATUSES)
 
-    async def _follow(self, log: LiveLog, after: int) -> AsyncIterator[bytes]:
-        async with aclosing(log.follow(after)) as batches:
+    async def _follow(self, event_log: LiveLog, after: int) -> AsyncIterator[bytes]:
+        async with aclosing(event_log.follow(after)) as batches:
             async for batch in batches:
                 yield SSE_KEEPALIVE if batch is None else b"".join(sse(event) for event in batch)
 
