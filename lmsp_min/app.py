@@ -134,13 +134,14 @@ def default_router() -> Router:
 
 
 async def list_models(request: Request, service) -> Response:
+    await service.registry.refresh()  # a model pulled since the service started is listed
     capabilities = service.capabilities()
     return json_response({"object": "list",
                           "data": [entry.model_object(capabilities) for entry in service.registry]})
 
 
 async def get_model(request: Request, service) -> Response:
-    entry = service.registry.get(request.params["model_id"])
+    entry = await service.registry.find(request.params["model_id"])
     return json_response(entry.model_object(service.capabilities()))
 
 
@@ -245,7 +246,7 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
     from engine.errors import ChatTemplateError, ContextLengthExceeded, SchemaError
 
     request = validate_responses_request(body)
-    entry = service.registry.get(request.model, param="model")
+    entry = await service.registry.find(request.model, param="model")
     if request.previous_response_id is not None and not service.stores_responses:
         raise Problem("unsupported_capability",
                       "this service does not store responses, so previous_response_id cannot be used",

@@ -290,10 +290,18 @@ class ModelEntry:
 
 
 class Registry:
-    """The models by id, in the order they were found."""
+    """The models by id, in the order they were found.
 
-    def __init__(self, entries: list[ModelEntry]):
+    With a models directory, `refresh` adds the files that appeared in it since (a
+    model pulled while the service runs), so the model listing and a request for an
+    unknown id look again before they answer.
+    """
+
+    def __init__(self, entries: list[ModelEntry], models_dir: Path | None = None, log=None):
         self._entries = {entry.id: entry for entry in entries}
+        self.models_dir = models_dir
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._known = {entry.path.resolve() for entry in entries}  # files read, served or not
 
     @classmethod
     async def scan(cls, paths: list[Path], models_dir: Path | None, log=None) -> "Registry":
@@ -303,33 +311,45 @@ class Registry:
         message for the command line); an unreadable file in the models
         directory is reported and skipped.
         """
-        log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        explicit = [Path(path) for path in paths]
-        found = sorted(models_dir.glob("*.gguf")) if models_dir is not None and models_dir.is_dir() else []
-        return await trio.to_thread.run_sync(cls._read_all, explicit, found, log)
+        registry = cls([], models_dir, log)
+        await registry._add([Path(path) for path in paths], _gguf_files(models_dir))
+        return registry
 
-    @classmethod
-    def _read_all(cls, explicit: list[Path], found: list[Path], log) -> "Registry":
-        entries: dict[str, ModelEntry] = {}
-        seen: set[Path] = set()
+    async def refresh(self) -> None:
+        """Add the models directory's files that were not there (or not read) before."""
+        if self.models_dir is not None:
+            new = [path for path in _gguf_files(self.models_dir) if path.resolve() not in self._known]
+            if new:
+                await self._add([], new, announce=True)
+
+    async def _add(self, explicit: list[Path], found: list[Path], announce: bool = False) -> None:
+        """Read the files' headers in a worker thread, then add their entries here, on the
+        trio loop, where requests iterate the entries."""
+        paths = []
         for path in [*explicit, *found]:
-            resolved = path.resolve()
-            if resolved in seen:
+            if path.resolve() not in self._known:
+                self._known.add(path.resolve())
+                paths.append(path)
+        read = await trio.to_thread.run_sync(self._read, paths, set(explicit))
+        for path, entry in read:
+            if entry.id in self._entries:
+                self._log(f"warning: {path} has the id {entry.id!r} of {self._entries[entry.id].path}; skipped")
                 continue
-            seen.add(resolved)
+            self._entries[entry.id] = entry
+            if announce:
+                self._log(f"model {entry.id} found in {path.parent}")
+
+    def _read(self, paths: list[Path], explicit: set[Path]) -> list[tuple[Path, ModelEntry]]:
+        read = []
+        for path in paths:
             try:
-                entry = ModelEntry.from_file(path)
+                read.append((path, ModelEntry.from_file(path)))
             except (OSError, GGUFHeaderError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 if path in explicit:
                     raise ValueError(f"cannot serve {path}: {reason}") from None
-                log(f"warning: skipping {path.name}: {reason}")
-                continue
-            if entry.id in entries:
-                log(f"warning: {path} has the id {entry.id!r} of {entries[entry.id].path}; skipped")
-                continue
-            entries[entry.id] = entry
-        return cls(list(entries.values()))
+                self._log(f"warning: skipping {path.name}: {reason}")
+        return read
 
     def __iter__(self):
         return iter(self._entries.values())
@@ -342,3 +362,13 @@ class Registry:
         if entry is None:
             raise Problem("model_not_found", f"no model has the id '{model_id}'", param=param)
         return entry
+
+    async def find(self, model_id: str, param: str | None = None) -> ModelEntry:
+        """`get`, looking in the models directory again for an id not known yet."""
+        if model_id not in self._entries:
+            await self.refresh()
+        return self.get(model_id, param)
+
+
+def _gguf_files(models_dir: Path | None) -> list[Path]:
+    return sorted(models_dir.glob("*.gguf")) if models_dir is not None and models_dir.is_dir() else []

@@ -1,5 +1,6 @@
 """Models (D2): ids from file names, model objects from GGUF headers, lazy shared loading."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -158,3 +159,23 @@ def test_serve_without_models_pulls_the_default_one(tmp_path, monkeypatch, tiny_
     given = ServiceConfig(model_paths=[tiny_path], models_dir=tmp_path, store=False)
     ensure_default_model(given, log=lambda line: None)
     assert pulled == [fetch.DEFAULT_MODEL]  # a model was given: nothing fetched
+
+
+async def test_a_model_that_appears_in_the_models_directory_is_served_without_a_restart(nursery, tiny_path, tmp_path):
+    """`lmsp-min pull` while the service runs: the listing and a request for the new id look again."""
+    models = tmp_path / "models"
+    models.mkdir()
+    lines = []
+    config = ServiceConfig(models_dir=models, store=False)
+    server = await start_server(nursery, await Service.open(config, log=lines.append))
+    assert (await server.request("GET", "/lmsp/v1/models")).json()["data"] == []
+    os.link(tiny_path, models / "later-chat-q8_0.gguf")  # as pull does, on one file system
+    reply = await server.request("GET", "/lmsp/v1/models/later:chat-q8_0")
+    assert reply.status == 200, reply.body
+    assert [m["id"] for m in (await server.request("GET", "/lmsp/v1/models")).json()["data"]] == ["later:chat-q8_0"]
+    assert any("model later:chat-q8_0 found" in line for line in lines)
+    (models / "broken.gguf").write_bytes(b"not a gguf")
+    assert (await server.request("GET", "/lmsp/v1/models/broken")).status == 404
+    assert sum("skipping broken.gguf" in line for line in lines) == 1
+    await server.request("GET", "/lmsp/v1/models")  # read once: a file that cannot be read is not read again
+    assert sum("skipping broken.gguf" in line for line in lines) == 1
