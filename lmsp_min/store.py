@@ -307,6 +307,10 @@ class Store:
             self._owner_lock.close()
             (self._owners / f"{self.owner}.lock").unlink(missing_ok=True)
 
+    def _dead_among(self, owners: set[str]) -> set[str]:
+        """The owners whose process has ended (one look at each one's lock)."""
+        return {owner for owner in owners if self._is_dead(owner)}
+
     def _is_dead(self, owner: str) -> bool:
         """Whether the process of `owner` is gone (its lock file can be locked, or is
         missing); the file of a dead owner is removed."""
@@ -502,8 +506,7 @@ class Store:
                 "SELECT id, owner FROM tasks WHERE status IN ('queued', 'in_progress')"
                 " ORDER BY created_at"
             ).fetchall()
-            ended = {owner for owner in {owner for _, owner in rows} if self._is_dead(owner)}
-            ended.add(self.owner)
+            ended = self._dead_among({owner for _, owner in rows}) | {self.owner}
             result = []
             for task_id in [task_id for task_id, owner in rows if owner in ended and not running(task_id)]:
                 events = conn.execute(
@@ -610,17 +613,10 @@ class Store:
         its key: the disk was full, say). Returns how many were released."""
 
         def abandoned(conn: sqlite3.Connection) -> list[tuple[str, str, str]]:
-            claims = conn.execute("SELECT principal, key, owner FROM idempotency WHERE state = 'running'")
-            dead: dict[str, bool] = {}  # (one look at each owner's lock)
-
-            def is_abandoned(principal: str, key: str, owner: str) -> bool:
-                if owner == self.owner:
-                    return (principal, key) not in self._claims_held
-                if owner not in dead:
-                    dead[owner] = self._is_dead(owner)
-                return dead[owner]
-
-            return [claim for claim in claims.fetchall() if is_abandoned(*claim)]
+            claims = conn.execute("SELECT principal, key, owner FROM idempotency WHERE state = 'running'").fetchall()
+            dead = self._dead_among({owner for _, _, owner in claims if owner != self.owner})
+            return [(principal, key, owner) for principal, key, owner in claims
+                    if owner in dead or (owner == self.owner and (principal, key) not in self._claims_held)]
 
         found = await self._read(abandoned)
         if not found:
