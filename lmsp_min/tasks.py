@@ -256,7 +256,7 @@ class Tasks:
         except Exception as exc:
             # A bug or a failing database: the task fails, the service goes on.
             self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
-            await self._fail(running, Problem("internal_error", "the task stopped on an unexpected error"))
+            await self._fail(running, _runner_lost())
         finally:
             if not event_log.done:
                 # The service is stopping (cancelled): end the task now as a restart
