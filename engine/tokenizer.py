@@ -421,18 +421,24 @@ class Tokenizer(abc.ABC):
                 parts.append((part, special))
         return parts
 
-    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """Cut special tokens out of the text: a list of text fragments and token ids."""
-        fragments: list[str | int] = [text]
-        specials = self._special_all if parse_special else self._special_user
+    @staticmethod
+    def _specials_in(text: str, specials: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """The special tokens (in their order) that occur in `text`."""
         if len(specials) > 64 and len(text) > 64:
             # Thousands of special tokens (Gemma's <unusedN>): look only for those whose
             # first three characters occur in the text at all.
             trigrams = {text[i:i + 3] for i in range(len(text) - 2)}
             specials = [(tid, tok) for tid, tok in specials if len(tok) < 3 or tok[:3] in trigrams]
+        return [(tid, tok) for tid, tok in specials if tok in text]
+
+    def _partition(self, text: str, parse_special: bool,
+                   specials: list[tuple[int, str]] | None = None) -> list[str | int]:
+        """Cut special tokens out of the text: a list of text fragments and token ids.
+        `specials`: the tokens to look for, when already narrowed down (else all that apply)."""
+        fragments: list[str | int] = [text]
+        if specials is None:
+            specials = self._specials_in(text, self._special_all if parse_special else self._special_user)
         for tid, tok in specials:
-            if tok not in text:
-                continue
             out: list[str | int] = []
             for frag in fragments:
                 if isinstance(frag, int) or tok not in frag:
@@ -450,10 +456,14 @@ class Tokenizer(abc.ABC):
         """_partition with parse_special, except in `literal_spans`, parsed as without it.
         Text on both sides of a span's edge is one fragment, tokenized as if no edge were there."""
         edges = [0, *(i for span in literal_spans for i in span), len(text)]
+        # the special tokens of the whole text, found once (a part can hold no other): each
+        # part searched for all of them was 121 ms for 1,000 marked occurrences in Gemma 3
+        found = self._specials_in(text, self._special_all)
+        user = [(tid, tok) for tid, tok in found if not self.attrs[tid] & (Attr.CONTROL | Attr.UNKNOWN)]
         fragments: list[str | int] = []
         for k in range(len(edges) - 1):
             part = text[edges[k]: edges[k + 1]]
-            for fragment in self._partition(part, parse_special=k % 2 == 0) if part else []:
+            for fragment in self._partition(part, k % 2 == 0, found if k % 2 == 0 else user) if part else []:
                 if isinstance(fragment, str) and fragments and isinstance(fragments[-1], str):
                     fragments[-1] += fragment
                 else:
