@@ -295,7 +295,7 @@ class Number(Node):
         else:
             n = 0 if ip == "0" else len(ip)
             base = int(ip) + Fraction(int(fp or "0"), 10 ** len(fp))
-            width = 0 if len(fp) == self._frac_limits[n] else Fraction(1, 10 ** len(fp)) - units[n]
+            width = 0 if len(fp) == self._frac_limit(ip) else Fraction(1, 10 ** len(fp)) - units[n]
             yield base, base + width, units[n]
 
     def _feasible(self, neg: bool, ip: str, fp: str | None) -> bool:
@@ -1251,7 +1251,7 @@ def _has_finite_document(root: Node) -> bool:
     grew = True
     while grew:
         grew = False
-        for node in nodes:
+        for node in reversed(nodes):  # children before parents: a tree settles in one pass
             if id(node) not in ending and _ends_given(node, ending):
                 ending.add(id(node))
                 grew = True
