@@ -171,18 +171,15 @@ def plan_output(model, request, literal=lambda tools: tools) -> OutputPlan:
     if tools and schema is not None:
         raise SchemaError("tools and a json_schema response format cannot be combined", "response_format")
     index = TokenIndex.of(model.tokenizer)
-    native = uses_native_format(model.chat_template)
-    if schema is not None or not tools:
-        # no tools offered, but the history may hold calls and results all the same
-        has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in request.messages)
-        messages = render_generic(request.messages, None) if has_tool_turns and not native else request.messages
-        constraint = json_constraint(schema, index) if schema is not None else None
-        return OutputPlan(messages, None, constraint, False)
-    constraint = tool_constraint(tools, request.tool_choice, index)
-    shown = None if request.tool_choice == "none" else literal(tools)
-    if native:
-        return OutputPlan(request.messages, shown, constraint, True)
-    return OutputPlan(render_generic(request.messages, shown), None, constraint, True)
+    if schema is not None:
+        constraint = json_constraint(schema, index)
+    else:
+        constraint = tool_constraint(tools, request.tool_choice, index) if tools else None
+    shown = literal(tools) if tools and request.tool_choice != "none" else None
+    if uses_native_format(model.chat_template):
+        return OutputPlan(request.messages, shown, constraint, bool(tools))
+    # (with no tools offered too: the history may hold calls and results all the same)
+    return OutputPlan(render_generic(request.messages, shown), None, constraint, bool(tools))
 
 
 def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex) -> GrammarConstraint:
@@ -278,6 +275,8 @@ class ToolCallParser:
         after that object: a closer inside one of its strings ({"tag": "</tool_call>"})
         is text, not the end.
         """
+        if CLOSER not in self.pending:  # (no need to decode: a whole call ends with one)
+            return None
         start = len(self.pending) - len(self.pending.lstrip())
         try:
             call, end = _JSON.raw_decode(self.pending, start)
