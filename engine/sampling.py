@@ -73,9 +73,10 @@ class Sampler:
                 if not allowed.any():
                     raise EngineError("the output constraint allows no token at this point")
                 keep = allowed[ids]                                # (C,) the candidates allowed
-                if self.params.temperature != 0 and probs[keep].sum() > 0:
-                    token = self._draw(ids[keep], probs[keep])
-                else:  # greedy, or no allowed candidate can be drawn (none is left, or all
+                kept = probs[keep]
+                if kept.sum() > 0:
+                    token = self._draw(ids[keep], kept)
+                else:  # no allowed candidate can be drawn (none is left: always when greedy; or all
                     # underflowed to 0 at a tiny temperature): the filters over the allowed tokens
                     token = self._draw(*self._candidates(np.where(allowed, logits, -np.inf)))
             self.constraint.advance(token)
