@@ -129,7 +129,7 @@ def parse_sse(lines: Iterator[bytes]) -> Iterator[Event]:
             name = value
         elif field == "data":
             data.append(value)
-        elif field == "id" and value.isdigit():
+        elif field == "id" and value.isascii() and value.isdigit():  # ("²" is a digit, not a number)
             event_id = int(value)
 
 

@@ -167,6 +167,9 @@ def test_parse_sse_follows_the_event_stream_rules():
         b"\n",
         b"id: 2\n",
         b"data:plain text\n",
+        b"\r\n",
+        b"id: \xc2\xb2\n",  # a digit, but no number: the id stays 2
+        b"data\n",  # a field without a colon has an empty value
         b"\n",
         b"id: 3\n",
         b"event: cut\n",
@@ -175,6 +178,7 @@ def test_parse_sse_follows_the_event_stream_rules():
     assert list(parse_sse(iter(raw))) == [
         Event(1, "response.created", {"a": 1}),
         Event(2, "message", "plain text"),
+        Event(2, "message", ""),
     ]
 
 
