@@ -151,7 +151,7 @@ class Client:
         return self._json("GET", "/lmsp/v1/models")["data"]
 
     def get_model(self, model_id: str) -> dict:
-        return self._json("GET", f"/lmsp/v1/models/{urllib.parse.quote(model_id, safe=':')}")
+        return self._json("GET", f"/lmsp/v1/models/{_segment(model_id)}")
 
     # -- responses ------------------------------------------------------------
 
@@ -173,10 +173,10 @@ class Client:
             conn.close()
 
     def get_response(self, response_id: str) -> dict:
-        return self._json("GET", f"/lmsp/v1/responses/{response_id}")
+        return self._json("GET", f"/lmsp/v1/responses/{_segment(response_id)}")
 
     def delete_response(self, response_id: str) -> None:
-        self._json("DELETE", f"/lmsp/v1/responses/{response_id}")
+        self._json("DELETE", f"/lmsp/v1/responses/{_segment(response_id)}")
 
     def run_tools(
         self,
@@ -225,10 +225,10 @@ class Client:
         return self._json("POST", "/lmsp/v1/tasks", body, headers)
 
     def get_task(self, task_id: str) -> dict:
-        return self._json("GET", f"/lmsp/v1/tasks/{task_id}")
+        return self._json("GET", f"/lmsp/v1/tasks/{_segment(task_id)}")
 
     def cancel_task(self, task_id: str) -> dict:
-        return self._json("POST", f"/lmsp/v1/tasks/{task_id}/cancel")
+        return self._json("POST", f"/lmsp/v1/tasks/{_segment(task_id)}/cancel")
 
     def follow_task(self, task_id: str, after: int = 0, *, retries: int = 5) -> Iterator[Event]:
         """Every event of a task after `after`, across dropped connections.
@@ -241,7 +241,7 @@ class Client:
         while True:
             headers = {"Last-Event-ID": str(last)} if last else {}
             try:
-                conn, resp = self._open("GET", f"/lmsp/v1/tasks/{task_id}/events", None, headers)
+                conn, resp = self._open("GET", f"/lmsp/v1/tasks/{_segment(task_id)}/events", None, headers)
             except LMSPError as e:
                 if e.code != "event_history_expired":
                     raise
@@ -353,6 +353,11 @@ class Client:
         except (OSError, http.client.HTTPException) as e:
             raise StreamInterrupted(f"connection lost: {e!r}") from None
         raise _EndedEarly("the stream ended before its final event")
+
+
+def _segment(value: str) -> str:
+    """An id as one path segment: a `/`, `?` or space in it cannot change the route."""
+    return urllib.parse.quote(value, safe=":")
 
 
 def _problem(status: int, data: bytes) -> dict:

@@ -282,6 +282,12 @@ def test_run_tools_round_trip(fake):
     assert second[2]["output"] == '{"temperature_c": 17}'
 
 
+def test_ids_are_sent_as_one_path_segment(fake):
+    with pytest.raises(LMSPError) as e:
+        Client(fake.url).get_task("a b/c")
+    assert e.value.code == "not_found"
+    assert fake.requests[-1][1] == "/lmsp/v1/tasks/a%20b%2Fc"
+
 # -- against the real server ------------------------------------------------------------
 
 
