@@ -224,6 +224,8 @@ class Server:
 
 def wait_for_server(client, server: subprocess.Popen, log, timeout: float = 120.0) -> str:
     """The id of the one model the server lists, once it answers (`log`: the file of its stderr)."""
+    from lmsp_min.client import TransportError
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -231,7 +233,7 @@ def wait_for_server(client, server: subprocess.Popen, log, timeout: float = 120.
             raise RuntimeError(f"lmsp-min serve exited:\n{log.read()}")
         try:
             return client.list_models()[0]["id"]
-        except OSError:
+        except TransportError:  # not listening yet
             time.sleep(0.2)
     raise RuntimeError("lmsp-min serve did not answer in time")
 

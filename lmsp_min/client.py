@@ -8,10 +8,12 @@
         if event.event == "response.output_text.delta":
             print(event.data["delta"], end="", flush=True)
 
-Errors come back as `LMSPError(status, problem)`, where `problem` is the
-server's problem document (`problem["code"]` is what to match on). A stream
-that ends before its final event raises `StreamInterrupted`; other network
-failures raise what `http.client` raises (OSError, http.client.HTTPException).
+Every failed request raises an LMSPError. When the server answered with an
+error, `status` is its HTTP status and `problem` its problem document (`code` is
+what to match on). A TransportError (a subclass) got no usable answer: the
+server could not be reached, the connection dropped or timed out, or the answer
+was not HTTP or not JSON; its `__cause__` is the underlying error. A stream that
+ends before its final event raises StreamInterrupted, a TransportError.
 
 Task streams survive dropped connections: `follow_task` remembers the id of the
 last event it yielded and reconnects with `Last-Event-ID`, so the caller sees
@@ -38,20 +40,30 @@ FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 
 class LMSPError(Exception):
-    """The server answered with a problem document (RFC 9457)."""
+    """A request failed: the one exception type a caller needs to catch.
 
-    def __init__(self, status: int, problem: dict):
+    When the server answered with an error, `status` is the HTTP status and
+    `problem` the problem document (RFC 9457), one made of the status line when
+    the answer had none; a TransportError had no answer, and both are None.
+    """
+
+    def __init__(self, message: str, status: int | None = None, problem: dict | None = None):
+        super().__init__(message)
         self.status = status
         self.problem = problem
-        super().__init__(f"{status} {problem.get('code', '')}: {problem.get('detail') or problem.get('title', '')}")
 
     @property
     def code(self) -> str | None:
-        return self.problem.get("code")
+        return self.problem.get("code") if self.problem else None
 
 
-class StreamInterrupted(ConnectionError):
-    """A stream ended before its final event (the connection dropped)."""
+class TransportError(LMSPError):
+    """No usable answer: the server could not be reached, the connection dropped
+    or timed out, or the answer was not HTTP or not JSON (`__cause__` says which)."""
+
+
+class StreamInterrupted(TransportError):
+    """A stream ended before its final event."""
 
 
 class _EndedEarly(StreamInterrupted):
@@ -133,14 +145,24 @@ def parse_sse(lines: Iterator[bytes]) -> Iterator[Event]:
             event_id = int(value)
 
 
+# what a connection raises when it fails: OSError (refused, reset, timed out, TLS)
+# and http.client's own errors (a cut body, a status line that is not HTTP)
+_TRANSPORT_FAILURES = (OSError, http.client.HTTPException)
+
+
 class Client:
-    """Calls an LMSP service; `token` is sent as a bearer token when given."""
+    """Calls an LMSP service; `token` is sent as a bearer token when given.
+
+    `timeout` bounds each wait on the network (connecting, each read), not a
+    whole request: a stream may run as long as events keep coming.
+    """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8080", token: str | None = None, timeout: float = 600.0):
         url = urllib.parse.urlsplit(base_url)
-        if url.scheme not in ("http", "https"):
-            raise ValueError(f"base_url must be http:// or https://, not {base_url!r}")
-        self.scheme, self.host, self.port = url.scheme, url.hostname, url.port
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"base_url must be http://HOST or https://HOST, not {base_url!r}")
+        self.scheme, self.host = url.scheme, url.hostname
+        self.port = url.port or (443 if url.scheme == "https" else 80)
         self.prefix = url.path.rstrip("/")
         self.token = token
         self.timeout = timeout
@@ -168,7 +190,7 @@ class Client:
         body = {"model": model, "input": as_input(input), **fields, "stream": True}
         conn, resp = self._open("POST", "/lmsp/v1/responses", body, headers)
         try:
-            yield from self._events(resp)
+            yield from self._events(resp, "POST", "/lmsp/v1/responses")
         finally:
             conn.close()
 
@@ -233,26 +255,22 @@ class Client:
     def follow_task(self, task_id: str, after: int = 0, *, retries: int = 5) -> Iterator[Event]:
         """Every event of a task after `after`, across dropped connections.
 
-        `retries` bounds consecutive reconnections that bring no new event (with a
-        growing pause between them); any new event resets the count.
+        Every TransportError is a reason to reconnect; `retries` bounds consecutive
+        reconnections that bring no new event (with a growing pause between them),
+        and any new event resets the count. When they run out, StreamInterrupted
+        says so, caused by the last failure. A problem the server answers is
+        raised at once, but for 410 event_history_expired (see the module's doc).
         """
+        path = f"/lmsp/v1/tasks/{_segment(task_id)}/events"
         last = after
         failures = 0
         while True:
             headers = {"Last-Event-ID": str(last)} if last else {}
+            progressed = False
             try:
-                conn, resp = self._open("GET", f"/lmsp/v1/tasks/{_segment(task_id)}/events", None, headers)
-            except LMSPError as e:
-                if e.code != "event_history_expired":
-                    raise
-                yield self._final_event(task_id)
-                return
-            except OSError:
-                conn = None
-            if conn is not None:
-                progressed = False
+                conn, resp = self._open("GET", path, None, headers)
                 try:
-                    for event in self._events(resp):
+                    for event in self._events(resp, "GET", path):
                         if event.id is not None and event.id <= last:
                             continue  # already yielded before the reconnection
                         if event.id is not None:
@@ -264,13 +282,21 @@ class Client:
                     # the server had nothing after `last` for a final task: `last` was its final event
                     if not progressed and self.get_task(task_id)["status"] in FINAL_STATUSES:
                         return
-                except StreamInterrupted:
-                    pass
+                    raise
                 finally:
                     conn.close()
+            except TransportError as e:
+                failure = e
+            except LMSPError as e:
+                if e.code != "event_history_expired":
+                    raise
+                yield self._final_event(task_id)
+                return
             failures += 1
             if failures > retries:
-                raise StreamInterrupted(f"task {task_id}: gave up after {retries} reconnections without progress")
+                raise StreamInterrupted(
+                    f"{self._where('GET', path)}: gave up after {retries} reconnections without progress"
+                ) from failure
             time.sleep(min(0.1 * 2 ** (failures - 1), 2.0))
 
     def wait_task(self, task_id: str, poll: float = 0.5) -> dict:
@@ -297,12 +323,17 @@ class Client:
         key = fields.pop("idempotency_key", None)
         return {"Idempotency-Key": key} if key else {}
 
+    def _where(self, method: str, path: str) -> str:
+        """What a request is, for its errors: `GET /lmsp/v1/models on host:port`."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{method} {self.prefix}{path} on {host}:{self.port}"
+
     def _connect(self) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=self.timeout)
 
     def _send(self, method: str, path: str, body: Any, headers: dict):
-        conn = self._connect()
+        """The open connection and the head of its response."""
         headers = {"LMSP-Version": "1.0", **headers}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -310,36 +341,51 @@ class Client:
         if body is not None:
             payload = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
+        conn = self._connect()
+        doing = "connecting"
         try:
+            conn.connect()
+            doing = "sending the request"
             conn.request(method, self.prefix + path, payload, headers)
+            doing = "waiting for the response"
             return conn, conn.getresponse()
+        except _TRANSPORT_FAILURES as e:
+            conn.close()
+            raise TransportError(f"{self._where(method, path)}: {doing} failed: {e!r}") from e
         except BaseException:
             conn.close()
             raise
 
-    def _json(self, method: str, path: str, body: Any = None, headers: dict | None = None) -> Any:
-        conn, resp = self._send(method, path, body, headers or {})
+    def _read(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, method: str, path: str) -> bytes:
+        """The whole body of a response; its connection is closed after it."""
         try:
-            data = resp.read()
+            return resp.read()
+        except _TRANSPORT_FAILURES as e:
+            raise TransportError(f"{self._where(method, path)}: reading the response body failed: {e!r}") from e
         finally:
             conn.close()
+
+    def _json(self, method: str, path: str, body: Any = None, headers: dict | None = None) -> Any:
+        conn, resp = self._send(method, path, body, headers or {})
+        data = self._read(conn, resp, method, path)
         if not 200 <= resp.status < 300:  # (3xx too: this client follows no redirect)
-            raise LMSPError(resp.status, _problem(resp.status, data))
-        return json.loads(data) if data else None
+            raise _answered_error(self._where(method, path), resp, data)
+        try:
+            return json.loads(data) if data else None
+        except ValueError as e:  # (a body that runs to the close of a dropped connection ends here too)
+            raise TransportError(
+                f"{self._where(method, path)}: the answer is not JSON ({resp.status}, "
+                f"{resp.getheader('Content-Type')}, {len(data)} bytes)"
+            ) from e
 
     def _open(self, method: str, path: str, body: Any, headers: dict):
         """A streaming request: the open connection and its response, or LMSPError."""
         conn, resp = self._send(method, path, body, {"Accept": "text/event-stream", **headers})
         if not 200 <= resp.status < 300:
-            try:
-                data = resp.read()
-            finally:
-                conn.close()
-            raise LMSPError(resp.status, _problem(resp.status, data))
+            raise _answered_error(self._where(method, path), resp, self._read(conn, resp, method, path))
         return conn, resp
 
-    @staticmethod
-    def _events(resp: http.client.HTTPResponse) -> Iterator[Event]:
+    def _events(self, resp: http.client.HTTPResponse, method: str, path: str) -> Iterator[Event]:
         """Parse events until the final one; a stream that ends earlier was cut."""
         try:
             for event in parse_sse(iter(resp.readline, b"")):
@@ -347,12 +393,12 @@ class Client:
                 if event.event in FINAL_EVENTS:
                     try:
                         resp.read()  # the end of the body: the service closes the stream now
-                    except (OSError, http.client.HTTPException):
+                    except _TRANSPORT_FAILURES:
                         pass  # the final event arrived; how the stream ended does not matter
                     return
-        except (OSError, http.client.HTTPException) as e:
-            raise StreamInterrupted(f"connection lost: {e!r}") from None
-        raise _EndedEarly("the stream ended before its final event")
+        except _TRANSPORT_FAILURES as e:
+            raise StreamInterrupted(f"{self._where(method, path)}: reading the event stream failed: {e!r}") from e
+        raise _EndedEarly(f"{self._where(method, path)}: the event stream ended before its final event")
 
 
 def _segment(value: str) -> str:
@@ -360,11 +406,19 @@ def _segment(value: str) -> str:
     return urllib.parse.quote(value, safe=":")
 
 
-def _problem(status: int, data: bytes) -> dict:
+def _answered_error(where: str, resp: http.client.HTTPResponse, data: bytes) -> LMSPError:
+    """The error of an answer that is not a success, with its problem document.
+
+    An answer without one (a proxy's, an empty body) gets one made of its status
+    line, with its text, if any, as the detail.
+    """
     try:
         problem = json.loads(data)
     except ValueError:
         problem = None
     if not isinstance(problem, dict):
-        problem = {"status": status, "title": data.decode("utf-8", "replace")[:200]}
-    return problem
+        text = data.decode("utf-8", "replace").strip()[:200]
+        problem = {"status": resp.status, "title": resp.reason, **({"detail": text} if text else {})}
+    summary = problem.get("code") or problem.get("title") or resp.reason
+    detail = problem.get("detail")
+    return LMSPError(f"{where}: {resp.status} {summary}" + (f": {detail}" if detail else ""), resp.status, problem)

@@ -2,15 +2,19 @@
 
 The fake speaks just enough of the protocol to check what the client sends and
 how it reads: JSON bodies, problem documents, chunked event streams, and task
-streams that it cuts mid-event to exercise resumption.
+streams that it cuts mid-event to exercise resumption. A raw socket server
+(RawServer) makes the failures no HTTP server library makes on purpose.
 """
 
 import contextlib
+import http.client
 import http.server
 import json
 import queue
+import re
 import socket
 import threading
+from dataclasses import dataclass
 
 import pytest
 
@@ -19,6 +23,7 @@ from lmsp_min.client import (
     Event,
     LMSPError,
     StreamInterrupted,
+    TransportError,
     function_call_output,
     function_calls,
     output_text,
@@ -287,6 +292,213 @@ def test_ids_are_sent_as_one_path_segment(fake):
         Client(fake.url).get_task("a b/c")
     assert e.value.code == "not_found"
     assert fake.requests[-1][1] == "/lmsp/v1/tasks/a%20b%2Fc"
+
+
+def test_follow_task_raises_a_problem_at_once(fake):
+    with pytest.raises(LMSPError) as e:
+        list(Client(fake.url).follow_task("task_2"))
+    assert e.value.code == "not_found"
+    assert len(fake.requests) == 1  # a problem is an answer: it is not retried
+
+
+# -- failures no server library makes on purpose --------------------------------------
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A reply that sends `data`, then nothing until the client gives up."""
+
+    data: bytes = b""
+
+
+class RawServer:
+    """Answers its connections, one after another, with `replies` byte for byte.
+
+    A bytes reply is sent and the connection closed at once, whatever it
+    promised; a Stall keeps the connection open after its bytes.
+    """
+
+    def __init__(self, replies: list):
+        self.replies = list(replies)
+        self.heads: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.url = f"http://{self.address}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def last_event_ids(self) -> list[str | None]:
+        heads = [dict(line.split(": ", 1) for line in h.decode().split("\r\n")[1:] if line) for h in self.heads]
+        return [h.get("Last-Event-ID") for h in heads]
+
+    def _serve(self):
+        while self.replies:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                self.heads.append(self._request_head(conn))
+                reply = self.replies.pop(0)
+                if isinstance(reply, Stall):
+                    conn.sendall(reply.data)
+                    while conn.recv(65536):  # until the client closes
+                        pass
+                else:
+                    conn.sendall(reply)
+
+    @staticmethod
+    def _request_head(conn: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?im)^content-length: *(\d+)", head)
+        length = int(length[1]) if length else 0
+        while len(body) < length:
+            body += conn.recv(65536)
+        return head
+
+    def close(self):
+        self.listener.close()
+
+
+@pytest.fixture
+def raw_server():
+    servers = []
+
+    def start(*replies) -> RawServer:
+        servers.append(RawServer(list(replies)))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def unused_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        return listener.getsockname()[1]
+
+
+def http_reply(status: str, body: bytes, content_type: str = "application/json", length: int | None = None) -> bytes:
+    """A response whose Content-Length is `length` (the body's by default)."""
+    length = len(body) if length is None else length
+    return f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {length}\r\n\r\n".encode() + body
+
+
+EVENT_STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+EVENTS = [sse(i, n, d) for i, (n, d) in enumerate(stream_events("resp_1"), 1)]
+
+
+def event_stream(data: bytes, cut: int | None = None) -> bytes:
+    """`data` as one chunk of an event stream, or its first `cut` bytes and no more."""
+    if cut is not None:
+        return EVENT_STREAM_HEAD + b"%x\r\n" % len(data) + data[:cut]
+    return EVENT_STREAM_HEAD + (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n"
+
+
+def test_a_server_not_listening_is_a_transport_error():
+    port = unused_port()
+    with pytest.raises(TransportError) as e:
+        Client(f"http://127.0.0.1:{port}").list_models()
+    assert isinstance(e.value, LMSPError) and e.value.status is None and e.value.code is None
+    assert isinstance(e.value.__cause__, ConnectionRefusedError)
+    assert f"GET /lmsp/v1/models on 127.0.0.1:{port}: connecting failed" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "reply, cause, doing",
+    [
+        (b"", http.client.RemoteDisconnected, "waiting for the response"),  # dropped before the head
+        (b"SSH-2.0-OpenSSH_9.6\r\n", http.client.BadStatusLine, "waiting for the response"),  # not HTTP
+        (Stall(), TimeoutError, "waiting for the response"),
+        (http_reply("200 OK", b'{"object": "res', length=200), http.client.IncompleteRead, "reading the response body"),
+        (http_reply("404 Not Found", b'{"code": "mod', length=200), http.client.IncompleteRead, "reading the response body"),
+        (Stall(http_reply("200 OK", b'{"object": "res', length=200)), TimeoutError, "reading the response body"),
+        # a body that runs to the close of the connection cannot tell a cut: it is no JSON
+        (b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"object": "res', ValueError, "the answer is not JSON"),
+        (http_reply("200 OK", b"<html>", "text/html"), ValueError, "the answer is not JSON"),
+    ],
+    ids=["dropped before the head", "not HTTP", "no head in time", "cut body", "cut problem",
+         "no body in time", "cut body without length", "HTML"],
+)
+def test_a_failed_exchange_is_a_transport_error(raw_server, reply, cause, doing):
+    server = raw_server(reply)
+    timeout = 0.3 if isinstance(reply, Stall) else 10  # (short only where it is the point: slow machines)
+    with pytest.raises(TransportError) as e:
+        Client(server.url, timeout=timeout).create_response("fake:1m", "hi")
+    assert isinstance(e.value.__cause__, cause)
+    assert str(e.value).startswith(f"POST /lmsp/v1/responses on {server.address}: {doing}")
+
+
+@pytest.mark.parametrize("body, detail", [(b"", None), (b"upstream down\n", "upstream down")], ids=["empty", "text"])
+def test_an_error_without_a_problem_document_keeps_its_status_line(raw_server, body, detail):
+    server = raw_server(http_reply("502 Bad Gateway", body, "text/plain"))
+    with pytest.raises(LMSPError) as e:
+        Client(server.url).list_models()
+    assert type(e.value) is LMSPError and e.value.status == 502 and e.value.code is None
+    assert e.value.problem == {"status": 502, "title": "Bad Gateway", **({"detail": detail} if detail else {})}
+    assert str(e.value) == f"GET /lmsp/v1/models on {server.address}: 502 Bad Gateway" + (f": {detail}" if detail else "")
+
+
+IN_EVENT_4 = len(b"".join(EVENTS[:3])) + 10
+
+
+@pytest.mark.parametrize(
+    "reply, cause",
+    [
+        (event_stream(b"".join(EVENTS), cut=IN_EVENT_4), http.client.IncompleteRead),
+        (Stall(event_stream(b"".join(EVENTS), cut=IN_EVENT_4)), TimeoutError),
+        (event_stream(b"".join(EVENTS[:3])), None),  # ended cleanly, but before the final event
+    ],
+    ids=["dropped", "timed out", "ended"],
+)
+def test_a_cut_event_stream_is_stream_interrupted(raw_server, reply, cause):
+    server = raw_server(reply)
+    timeout = 0.3 if isinstance(reply, Stall) else 10
+    events = []
+    with pytest.raises(StreamInterrupted) as e:
+        for event in Client(server.url, timeout=timeout).stream_response("fake:1m", "hi"):
+            events.append(event)
+    assert isinstance(e.value, TransportError)
+    assert str(e.value).startswith(f"POST /lmsp/v1/responses on {server.address}: ")
+    assert cause is None or isinstance(e.value.__cause__, cause)
+    assert [event.id for event in events] == [1, 2, 3]
+
+
+def test_follow_task_retries_every_transport_failure(raw_server, monkeypatch):
+    monkeypatch.setattr("lmsp_min.client.time.sleep", lambda s: None)
+    server = raw_server(
+        event_stream(b"".join(EVENTS), cut=len(EVENTS[0] + EVENTS[1]) + 10),  # cut in event 3
+        b"",  # dropped before the head
+        b"NOT HTTP\r\n\r\n",
+        Stall(),  # timed out
+        http_reply("503 Service Unavailable", b'{"code": "serv', length=100),  # cut in the problem
+        event_stream(b"".join(EVENTS[2:])),
+    )
+    events = list(Client(server.url, timeout=1.0).follow_task("task_1"))  # (the Stall's wait)
+    assert [e.id for e in events] == list(range(1, 10))  # each exactly once
+    assert server.last_event_ids() == [None, "2", "2", "2", "2", "2"]
+
+
+def test_follow_task_retries_the_task_check_after_an_empty_stream(raw_server, monkeypatch):
+    monkeypatch.setattr("lmsp_min.client.time.sleep", lambda s: None)
+    task = {"id": "task_1", "object": "task", "status": "completed", "response_id": "resp_1"}
+    # nothing after event 9; is the task final? the first answer to that is cut
+    server = raw_server(event_stream(b""), b"", event_stream(b""), http_reply("200 OK", json.dumps(task).encode()))
+    assert list(Client(server.url).follow_task("task_1", after=9)) == []
+    assert len(server.heads) == 4
+
+
+def test_follow_task_gives_up_with_the_last_transport_error(monkeypatch):
+    monkeypatch.setattr("lmsp_min.client.time.sleep", lambda s: None)
+    port = unused_port()
+    with pytest.raises(StreamInterrupted, match="gave up after 2") as e:
+        list(Client(f"http://127.0.0.1:{port}").follow_task("task_1", retries=2))
+    assert str(e.value).startswith(f"GET /lmsp/v1/tasks/task_1/events on 127.0.0.1:{port}: ")
+    assert isinstance(e.value.__cause__, TransportError)
+    assert isinstance(e.value.__cause__.__cause__, ConnectionRefusedError)
+
 
 # -- against the real server ------------------------------------------------------------
 
