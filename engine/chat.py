@@ -12,6 +12,10 @@ input and the requested output fit the context window (decision D4). Then
     ToolCall(index, name, arguments)   a whole tool call (see below)
     Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
 
+The tokens are counted as they go, in `prepared.counts` (TokenCounts): the input
+when prepared, the output after each generated token. A consumer that stops the
+generation early (a cancel, a failure) reads there what was consumed until then.
+
 Tools and structured output are enforced while decoding (engine/tools.py,
 engine/constrain.py): prepare_chat renders the tools into the prompt and compiles
 the constraint (a schema it cannot enforce raises SchemaError there), and
@@ -53,6 +57,20 @@ class ChatRequest:
 
 
 @dataclass
+class TokenCounts:
+    """The tokens of one chat completion so far, which a consumer can read at any time:
+    a response that ends before `Finished` (cancelled, failed) reports what they say then."""
+
+    input_tokens: int
+    output_tokens: int = 0
+    cached_tokens: int = 0  # input tokens the prefix cache supplied (known at the first output token)
+
+    def update(self, generation) -> None:
+        """Take the output counts of a `Generation` (engine/generate.py) as they stand."""
+        self.output_tokens, self.cached_tokens = generation.n_generated, generation.cached_tokens
+
+
+@dataclass
 class PreparedChat:
     request: ChatRequest
     prompt: str               # the rendered template
@@ -62,6 +80,10 @@ class PreparedChat:
     starts_in_reasoning: bool  # the template's generation prompt opened a <think> block
     constraint: object = None  # engine/constrain.py GrammarConstraint for tools / json_schema
     tool_calls: bool = False   # split the output into text and tool calls
+    counts: TokenCounts = field(init=False)  # its tokens so far (a PreparedChat is generated once)
+
+    def __post_init__(self):
+        self.counts = TokenCounts(len(self.prompt_ids))
 
     @property
     def input_tokens(self) -> int:
@@ -183,8 +205,10 @@ async def generate_chat(model, prepared: PreparedChat):
     splitter = ReasoningSplitter(prepared.starts_in_reasoning) if prepared.reasoning else None
     output = OutputSplitter(ToolCallParser() if prepared.tool_calls else None, splitter)
     message_stop = MessageStop(request.stop) if prepared.tool_calls and request.stop else None
+    counts = prepared.counts
     try:
         async for token in generation:
+            counts.update(generation)
             events = output.feed(token.text)
             for event in message_stop.apply(events) if message_stop else events:
                 yield event
@@ -197,11 +221,12 @@ async def generate_chat(model, prepared: PreparedChat):
             for event in events:
                 yield event
     finally:
+        counts.update(generation)  # (an end-of-turn token is never yielded; as the first, it brings cached_tokens)
         await generation.aclose()
     # (perhaps in the last token allowed)
     stopped = message_stop is not None and message_stop.stopped or output.repeated_call
-    yield Finished("stop" if stopped else generation.finish_reason or "stop", prepared.input_tokens,
-                   generation.n_generated, cached_tokens=generation.cached_tokens)
+    yield Finished("stop" if stopped else generation.finish_reason or "stop", counts.input_tokens,
+                   counts.output_tokens, cached_tokens=counts.cached_tokens)
 
 
 class ReasoningSplitter:

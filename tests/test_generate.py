@@ -203,6 +203,21 @@ async def test_chat_events(model):
     events = [ev async for ev in model.generate_chat(prepared)]
     assert all(isinstance(ev, TextDelta) for ev in events[:-1])
     assert events[-1] == Finished("length", prepared.input_tokens, 5, 0)
+    counts = prepared.counts
+    assert (counts.input_tokens, counts.output_tokens, counts.cached_tokens) == (prepared.input_tokens, 5, 0)
+
+
+async def test_a_chat_stopped_early_has_counted_its_tokens_until_then(model):
+    """What a cancelled or failed response reports as its usage (lmsp_min/events.py)."""
+    prepared = model.prepare_chat(ChatRequest([{"role": "user", "content": "Hi"}], max_tokens=40,
+                                              sampling=GREEDY))
+    assert (prepared.counts.input_tokens, prepared.counts.output_tokens) == (prepared.input_tokens, 0)
+    chat = model.generate_chat(prepared)
+    deltas = [await chat.__anext__() for _ in range(3)]
+    assert prepared.counts.output_tokens >= 3  # (a token can bring no text)
+    await chat.aclose()
+    assert all(isinstance(ev, TextDelta) for ev in deltas)
+    assert 3 <= prepared.counts.output_tokens < 40 and prepared.counts.input_tokens == prepared.input_tokens
 
 
 def test_a_message_that_spells_control_tokens_is_text(model):
