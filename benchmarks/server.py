@@ -105,8 +105,11 @@ class StubEngine:
         self.scheduler = model.scheduler  # its queue bound is what the registry admits up to
 
     def prepare_chat(self, request):
+        from engine.chat import TokenCounts
+
         class Prepared:
             input_tokens = 3
+            counts = TokenCounts(3)
         return Prepared()
 
     async def generate_chat(self, prepared):

@@ -139,7 +139,10 @@ class ScriptedModel:
         self.scheduler = types.SimpleNamespace(max_queue=32)  # what the registry admits up to
 
     def prepare_chat(self, request):
+        from engine.chat import TokenCounts
+
         request.input_tokens = 1
+        request.counts = TokenCounts(1)
         return request
 
     async def generate_chat(self, prepared):

@@ -285,7 +285,7 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
     count_out = entry.admit()  # nothing is awaited from here until the PreparedResponse holds it
-    run = ResponseRun(entry.id, log=service.log)
+    run = ResponseRun(entry.id, log=service.log, counts=prepared.counts)
     return PreparedResponse(request, principal, items, model, prepared, run, count_out, service.generations)
 
 

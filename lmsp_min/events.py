@@ -86,7 +86,7 @@ SSE_KEEPALIVE = b": keep-alive\n\n"
 class ResponseRun:
     """One response being generated: its state, and the events that build it."""
 
-    def __init__(self, model_id: str, *, response_id: str | None = None, log=None):
+    def __init__(self, model_id: str, *, response_id: str | None = None, log=None, counts=None):
         self.id = response_id or new_id("resp")
         self.model_id = model_id
         self.created_at = int(time.time())
@@ -96,6 +96,9 @@ class ResponseRun:
         self.error: dict | None = None
         self.incomplete_details: dict | None = None
         self._log = log
+        # the engine's token counts of this response (engine.chat.TokenCounts), which grow
+        # as it is generated: the usage of a response that ends before the engine's Finished
+        self._counts = counts
         self._last_id = 0
         self._open: dict | None = None  # the reasoning or message item receiving deltas
         self._call_ids: set[str] = set()
@@ -179,11 +182,7 @@ class ResponseRun:
             events.append(self._add_item(item))
             item["content"].append({"type": "output_text", "text": ""})
             events.append(self._done_item(item))
-        # input_tokens_details.cached_tokens: how much of the input the prefix cache
-        # supplied (its KV was reused, not recomputed)
-        self.usage = {"input_tokens": input_tokens, "output_tokens": output_tokens,
-                      "total_tokens": input_tokens + output_tokens,
-                      "input_tokens_details": {"cached_tokens": cached_tokens}}
+        self.usage = usage(input_tokens, output_tokens, cached_tokens)
         if reason == "length":
             self.status = "incomplete"
             self.incomplete_details = {"reason": "max_output_tokens"}
@@ -240,20 +239,40 @@ class ResponseRun:
             yield self.failed(Problem("generation_failed", "the model failed while generating the response"))
 
     def failed(self, problem: Problem) -> Event:
-        """End the response `failed` with `problem`; the final event."""
+        """End the response `failed` with `problem`; the final event. Its usage is what
+        the engine had counted (the event's data, 6.3, has none)."""
         self.status = "failed"
         self.error = problem.to_dict()
+        self.usage = self.usage_so_far()
         return self._event("response.failed", status=self.status, error=self.error)
 
     def cancelled(self) -> Event:
-        """End the response `cancelled` (a task stopped by its client); the final event."""
+        """End the response `cancelled` (a task stopped by its client); the final event.
+        Its usage is what the engine had counted (the event's data, 6.3, has none)."""
         self.status = "cancelled"
+        self.usage = self.usage_so_far()
         return self._event("response.cancelled", status=self.status)
+
+    def usage_so_far(self) -> dict | None:
+        """The usage of this response from the engine's counts as they stand: the whole
+        input, and the output tokens generated until now. None without counts (a run
+        the engine never prepared)."""
+        if self._counts is None:
+            return None
+        return usage(self._counts.input_tokens, self._counts.output_tokens, self._counts.cached_tokens)
 
     def error_event(self, problem: Problem) -> Event:
         """An `error` event: the stream cannot go on for a reason not tied to the response."""
         self._last_id += 1
         return Event(self._last_id, "error", {"error": problem.to_dict()})
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    """A response object's `usage` (6.2). input_tokens_details.cached_tokens: how much of
+    the input the prefix cache supplied (its KV was reused, not recomputed)."""
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
+            "total_tokens": input_tokens + output_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def add_text(item: dict, text: str) -> None:

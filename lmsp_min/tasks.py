@@ -278,11 +278,13 @@ class Tasks:
     async def _fail(self, running: _Running, problem: Problem) -> None:
         """End a task whose runner cannot go on `failed`, if the database lets us. Its
         final event follows the last committed one, and its output is what the
-        committed events hold (uncommitted ones were never seen). With `store: true`
-        the failed response is stored, as a completed one would be."""
+        committed events hold (uncommitted ones were never seen); its usage, what the
+        engine had counted. With `store: true` the failed response is stored, as a
+        completed one would be."""
         event_log = running.event_log
         run = running.generation.run
-        response, final = _failed_ending(run.id, run.created_at, run.model_id, event_log.events, problem)
+        response, final = _failed_ending(run.id, run.created_at, run.model_id, event_log.events, problem,
+                                         run.usage_so_far())
         try:
             if await self.store.finish_task(running.task_id, "failed", response, [final], self._stored(running)):
                 event_log.end(final)
@@ -412,7 +414,9 @@ class Tasks:
     async def recover(self) -> list[str]:
         """End the tasks a process that died left queued or in progress: each
         becomes `failed` with a problem saying why, and gets a final
-        `response.failed` event, so followers of its (still readable) log close."""
+        `response.failed` event, so followers of its (still readable) log close.
+        Its usage is null: the counts went with the runner (or the process) that
+        generated it."""
         recovered = []
         # (one that ends meanwhile is final in the database, which finish_task checks)
         for row, events in await self.store.interrupted_tasks(self._running.__contains__):
@@ -433,12 +437,12 @@ class Tasks:
 
 
 def _failed_ending(response_id: str, created_at: int, model: str, events: list[LoggedEvent],
-                   problem: Problem) -> tuple[str, LoggedEvent]:
+                   problem: Problem, usage: dict | None = None) -> tuple[str, LoggedEvent]:
     """The failed response (JSON) and final event of a task whose runner could not end it:
-    its output is what its logged events hold."""
+    its output is what its logged events hold; its usage, if known, what was counted."""
     error = problem.to_dict()
     response = {"id": response_id, "object": "response", "created_at": created_at, "status": "failed",
-                "model": model, "output": output_from_events(events), "usage": None, "error": error,
+                "model": model, "output": output_from_events(events), "usage": usage, "error": error,
                 "incomplete_details": None}
     final = LoggedEvent((events[-1].seq if events else 0) + 1, "response.failed",
                         compact_json({"response_id": response_id, "status": "failed", "error": error}))

@@ -12,6 +12,7 @@ import trio
 
 from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall
 from lmsp_min.events import Event, ResponseRun, new_id
+from lmsp_min.problems import Problem
 from lmsp_min.validate import items_to_messages, validate_responses_request
 
 
@@ -164,6 +165,42 @@ async def test_cancellation_propagates_and_cancelled_event_follows_the_sequence(
     final = response.cancelled()
     assert final.id == seen[-1].id + 1 and final.name == "response.cancelled"
     assert final.data == {"response_id": response.id, "status": "cancelled"}
+
+
+async def test_a_response_ended_early_reports_the_tokens_counted_until_then():
+    """6.2: `usage` says what was consumed, for a failed or cancelled response too (the
+    engine's counts as they stand); their final events keep the data 6.3 lists."""
+    from engine.chat import TokenCounts
+
+    counts = TokenCounts(7, output_tokens=2, cached_tokens=2)
+    expected = {"input_tokens": 7, "output_tokens": 2, "total_tokens": 9, "input_tokens_details": {"cached_tokens": 2}}
+    failed = ResponseRun("m:1", counts=counts)
+    final = failed.failed(Problem("model_unavailable", "the service is shutting down"))
+    assert set(final.data) == {"response_id", "status", "error"} and failed.response_object()["usage"] == expected
+    cancelled = ResponseRun("m:1", counts=counts)
+    final = cancelled.cancelled()
+    assert set(final.data) == {"response_id", "status"} and cancelled.response_object()["usage"] == expected
+    # a run the engine never counted for: unknown, not zero
+    uncounted = ResponseRun("m:1")
+    uncounted.cancelled()
+    assert uncounted.response_object()["usage"] is None
+
+
+async def test_an_engine_failure_reports_the_tokens_counted_until_then():
+    from engine.chat import TokenCounts
+
+    counts = TokenCounts(5)
+
+    async def one_token_then_fails():
+        counts.output_tokens += 1
+        yield TextDelta("a")
+        raise RuntimeError("boom")
+
+    response = ResponseRun("m:1", counts=counts)
+    events = [e async for e in response.events(one_token_then_fails())]
+    assert events[-1].name == "response.failed" and "usage" not in events[-1].data
+    assert response.response_object()["usage"]["output_tokens"] == 1
+    assert response.response_object()["usage"]["input_tokens"] == 5
 
 
 def test_sse_encoding():

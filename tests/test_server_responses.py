@@ -1,6 +1,7 @@
 """POST /lmsp/v1/responses end to end: sync objects, event streams, stop sequences, cancellation."""
 
 import threading
+from contextlib import aclosing
 
 import pytest
 import trio
@@ -170,20 +171,25 @@ async def test_streaming_generation_failure_ends_with_response_failed(server, mo
 
 
 async def test_a_failed_stream_is_stored_like_a_failed_task(nursery, tiny_path, tmp_path, monkeypatch):
-    from engine.chat import TextDelta
-
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
     model = await server.service.registry.get(TINY_ID).load()
+    generate_chat = model.generate_chat
 
     async def breaks_midway(prepared):
-        yield TextDelta("partial")
+        async with aclosing(generate_chat(prepared)) as events:
+            for _ in range(3):
+                yield await events.__anext__()
         raise RuntimeError("boom")
 
     monkeypatch.setattr(model, "generate_chat", breaks_midway)
     events = parse_sse((await server.responses({**request(), "stream": True, "store": True})).body)
-    assert events[-1].event == "response.failed"
+    assert events[-1].event == "response.failed" and "usage" not in events[-1].data  # (6.3)
     stored = await server.request("GET", f"/lmsp/v1/responses/{events[0].data['response_id']}")
     assert stored.status == 200 and stored.json()["status"] == "failed"
+    # 6.2: usage is what was consumed until the failure (each delta cost at least one token)
+    usage = stored.json()["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] >= 3
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
 # -- cancellation: counted in engine steps, not timed ------------------------------------------

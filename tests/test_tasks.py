@@ -160,18 +160,25 @@ async def test_a_body_nested_too_deeply_is_400(server, depth):
 
 async def test_cancel_stops_a_running_task(server, monkeypatch):
     paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.002)  # >= 0.8 s
-    task = await create(server, task_body(max_output_tokens=400))
+    task = await create(server, task_body(max_output_tokens=400, store=True))
     async with server.connection() as client:
         events = follow(client, task["id"])
         first = await events.__anext__()
         assert first.event == "response.created"
+        seen = [await events.__anext__() for _ in range(3)]
         reply = await server.request("POST", f"{TASKS}/{task['id']}/cancel")
         assert reply.status == 200
         cancelled = reply.json()
         rest = [e async for e in events if e is not None]
     assert cancelled["status"] == "cancelled" and cancelled["response"]["status"] == "cancelled"
     assert rest[-1].event == "response.cancelled" and rest[-1].data["status"] == "cancelled"
-    assert cancelled["response"]["usage"] is None or cancelled["response"]["usage"]["output_tokens"] < 400
+    # 6.2: usage is what was consumed until the cancel (each delta cost at least one token)
+    usage = cancelled["response"]["usage"]
+    deltas = sum(e.event == "response.output_text.delta" for e in seen)
+    assert usage["input_tokens"] > 0 and deltas <= usage["output_tokens"] < 400
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    stored = (await server.request("GET", f"/lmsp/v1/responses/{task['response_id']}")).json()
+    assert stored["status"] == "cancelled" and stored["usage"] == usage
     # cancelling a final task changes nothing
     again = await server.request("POST", f"{TASKS}/{task['id']}/cancel")
     assert again.json() == cancelled
@@ -270,6 +277,7 @@ async def test_recovery_fails_interrupted_tasks_and_keeps_their_events(tmp_path)
     assert row.status == "failed" and response["status"] == "failed"
     assert response["error"]["code"] == "generation_failed" and "stopped" in response["error"]["detail"]
     assert response["output"] == [done] and response["model"] == "tiny:chat-q8_0"
+    assert response["usage"] is None  # the counts died with the process
     events = await store.read_events("task_1", 0)
     assert [e.seq for e in events] == [1, 2, 3, 4] and events[-1].event == "response.failed"
     assert json.loads(events[-1].data)["error"] == response["error"]
@@ -440,7 +448,10 @@ async def test_a_service_that_stops_fails_its_running_tasks_at_once(tiny_path, t
             nursery.cancel_scope.cancel()  # the service stops (and closes its store)
     store = await Store.open(tmp_path)
     row = await store.get_task(task["id"], None)
-    assert row.status == "failed" and "stopped" in row.object()["response"]["error"]["detail"]
+    response = row.object()["response"]
+    assert row.status == "failed" and "stopped" in response["error"]["detail"]
+    deltas = sum(e.event == "response.output_text.delta" for e in seen)
+    assert response["usage"]["input_tokens"] > 0 and deltas <= response["usage"]["output_tokens"] < 300
     events = await store.read_events(task["id"], 0)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert [e.seq for e in events[:4]] == [e.id for e in seen] and events[-1].event == "response.failed"
@@ -456,14 +467,18 @@ async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_
     task = await create(server, task_body(max_output_tokens=300, store=True))
     async with server.connection() as client:
         stream = follow(client, task["id"])
-        await stream.__anext__()
+        seen = [await stream.__anext__() for _ in range(4)]
         async with trio.open_nursery() as draining:
             draining.start_soon(server.service.drain, 5.0)
             rest = [event async for event in stream if event is not None]
     assert rest[-1].event == "response.failed" and rest[-1].data["error"]["code"] == "generation_failed"
-    # with store: true, the failed response is stored like any other (6.2, D6)
+    assert set(rest[-1].data) == {"response_id", "status", "error"}  # (6.3)
+    # with store: true, the failed response is stored like any other (6.2, D6), with what it consumed
     stored = await server.service.store.get_response(task["response_id"], "local")
-    assert stored is not None and json.loads(stored.body)["status"] == "failed"
+    response = json.loads(stored.body)
+    deltas = sum(e.event == "response.output_text.delta" for e in seen + rest)
+    assert response["status"] == "failed" and response["error"] == rest[-1].data["error"]
+    assert response["usage"]["input_tokens"] > 0 and deltas <= response["usage"]["output_tokens"] < 300
 
 
 async def test_a_failing_recovery_is_logged_and_the_service_goes_on(nursery, tiny_path, tmp_path, monkeypatch):
