@@ -86,10 +86,11 @@ class Service:
     async def drain(self, grace: float = SHUTDOWN_GRACE) -> None:
         """Stop taking requests; give those in progress up to `grace` seconds to finish.
 
-        Running tasks end `failed` first, so that the clients following them get
-        their final event before their streams close. Responses still generating
-        after the grace end `failed` too (`model_unavailable`), and get LAST_WORDS
-        seconds to send that: a stream its final event, a synchronous request a 503."""
+        Running tasks end `failed` first (`model_unavailable`), so that the clients
+        following them get their final event before their streams close. Responses
+        still generating after the grace end `failed` too (`model_unavailable`), and
+        get LAST_WORDS seconds to send that: a stream its final event, a synchronous
+        request a 503."""
         if self.tasks is not None:
             await self.tasks.stop()
         if self.http is not None:

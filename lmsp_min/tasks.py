@@ -12,11 +12,13 @@ disconnects only loses its own place.
 
 How a task ends: with its final event (completed, incomplete, failed, or
 cancelled by POST /cancel). If the service stops while it runs, it ends
-`failed` at once; if its process dies (kill -9), the next start, or another
-process on the same data directory (within RECOVER_INTERVAL), ends it `failed`
-from what its log holds; so does this process if a failing write (a full disk)
-kept its runner from ending it. A task another process runs is followed by
-polling the database, and cancelled by a request its owner polls for.
+`failed` at once (`model_unavailable`, as a direct response would); if its
+process dies (kill -9), the next start, or another process on the same data
+directory (within RECOVER_INTERVAL), ends it `failed` (`generation_failed`,
+usage unknown) from what its log holds; so does this process (`internal_error`)
+if a failing write (a full disk) kept its runner from ending it. A task another
+process runs is followed by polling the database, and cancelled by a request
+its owner polls for.
 """
 
 from __future__ import annotations
@@ -246,11 +248,8 @@ class Tasks:
                                 final = logged
                                 break
                             event_log.append(logged)
-                if final is None and self._stopping:  # (stop(), below): failed, in `finally`
-                    nursery.cancel_scope.cancel()
-                    return
-                if final is None:  # cancelled by POST /cancel
-                    event = run.cancelled()
+                if final is None:  # cancelled by POST /cancel, or by a stopping service (stop(), below)
+                    event = run.failed(_shutting_down()) if self._stopping else run.cancelled()
                     final = LoggedEvent(event.id, event.name, compact_json(event.data))
                 await event_log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
         except Exception as exc:
@@ -259,11 +258,11 @@ class Tasks:
             await self._fail(running, _runner_lost())
         finally:
             if not event_log.done:
-                # The service is stopping (cancelled): end the task now as a restart
-                # would, so that the database says so at once and followers get a
-                # final event.
+                # The service's nursery is cancelled (stopped at once, without a drain):
+                # end the task now, from its committed events as a restart would, so
+                # that the database says so at once and followers get a final event.
                 with trio.CancelScope(shield=True):
-                    await self._fail(running, _stopped())
+                    await self._fail(running, _shutting_down())
             event_log.abandon()  # (release followers if no final event could be published)
             del self._running[running.task_id]
             running.ended.set()
@@ -303,8 +302,9 @@ class Tasks:
         return row
 
     async def stop(self) -> None:
-        """The service is stopping: end every running task `failed` now, each with its
-        final event (its followers are still connected to receive it)."""
+        """The service is stopping: end every running task `failed` now (model_unavailable,
+        as the direct responses it stops), each with its final event (its followers are
+        still connected to receive it)."""
         self._stopping = True
         running = list(self._running.values())
         for task in running:
@@ -420,7 +420,7 @@ class Tasks:
         recovered = []
         # (one that ends meanwhile is final in the database, which finish_task checks)
         for row, events in await self.store.interrupted_tasks(self._running.__contains__):
-            problem = _stopped() if row.owner != self.store.owner else _runner_lost()
+            problem = _process_died() if row.owner != self.store.owner else _runner_lost()
             response, final = _failed_ending(row.response_id, row.created_at, row.model, events, problem)
             # Not kept as a stored response even with `store: true`: the effective
             # input died with the process; the task object keeps the response.
@@ -449,7 +449,13 @@ def _failed_ending(response_id: str, created_at: int, model: str, events: list[L
     return compact_json(response), final
 
 
-def _stopped() -> Problem:
+def _shutting_down() -> Problem:
+    """D1: the service is shutting down (503), as for a direct response it stops."""
+    return Problem("model_unavailable",
+                   "the service is shutting down; the events of this task until now are kept")
+
+
+def _process_died() -> Problem:
     return Problem("generation_failed",
                    "the service stopped while this task was running; its events up to then are kept")
 

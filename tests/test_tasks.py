@@ -449,7 +449,8 @@ async def test_a_service_that_stops_fails_its_running_tasks_at_once(tiny_path, t
     store = await Store.open(tmp_path)
     row = await store.get_task(task["id"], None)
     response = row.object()["response"]
-    assert row.status == "failed" and "stopped" in response["error"]["detail"]
+    # D1: 503 model_unavailable, "the service is shutting down", as a direct response gets
+    assert row.status == "failed" and response["error"]["code"] == "model_unavailable"
     deltas = sum(e.event == "response.output_text.delta" for e in seen)
     assert response["usage"]["input_tokens"] > 0 and deltas <= response["usage"]["output_tokens"] < 300
     events = await store.read_events(task["id"], 0)
@@ -471,7 +472,8 @@ async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_
         async with trio.open_nursery() as draining:
             draining.start_soon(server.service.drain, 5.0)
             rest = [event async for event in stream if event is not None]
-    assert rest[-1].event == "response.failed" and rest[-1].data["error"]["code"] == "generation_failed"
+    # D1: 503 model_unavailable, "the service is shutting down", as for a direct response
+    assert rest[-1].event == "response.failed" and rest[-1].data["error"]["code"] == "model_unavailable"
     assert set(rest[-1].data) == {"response_id", "status", "error"}  # (6.3)
     # with store: true, the failed response is stored like any other (6.2, D6), with what it consumed
     stored = await server.service.store.get_response(task["response_id"], "local")
