@@ -235,6 +235,7 @@ class Tasks:
         generation = running.generation
         run = generation.run
         event_log = running.event_log
+        problem = _shutting_down()  # if it ends without its final event, unless the runner failed
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(event_log.write_loop)
@@ -255,14 +256,15 @@ class Tasks:
         except Exception as exc:
             # A bug or a failing database: the task fails, the service goes on.
             self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
-            await self._fail(running, _runner_lost())
+            problem = _runner_lost()
         finally:
             if not event_log.done:
-                # The service's nursery is cancelled (stopped at once, without a drain):
-                # end the task now, from its committed events as a restart would, so
-                # that the database says so at once and followers get a final event.
+                # The runner failed, or was cancelled from outside (the service stopped at
+                # once, without a drain): end the task now, from its committed events as a
+                # restart would, so that the database says so at once and followers get a
+                # final event.
                 with trio.CancelScope(shield=True):
-                    await self._fail(running, _shutting_down())
+                    await self._fail(running, problem)
             event_log.abandon()  # (release followers if no final event could be published)
             del self._running[running.task_id]
             running.ended.set()

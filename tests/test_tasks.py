@@ -393,6 +393,27 @@ async def test_a_task_whose_runner_could_not_end_it_is_failed_later(server, monk
     assert final["status"] == "failed" and final["response"]["error"]["code"] == "internal_error"
 
 
+async def test_a_task_whose_runner_failed_says_so_whoever_writes_its_end(server, monkeypatch):
+    """The disk was full for the runner's end, then had room: the task says its runner
+    failed (internal_error), not that the service is shutting down."""
+    finish_task = server.service.store.finish_task
+    full = [sqlite3.OperationalError("database or disk is full")] * 2
+
+    async def full_twice(*args, **kwargs):
+        if full:
+            raise full.pop()
+        return await finish_task(*args, **kwargs)
+
+    monkeypatch.setattr(server.service.store, "finish_task", full_twice)
+    task = await create(server, task_body(max_output_tokens=5))
+    with trio.fail_after(10):
+        while server.service.tasks.is_running(task["id"]):
+            await trio.sleep(0.02)
+    await server.service.tasks.recover()  # (as the next periodic recovery would)
+    final = await wait_final(server, task["id"])
+    assert final["status"] == "failed" and final["response"]["error"]["code"] == "internal_error"
+
+
 async def test_an_expiry_purge_cannot_cut_a_replay_short(tmp_path):
     store = await Store.open(tmp_path)
     await store.create_task("task_1", "local", 0, "tiny:chat-q8_0", "resp_1", "{}")
