@@ -1,5 +1,6 @@
 """POST /lmsp/v1/responses end to end: sync objects, event streams, stop sequences, cancellation."""
 
+import json
 import threading
 from contextlib import aclosing
 
@@ -190,6 +191,36 @@ async def test_a_failed_stream_is_stored_like_a_failed_task(nursery, tiny_path, 
     usage = stored.json()["usage"]
     assert usage["input_tokens"] > 0 and usage["output_tokens"] >= 3
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+async def test_a_stream_the_service_stops_is_stored_with_what_it_consumed(nursery, tiny_path, tmp_path,
+                                                                         monkeypatch):
+    service = await make_service([tiny_path], data_dir=tmp_path / "data")
+    server = await start_server(nursery, service)
+    model = await service.registry.get(TINY_ID).load()
+    generate_chat = model.generate_chat
+
+    async def stalls_after_three(prepared):
+        async with aclosing(generate_chat(prepared)) as events:
+            for _ in range(3):
+                yield await events.__anext__()
+            await trio.sleep_forever()
+
+    monkeypatch.setattr(model, "generate_chat", stalls_after_three)
+    async with server.connection() as client:
+        await client.send("POST", "/lmsp/v1/responses", json_body={**request(), "stream": True, "store": True})
+        assert (await client.read_head()).status == 200
+        body = b""
+        with trio.fail_after(10):
+            async for chunk in client.read_chunks():
+                body += chunk
+                if body.count(b"event: response.output_text.delta") == 3:
+                    nursery.start_soon(service.drain, 0.1)
+    events = parse_sse(body)
+    assert events[-1].event == "response.failed" and events[-1].data["error"]["code"] == "model_unavailable"
+    stored = await service.store.get_response(events[0].data["response_id"], "local")
+    usage = json.loads(stored.body)["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] >= 3
 
 
 # -- cancellation: counted in engine steps, not timed ------------------------------------------
