@@ -358,7 +358,13 @@ async def _respond(body: dict, request: Request, service):
 
 
 async def _sse(generation: PreparedResponse, request: Request, service) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed response: each event as it is produced."""
+    """The SSE body of a streamed response: each event as it is produced.
+
+    A client that leaves mid-stream stops the generation (D4). With `store: true` the
+    response is stored even so, `cancelled` with what was generated until then: the
+    client has its id from `response.created`, and may come back for it.
+    """
+    run = generation.run
     async with aclosing(generation.events()) as events:
         try:
             async for event in events:
@@ -366,8 +372,17 @@ async def _sse(generation: PreparedResponse, request: Request, service) -> Async
                     await _finish(generation, request, service)
                 yield event.sse()
         except Exception as exc:
-            service.log(f"error: the stream of {generation.run.id} failed: {type(exc).__name__}: {exc}")
-            yield generation.run.error_event(Problem("internal_error", "an unexpected error occurred")).sse()
+            service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
+            yield run.error_event(Problem("internal_error", "an unexpected error occurred")).sse()
+        except BaseException:  # cancelled (the client left) or closed (GeneratorExit), mid-response
+            if run.status == "in_progress" and generation.request.store:
+                run.cancelled()
+                with trio.CancelScope(shield=True):
+                    try:
+                        await _finish(generation, request, service)
+                    except Exception as exc:  # (the client is gone either way)
+                        service.log(f"error: storing the cancelled {run.id} failed: {type(exc).__name__}: {exc}")
+            raise
 
 
 async def _finish(generation: PreparedResponse, request: Request, service) -> None:

@@ -263,6 +263,36 @@ async def test_stream_client_disconnect_stops_generation(server):
     assert model.steps - steps_before < 400
 
 
+@pytest.mark.parametrize("store", [True, False])
+async def test_a_stored_stream_the_client_leaves_is_stored_cancelled(nursery, tiny_path, tmp_path, store):
+    """The client has the response's id from response.created: with store: true it can
+    fetch what was generated before it left (D4 still stops the generation)."""
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
+    done_before = _handled(server)
+    async with server.connection() as client:
+        await client.send("POST", "/lmsp/v1/responses",
+                          json_body=request(max_output_tokens=400, stream=True, store=store))
+        assert (await client.read_head()).status == 200
+        seen = b""
+        async for chunk in client.read_chunks():
+            seen += chunk
+            if seen.count(b"event: response.output_text.delta") >= 2 and seen.endswith(b"\n\n"):
+                break
+    await _wait_for(lambda: _handled(server) > done_before)
+    events = parse_sse(seen)
+    streamed = "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta")
+    stored = await server.request("GET", f"/lmsp/v1/responses/{events[0].data['response_id']}")
+    if not store:
+        assert stored.status == 404
+        return
+    assert stored.status == 200
+    response = stored.json()
+    assert response["status"] == "cancelled" and response["error"] is None
+    assert message_text(response).startswith(streamed)
+    usage = response["usage"]
+    assert usage["input_tokens"] > 0 and 2 <= usage["output_tokens"] < 400
+
+
 @pytest.mark.parametrize("pipelined", [0, 8])
 async def test_sync_client_disconnect_stops_generation(server, pipelined):
     """Also when the client pipelined pieces of a next request before leaving: the
