@@ -512,8 +512,8 @@ class AnyOf(Node):
             if self._expanding:
                 raise SchemaError("a $ref or anyOf refers to itself without consuming input")
             self._expanding = True
-            try:
-                self._frames = [f for o in self.options for f in o.expand()]
+            try:  # each frame once: alternatives that share a $ref would double at every level
+                self._frames = list(dict.fromkeys(f for o in self.options for f in o.expand()))
             finally:
                 self._expanding = False
         return self._frames
