@@ -94,7 +94,9 @@ MAX_PROPERTIES = 256   # declared properties of one object
 MAX_ENUM = 1024        # values of one enum
 # Alternatives followed side by side: nested anyOf branches that agree on a prefix multiply
 # (2^depth stacks after "[[[..." for an anyOf of two array types, each level nested once
-# more: 12 levels, 4,096 stacks, made a single mask take 15 s).
+# more: 12 levels, 4,096 stacks, made a single mask take 15 s). An anyOf's own alternatives
+# (nested anyOfs and $refs taken in) are counted when compiled, as its first byte leaves them;
+# stacks that multiply as the output goes on only while decoding.
 MAX_CONFIGURATIONS = 256
 
 SPACE, QUOTE, BACKSLASH, COMMA, COLON = 0x20, 0x22, 0x5C, 0x2C, 0x3A
@@ -676,6 +678,26 @@ def _complete(stack: tuple) -> bool:
     return all(node.accepting(local) for node, local in stack)
 
 
+_VALUE_STARTS = b'"-0123456789[{ftn'  # the bytes a JSON value can begin with
+
+
+def _first_byte(node: Node, b: int, memo: dict) -> frozenset:
+    """The configurations that byte b, the first of a value that begins as `node`, leaves,
+    as Grammar.step counts them: alternatives that refuse the byte are gone, those that
+    end with it are one. An anyOf's are its options' (memo: node -> them, for this b)."""
+    found = memo.get(node)
+    if found is None:
+        if isinstance(node, AnyOf):  # expanded by now: a $ref's one option is its target
+            found = frozenset().union(*(_first_byte(option, b, memo) for option in node.options))
+        else:
+            out: list = []
+            for frame in node.expand():
+                _feed((frame,), b, out)
+            found = frozenset(out)
+        memo[node] = found
+    return found
+
+
 class Grammar:
     """A compiled grammar over one vocabulary, with its caches (shared by all its generations).
 
@@ -989,6 +1011,7 @@ class _Compiler:
         self.root = root
         self.refs: dict[str, Node] = {}
         self.lazy: list[AnyOf] = []
+        self.choices: list[tuple[AnyOf, str]] = []  # every anyOf / type list, with its path
 
     def resolve(self, ref: str, path: str) -> Node:
         if ref in self.refs:
@@ -1070,6 +1093,7 @@ class _Compiler:
             raise unsatisfiable
         node = AnyOf(nodes)
         self.lazy.append(node)
+        self.choices.append((node, path))
         return node
 
     @staticmethod
@@ -1267,6 +1291,13 @@ def compile_schema(schema) -> Node:
         while done < len(compiler.lazy):  # resolve every $ref/anyOf now, so errors surface before generation
             compiler.lazy[done].expand()
             done += 1
+        for b in _VALUE_STARTS:  # nested anyOfs, and $refs to anyOfs, are followed as one
+            memo: dict = {}
+            for choice, path in compiler.choices:
+                if len(_first_byte(choice, b, memo)) > MAX_CONFIGURATIONS:
+                    raise SchemaError(f"the anyOf at {path or '/'} and the anyOfs nested in it are more than "
+                                      f"{MAX_CONFIGURATIONS} ways to read the first byte of its value",
+                                      f"{path}/anyOf", "anyOf")
     except RecursionError:  # the compiler recurses once per level: a client's schema, not a bug
         raise SchemaError("the schema is nested too deeply", "") from None
     if not _has_finite_document(node):

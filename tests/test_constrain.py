@@ -433,6 +433,27 @@ def test_what_a_schema_may_cost_is_bounded():
     assert e.value.keyword == "anyOf"
 
 
+def test_nested_anyofs_are_counted_as_the_matcher_follows_them():
+    """An anyOf of 20 anyOfs of 20 strings is 400 ways to read the quote that begins its
+    value: refused when compiled, wherever it is (it failed on that byte, mid-generation);
+    400 integers, whose first digit leaves at most 111 of them, decode as before."""
+    strings = {"anyOf": [{"anyOf": [{"const": f"s{i}_{j}"} for j in range(20)]} for i in range(20)]}
+    with pytest.raises(SchemaError) as e:
+        json_constraint({"type": "object", "properties": {"a": strings}}, BYTES)
+    assert e.value.keyword == "anyOf" and e.value.path == "/properties/a/anyOf"
+    defs = {"all": {"anyOf": [{"$ref": f"#/$defs/d{i}"} for i in range(20)]},
+            **{f"d{i}": strings["anyOf"][i] for i in range(20)}}
+    with pytest.raises(SchemaError) as e:
+        json_constraint({"type": "array", "items": {"$ref": "#/$defs/all"}, "$defs": defs}, BYTES)
+    assert e.value.path == "/$defs/all/anyOf"
+    integers = {"anyOf": [{"anyOf": [{"const": 20 * i + j} for j in range(20)]} for i in range(20)]}
+    schema = {"type": "object", "properties": {"a": integers}}
+    assert accepts(schema, '{"a": 399}') and accepts(schema, '{"a": 1}')
+    for seed in range(10):
+        text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=20)
+        assert complete and validate(json.loads(text), schema) is None, text
+
+
 def test_alternatives_that_share_a_ref_are_followed_once():
     """Each level an anyOf of the level below twice: the frames it starts with are L0's two,
     not 2^levels (25 levels took 1.7 s to compile, and each level more twice as long)."""

@@ -130,6 +130,20 @@ async def test_a_tool_schema_keyword_is_named_as_validation_names_params(server)
     assert reply.json()["param"] == "tools[0].parameters.properties.0.anyOf[1].pattern"
 
 
+async def test_nested_alternatives_past_the_bound_are_refused_before_generating(server):
+    """D9: 400 ways to read one byte is a 400 naming the anyOf, not a response that fails on that byte."""
+    strings = {"anyOf": [{"anyOf": [{"const": f"s{i}_{j}"} for j in range(20)]} for i in range(20)]}
+    schema = {"type": "object", "properties": {"a": strings}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "response_format": fmt})
+    assert reply.status == 400, reply.body
+    assert reply.json()["param"] == "response_format.json_schema.schema.properties.a.anyOf"
+    tool = {"type": "function", "name": "f", "parameters": schema}
+    reply = await server.responses(body(tools=[tool], tool_choice="required"))
+    assert reply.status == 400, reply.body
+    assert reply.json()["param"] == "tools[0].parameters.properties.a.anyOf"
+
+
 @pytest.mark.parametrize("capability", ["tools", "structured_output"])
 async def test_the_tiny_model_lists_what_it_can_do(server, capability):
     model = (await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")).json()
