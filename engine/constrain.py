@@ -24,12 +24,13 @@ end-of-sequence token only once the document is complete. Three layers:
 
 The JSON written is compact and bounded: no whitespace except at most one space after `:`
 and `,`, object properties in schema order (optional ones may be skipped, required ones must
-appear; with `properties` given no other key is written, without it any string keys), numbers
-without exponent with at most 15 integer and 6 fraction digits, and 15 digits in all
-when there is a fraction (so that the float a reader parses compares with the bounds
-as the decimal did). Strings are as long as the
-model makes them unless `maxLength` says otherwise: a cut-off document is reported as such
-(finish reason "length"), never silently shortened.
+appear; with `properties` given, or keys `required`, no other key is written, without them
+any string keys; a required key not in `properties` comes after those, its value as
+`additionalProperties` says), numbers without exponent with at most 15 integer and 6
+fraction digits, and 15 digits in all when there is a fraction (so that the float a reader
+parses compares with the bounds as the decimal did). Strings are as long as the model makes
+them unless `maxLength` says otherwise: a cut-off document is reported as such (finish
+reason "length"), never silently shortened.
 
 Supported keywords: type (also lists), properties, required, additionalProperties, items,
 enum, const, anyOf, minItems/maxItems, minLength/maxLength, minimum/maximum and
@@ -1197,17 +1198,17 @@ class _Compiler:
         required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError("'required' must be an array of strings", f"{path}/required", "required")
-        for name in required:
-            if name not in props:
-                raise SchemaError(f"required property {name!r} at {path or '/'} is not declared in 'properties'",
-                                  f"{path}/required", "required")
+        undeclared = [name for name in dict.fromkeys(required) if name not in props]
+        if len(props) + len(undeclared) > MAX_PROPERTIES:
+            raise SchemaError(f"more than {MAX_PROPERTIES} properties in one object at {path or '/'} "
+                              "are not supported", f"{path}/required", "required")
         extra = schema.get("additionalProperties", True)
         if not isinstance(extra, (bool, dict)):
             raise SchemaError("'additionalProperties' must be a boolean or a schema",
                               f"{path}/additionalProperties", "additionalProperties")
-        if "properties" in schema or extra is False:
-            # declared properties only, even where extra ones would be allowed: the schema's
-            # author listed the keys that mean something (`"properties": {}` -> `{}`)
+        if "properties" in schema or extra is False or undeclared:
+            # the properties declared or required only, even where others would be allowed:
+            # the schema's author listed the keys that mean something (`"properties": {}` -> `{}`)
             names, values = [], []
             for name, s in props.items():
                 try:
@@ -1217,6 +1218,14 @@ class _Compiler:
                         raise
                     continue  # an optional property no value satisfies: never written
                 names.append(name)
+            if undeclared:  # required, not declared: after the declared ones, valued as additionalProperties says
+                if extra is False:
+                    raise Unsatisfiable(f"required property {undeclared[0]!r} at {path or '/'} is neither declared "
+                                        "in 'properties' nor allowed by 'additionalProperties'",
+                                        f"{path}/required", "required")
+                value = self.compile(extra, f"{path}/additionalProperties")
+                names += undeclared
+                values += [value] * len(undeclared)
             return Object(names, values, required)
         try:
             values = self.compile(extra, f"{path}/additionalProperties") if isinstance(extra, dict) else AnyValue()

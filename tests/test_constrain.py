@@ -191,7 +191,6 @@ def test_unsupported_keywords_are_rejected_by_name(schema, keyword, path):
 
 
 @pytest.mark.parametrize("schema", [
-    {"type": "object", "required": ["x"]},                           # required but not declared
     {"type": "integer", "minimum": 5, "maximum": 4},
     {"type": "string", "minLength": 4, "maxLength": 2},
     {"$ref": "https://example.com/schema"},
@@ -515,6 +514,30 @@ def test_what_no_value_satisfies_where_it_is_required_is_refused():
                    {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 0}, False]}):
         with pytest.raises(SchemaError):
             json_constraint(schema, BYTES)
+
+
+def test_required_keys_not_declared_are_written_with_the_values_additional_properties_allows():
+    """JSON Schema: `required` alone asks for the keys, whatever their values, or as
+    additionalProperties says (it was refused: not declared in `properties`)."""
+    schema = {"type": "object", "required": ["a", "b"]}
+    assert accepts(schema, '{"a": 1, "b": [true, {"c": null}]}')
+    assert not accepts(schema, '{"a": 1}') and not accepts(schema, '{}')
+    typed = {"type": "object", "required": ["a"], "additionalProperties": {"type": "integer", "maximum": 9}}
+    assert accepts(typed, '{"a": 3}') and not accepts(typed, '{"a": "x"}') and not accepts(typed, '{"a": 10}')
+    mixed = {"type": "object", "properties": {"x": {"type": "string", "maxLength": 2}}, "required": ["y", "x"]}
+    assert accepts(mixed, '{"x": "s", "y": null}')  # declared ones first, then the others
+    for schema in (typed, mixed, {"anyOf": [{"type": "object", "required": ["a"], "additionalProperties": False},
+                                            {"type": "null"}]}):
+        for seed in range(10):
+            text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=60)
+            if complete:
+                assert validate(json.loads(text), schema) is None, text
+    with pytest.raises(SchemaError) as e:  # no other key is allowed: no object satisfies it
+        compile_schema({"type": "object", "required": ["a"], "additionalProperties": False})
+    assert e.value.keyword == "required" and e.value.path == "/required"
+    with pytest.raises(SchemaError) as e:  # D9: as many keys as declared properties may be
+        compile_schema({"type": "object", "required": [f"k{i}" for i in range(constrain.MAX_PROPERTIES + 1)]})
+    assert e.value.keyword == "required"
 
 
 def test_a_schema_without_a_finite_document_is_refused():

@@ -111,6 +111,20 @@ async def test_structured_output_is_valid_json_for_the_schema(server):
     assert isinstance(value, dict) and set(value) == {"ok"} and isinstance(value["ok"], bool)
 
 
+async def test_required_keys_without_properties_are_written(server):
+    """JSON Schema: `required` alone asks for the keys, their values as additionalProperties says."""
+    schema = {"type": "object", "required": ["a", "b"], "additionalProperties": {"type": "boolean"}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "flags", "schema": schema}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "temperature": 0,
+                                    "max_output_tokens": 32, "response_format": fmt})
+    assert reply.status == 200, reply.body
+    value = json.loads(reply.json()["output"][-1]["content"][0]["text"])
+    assert set(value) == {"a", "b"} and all(isinstance(v, bool) for v in value.values())
+    tool = {"type": "function", "name": "flag", "parameters": schema}
+    response = (await server.responses(body(tools=[tool], tool_choice="required"))).json()
+    assert set(json.loads(calls_of(response)[0]["arguments"])) == {"a", "b"}
+
+
 async def test_a_keyword_that_cannot_be_enforced_is_named(server):
     schema = {"type": "string", "pattern": "^[a-z]+$"}
     fmt = {"type": "json_schema", "json_schema": {"name": "word", "schema": schema}}
