@@ -122,9 +122,11 @@ def check_tools(tools: list[dict], tool_choice) -> list[dict]:
     return tools
 
 
-def _call_object(tools: list[dict]):
-    """`{"name": N, "arguments": {...}}` for each tool, as alternatives."""
-    options = []
+def _call_object(tools: list[dict], chosen: list[dict]):
+    """`{"name": N, "arguments": {...}}` for each chosen tool, as alternatives. Every tool's
+    parameters are compiled: one that cannot be enforced is refused whichever is chosen,
+    named by its index in `tools`."""
+    calls = {}
     for i, tool in enumerate(tools):
         params = tool.get("parameters") or {"type": "object", "properties": {}}
         try:
@@ -132,15 +134,15 @@ def _call_object(tools: list[dict]):
         except SchemaError as e:
             raise SchemaError(f"tool {tool['name']!r}: {e}", f"/{i}/parameters{e.path}", e.keyword) from e
         name = Literal([_compact(tool["name"]).encode()])
-        options.append(Object(["name", "arguments"], [name, args], ["name", "arguments"]))
-    return AnyOf(options)
+        calls[tool["name"]] = Object(["name", "arguments"], [name, args], ["name", "arguments"])
+    return AnyOf([calls[tool["name"]] for tool in chosen])
 
 
 def tool_call_grammar(tools: list[dict], tool_choice):
     """The grammar of a whole response under `tool_choice` (see the module docstring)."""
     chosen = check_tools(tools, tool_choice)
     newline = Literal([b"", b"\n"])
-    body = [newline, _call_object(chosen), newline, Literal([CLOSER.encode()])]
+    body = [newline, _call_object(tools, chosen), newline, Literal([CLOSER.encode()])]
     one = Seq([Literal([OPENER.encode()]), *body])
     more = Repeat(Seq([newline, one]), 0, MAX_CALLS - 1)
     if tool_choice == "none":

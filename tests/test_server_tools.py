@@ -158,6 +158,16 @@ async def test_nested_alternatives_past_the_bound_are_refused_before_generating(
     assert reply.json()["param"] == "tools[0].parameters.properties.a.anyOf"
 
 
+@pytest.mark.parametrize("chosen", ["get_time", "f"])
+async def test_a_tool_schema_is_named_by_its_index_whichever_tool_is_chosen(server, chosen):
+    tool = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "a"}}}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "tools": [TIME, tool],
+                                    "tool_choice": {"type": "function", "name": chosen}})
+    assert reply.status == 400, reply.body
+    assert reply.json()["param"] == "tools[1].parameters.properties.x.pattern"
+
+
 @pytest.mark.parametrize("capability", ["tools", "structured_output"])
 async def test_the_tiny_model_lists_what_it_can_do(server, capability):
     model = (await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")).json()

@@ -111,6 +111,10 @@ def test_unknown_named_tool_and_bad_parameters_are_rejected(smollm2):
     with pytest.raises(SchemaError) as e:
         tool_constraint(bad, "auto", index)
     assert e.value.keyword == "format" and e.value.path == "/0/parameters/properties/x/format"
+    for name in ("get_time", "f"):  # whichever is chosen, named by its index in the tools
+        with pytest.raises(SchemaError) as e:
+            tool_constraint([TOOLS[2], *bad], {"type": "function", "name": name}, index)
+        assert e.value.path == "/1/parameters/properties/x/format"
 
 
 def test_parser_streams_text_and_calls():
