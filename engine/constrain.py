@@ -65,6 +65,7 @@ __all__ = [
     "Grammar",
     "GrammarConstraint",
     "compile_schema",
+    "writes_objects",
     "can_constrain",
     "json_constraint",
     "validate",
@@ -1232,6 +1233,13 @@ class _Compiler:
         except Unsatisfiable:
             return Literal([b"{}"])  # no value of any key can be written: only the empty object
         return FreeObject(values)
+
+
+def writes_objects(node: Node) -> bool:
+    """Is every document of a compiled node a JSON object? Each way it can begin is an object's
+    (a function call's arguments must be one, whatever $ref or anyOf its schema goes through)."""
+    return all(isinstance(n, (Object, FreeObject)) or isinstance(n, Literal) and all(o[:1] == b"{" for o in n.options)
+               for n, _ in node.expand())
 
 
 def _parts(node: Node) -> list[Node]:

@@ -38,7 +38,7 @@ import json
 from dataclasses import dataclass
 
 from .constrain import (AnyOf, FreeText, GrammarConstraint, Literal, Object, Repeat, Seq, TokenIndex,
-                        compile_schema, json_constraint, schema_key)
+                        compile_schema, json_constraint, schema_key, writes_objects)
 from .errors import EngineError, SchemaError
 
 OPENER = "<tool_call>"
@@ -133,6 +133,9 @@ def _call_object(tools: list[dict], chosen: list[dict]):
             args = compile_schema(params)
         except SchemaError as e:
             raise SchemaError(f"tool {tool['name']!r}: {e}", f"/{i}/parameters{e.path}", e.keyword) from e
+        if not writes_objects(args):
+            raise SchemaError(f"tool {tool['name']!r}: its parameters allow arguments that are not a JSON object "
+                              "(a function call's arguments are one)", f"/{i}/parameters")
         name = Literal([_compact(tool["name"]).encode()])
         calls[tool["name"]] = Object(["name", "arguments"], [name, args], ["name", "arguments"])
     return AnyOf([calls[tool["name"]] for tool in chosen])

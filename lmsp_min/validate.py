@@ -326,10 +326,6 @@ def _response_format(value) -> dict | None:
     return schema
 
 
-_OBJECT_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties",
-                    "minProperties", "maxProperties", "propertyNames")
-
-
 def _tools(value) -> list[Tool]:
     if not isinstance(value, list):
         raise invalid("tools", "'tools' must be an array")
@@ -355,18 +351,13 @@ def _tools(value) -> list[Tool]:
 
 
 def _tool_parameters(parameters, param: str) -> dict:
-    """A tool's `parameters`: the JSON Schema of an object, since a call's `arguments` is a
-    JSON object (6.5). Absent or `{}` means no parameters; without a `type`, a schema is an
-    object's when it has object keywords (`properties`, `required`, ...), as the schema
-    compiler reads it too."""
+    """A tool's `parameters`: a JSON Schema object; absent or `{}` means no parameters. That
+    it allows nothing but an object (a call's `arguments` is a JSON object, 6.5) is the schema
+    compiler's to tell, through `$ref` and `anyOf` (engine/tools.py: a 400 naming this param)."""
     if parameters is None or parameters == {}:
         return {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise invalid(f"{param}.parameters", f"'{param}.parameters' must be a JSON Schema object")
-    implied = "object" if any(key in parameters for key in _OBJECT_KEYWORDS) else None
-    if parameters.get("type", implied) != "object":
-        raise invalid(f"{param}.parameters", f"'{param}.parameters' must be the schema of an object "
-                      "(type 'object'): a function call's arguments are a JSON object")
     return parameters
 
 

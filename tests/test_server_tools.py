@@ -98,6 +98,24 @@ async def test_parameters_without_a_type_still_give_object_arguments(server, par
     assert (await server.responses(follow_up)).status == 200  # the call goes back as it came
 
 
+async def test_parameters_by_ref_or_anyof_give_object_arguments(server):
+    """Every document such parameters allow is an object: accepted; one that allows another value is not."""
+    by_ref = {"$ref": "#/$defs/args", "$defs": {"args": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    either = {"anyOf": [{"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+                         "additionalProperties": False}, {"$ref": "#/$defs/args"}], "$defs": by_ref["$defs"]}
+    for parameters in (by_ref, either):
+        tool = {"type": "function", "name": "pick", "parameters": parameters}
+        reply = await server.responses(body(tools=[tool], tool_choice="required"))
+        assert reply.status == 200, reply.body
+        arguments = json.loads(calls_of(reply.json())[0]["arguments"])
+        assert set(arguments) in ({"n"}, {"a"}), arguments
+    tool = {"type": "function", "name": "pick",
+            "parameters": {"anyOf": [{"$ref": "#/$defs/args"}, {"type": "null"}], "$defs": by_ref["$defs"]}}
+    reply = await server.responses(body(tools=[WEATHER, tool]))
+    assert reply.status == 400 and reply.json()["param"] == "tools[1].parameters", reply.body
+
+
 async def test_structured_output_is_valid_json_for_the_schema(server):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}

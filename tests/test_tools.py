@@ -117,6 +117,28 @@ def test_unknown_named_tool_and_bad_parameters_are_rejected(smollm2):
         assert e.value.path == "/1/parameters/properties/x/format"
 
 
+def test_parameters_by_ref_or_anyof_of_objects_are_objects(smollm2):
+    """A function call's arguments are a JSON object: parameters given as a $ref, or an anyOf,
+    are fine when every document they allow is one, and refused (naming them) otherwise."""
+    _, index = smollm2
+    by_ref = {"$ref": "#/$defs/args", "$defs": {"args": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    either = {"anyOf": [{"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+                        {"$ref": "#/$defs/b"}, {"type": "string", "minLength": 2, "maxLength": 1}],  # (no string)
+              "$defs": {"b": {"properties": {"b": {"const": "x"}}, "required": ["b"], "additionalProperties": False}}}
+    tools = [{"name": "f", "parameters": by_ref}, {"name": "g", "parameters": either}]
+    for seed in range(10):
+        text, complete = random_run(tool_constraint(tools, "required", index), index.n_vocab, seed, max_tokens=300)
+        assert complete, text
+        assert check_calls(parse(text.decode()), tools)
+    for parameters in ({"anyOf": [{"type": "object"}, {"type": "null"}]},
+                       {"$ref": "#/$defs/s", "$defs": {"s": {"type": "string"}}},
+                       {"type": ["object", "array"]}, {"description": "anything"}):
+        with pytest.raises(SchemaError) as e:
+            tool_constraint([TOOLS[2], {"name": "h", "parameters": parameters}], "auto", index)
+        assert e.value.path == "/1/parameters", parameters
+
+
 def test_parser_streams_text_and_calls():
     parser = ToolCallParser()
     out = []
