@@ -39,9 +39,8 @@ description, examples, default, ...) are ignored; any other keyword raises Schem
 A subschema that no value satisfies (false, bounds that exclude every value) is left
 out where it is optional (a property not required, one of anyOf's alternatives, the
 items of an array that may be empty: `[]`, the values of a free object: `{}`); where
-it is not, the schema is refused. (A $ref is compiled after the rest, so one that
-leads to such a subschema refuses the schema wherever it is.) So is a schema that has
-no finite document (a required property that contains its own object again).
+it is not, the schema is refused. So is a subschema that has no finite document (a
+required property that contains its own object again), and so are both behind a $ref.
 """
 
 from __future__ import annotations
@@ -1009,13 +1008,22 @@ def _count(schema, key, path) -> int | None:
 
 
 class _Compiler:
-    def __init__(self, root):
+    """One pass over a schema. `dead`: the $refs a first pass found without a finite document,
+    each with the error its uses raise, so that they are left out where they are optional
+    (as the same subschema written inline is: a $ref is only compiled after the rest)."""
+
+    def __init__(self, root, dead: dict[str, Unsatisfiable] | None = None):
         self.root = root
-        self.refs: dict[str, Node] = {}
+        self.dead = dead or {}
+        self.refs: dict[str, Ref] = {}
+        self.unsatisfiable: dict[str, Unsatisfiable] = {}  # $ref -> why no value satisfies its target
         self.lazy: list[AnyOf] = []
         self.choices: list[tuple[AnyOf, str]] = []  # every anyOf / type list, with its path
 
     def resolve(self, ref: str, path: str) -> Node:
+        if ref in self.dead:
+            e = self.dead[ref]
+            raise Unsatisfiable(str(e), e.path, e.keyword)
         if ref in self.refs:
             return self.refs[ref]
         if ref != "#" and not ref.startswith("#/"):
@@ -1027,10 +1035,39 @@ class _Compiler:
                 target = target[part]
             else:
                 raise SchemaError(f"$ref {ref!r} points to nothing", path, "$ref")
-        node = Ref(lambda: self.compile(target, where))
+        node = Ref(lambda: self.target(ref, target, where))
         self.refs[ref] = node
         self.lazy.append(node)
         return node
+
+    def target(self, ref: str, schema, where: str) -> Node:
+        """A $ref's target, compiled; one that no value satisfies matches nothing (dead_refs)."""
+        try:
+            return self.compile(schema, where)
+        except Unsatisfiable as e:
+            self.unsatisfiable[ref] = e
+            return AnyOf([])
+
+    def run(self) -> Node:
+        """The root node, with every $ref and anyOf resolved, so errors surface before generation."""
+        node = self.compile(self.root)
+        done = 0
+        while done < len(self.lazy):
+            self.lazy[done].expand()
+            done += 1
+        return node
+
+    def dead_refs(self, root: Node) -> dict[str, Unsatisfiable]:
+        """The $refs that root reaches and that have no finite document, with the error their uses raise."""
+        reached, ending = _finite_documents(root)
+        dead = {}
+        for ref, node in self.refs.items():
+            if id(node) in reached and id(node) not in ending:
+                where = "".join("/" + part for part in _pointer_keys(ref))
+                dead[ref] = self.unsatisfiable.get(ref) or Unsatisfiable(
+                    f"no finite document satisfies the schema at {where or '/'}: a required property or "
+                    "array item can only be written by writing its own object again", where, "required")
+        return dead
 
     def compile(self, schema, path: str = "") -> Node:
         if schema is True or schema == {}:
@@ -1276,11 +1313,12 @@ def _ends_given(node: Node, ending: set[int]) -> bool:
     return True  # literals, strings, numbers, free objects, free text: a short one always exists
 
 
-def _has_finite_document(root: Node) -> bool:
-    """Whether some finite document matches root. Not so when a required property, or
-    an array's required items, can only be written by writing their own object again
-    (`{"properties": {"c": {"$ref": "#"}}, "required": ["c"]}`): the model would write
-    until the token limit. A fixpoint: nodes that can end, until no more are found."""
+def _finite_documents(root: Node) -> tuple[set[int], set[int]]:
+    """The nodes root reaches, and those of them that some finite document matches (by id).
+    Not so when a required property, or an array's required items, can only be written by
+    writing their own object again (`{"properties": {"c": {"$ref": "#"}}, "required": ["c"]}`):
+    the model would write until the token limit. A fixpoint: nodes that can end, until no
+    more are found."""
     nodes, seen, todo = [], set(), [root]
     while todo:
         node = todo.pop()
@@ -1296,18 +1334,20 @@ def _has_finite_document(root: Node) -> bool:
             if id(node) not in ending and _ends_given(node, ending):
                 ending.add(id(node))
                 grew = True
-    return id(root) in ending
+    return seen, ending
 
 
 def compile_schema(schema) -> Node:
     """JSON Schema (the supported subset) -> grammar node; SchemaError names what is not supported."""
     compiler = _Compiler(schema)
     try:
-        node = compiler.compile(schema)
-        done = 0
-        while done < len(compiler.lazy):  # resolve every $ref/anyOf now, so errors surface before generation
-            compiler.lazy[done].expand()
-            done += 1
+        node = compiler.run()
+        dead = compiler.dead_refs(node)
+        if dead:
+            # compiled again, a use of one of those fails as the subschema inline would: it is
+            # left out where optional. Only what had no finite document goes, so once is enough.
+            compiler = _Compiler(schema, dead)
+            node = compiler.run()
         for b in _VALUE_STARTS:  # nested anyOfs, and $refs to anyOfs, are followed as one
             memo: dict = {}
             for choice, path in compiler.choices:
@@ -1317,9 +1357,6 @@ def compile_schema(schema) -> Node:
                                       f"{path}/anyOf", "anyOf")
     except RecursionError:  # the compiler recurses once per level: a client's schema, not a bug
         raise SchemaError("the schema is nested too deeply", "") from None
-    if not _has_finite_document(node):
-        raise Unsatisfiable("no finite document satisfies the schema: a required property or array "
-                            "item can only be written by writing its own object again", "", "required")
     return node
 
 

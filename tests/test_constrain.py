@@ -507,6 +507,45 @@ def test_what_no_value_satisfies_is_left_out_where_it_is_optional(schema, docume
             assert validate(json.loads(text), schema) is None, text
 
 
+NEVER = {"type": "integer", "minimum": 1, "maximum": 0}
+
+
+@pytest.mark.parametrize("inline, documents", [
+    ({"type": "object", "properties": {"a": NEVER, "b": {"const": 1}}}, ["{}", '{"b": 1}']),
+    ({"anyOf": [NEVER, {"const": "x"}]}, ['"x"']),
+    ({"type": "array", "items": NEVER}, ["[]"]),
+    ({"type": "object", "additionalProperties": NEVER}, ["{}"]),
+])
+def test_what_no_value_satisfies_is_left_out_through_a_ref_as_inline(inline, documents):
+    """A $ref to a subschema no value satisfies is left out where it is optional, as the
+    subschema written inline is (it refused the schema: refs were compiled after the rest)."""
+    by_ref = json.loads(json.dumps(inline).replace(json.dumps(NEVER), '{"$ref": "#/$defs/never"}'))
+    for schema in (inline, {**by_ref, "$defs": {"never": NEVER}},
+                   {**by_ref, "$defs": {"never": {"$ref": "#/$defs/needs"},  # through a required property
+                                        "needs": {"properties": {"n": NEVER}, "required": ["n"]}}}):
+        for text in documents:
+            assert accepts(schema, text), (schema, text)
+        for seed in range(10):
+            text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=60)
+            if complete:
+                assert validate(json.loads(text), schema) is None, text
+    with pytest.raises(SchemaError) as e:  # where it is required, refused as inline
+        compile_schema({"properties": {"a": {"$ref": "#/$defs/never"}}, "required": ["a"], "$defs": {"never": NEVER}})
+    assert e.value.path == "/$defs/never"
+
+
+def test_what_has_no_finite_document_is_left_out_where_it_is_optional():
+    """A list whose items must be lists again has no end: the model would write "[[[[..."
+    until the token limit. Where it is optional it is never begun."""
+    schema = {"type": "object", "properties": {"c": {"$ref": "#/$defs/list"}, "d": {"const": 1}},
+              "$defs": {"list": {"type": "array", "items": {"$ref": "#/$defs/list"}, "minItems": 1}}}
+    assert accepts(schema, "{}") and accepts(schema, '{"d": 1}')
+    c = json_constraint(schema, BYTES)
+    for b in b'{"':
+        c.advance(b)
+    assert not c.allows(ord("c")) and c.allows(ord("d"))
+
+
 def test_what_no_value_satisfies_where_it_is_required_is_refused():
     for schema in ({"type": "object", "properties": {"b": {"type": "integer", "minimum": 1, "maximum": 0}},
                     "required": ["b"]},

@@ -143,6 +143,18 @@ async def test_required_keys_without_properties_are_written(server):
     assert set(json.loads(calls_of(response)[0]["arguments"])) == {"a", "b"}
 
 
+async def test_an_optional_property_no_value_satisfies_is_left_out_through_a_ref(server):
+    """As it is written inline: it is never written (a $ref to it was a 400)."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/never"}, "b": {"type": "boolean"}},
+              "required": ["b"], "$defs": {"never": {"type": "integer", "minimum": 1, "maximum": 0}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "temperature": 0,
+                                    "max_output_tokens": 32, "response_format": fmt})
+    assert reply.status == 200, reply.body
+    value = json.loads(reply.json()["output"][-1]["content"][0]["text"])
+    assert set(value) == {"b"} and isinstance(value["b"], bool)
+
+
 async def test_a_keyword_that_cannot_be_enforced_is_named(server):
     schema = {"type": "string", "pattern": "^[a-z]+$"}
     fmt = {"type": "json_schema", "json_schema": {"name": "word", "schema": schema}}
