@@ -27,8 +27,8 @@ and `,`, object properties in schema order (optional ones may be skipped, requir
 appear; with `properties` given, or keys `required`, no other key is written, without them
 any string keys; a required key not in `properties` comes after those, its value as
 `additionalProperties` says), numbers without exponent with at most 15 integer and 6
-fraction digits, and 15 digits in all when there is a fraction (so that the float a reader
-parses compares with the bounds as the decimal did). Strings are as long as the model makes
+fraction digits (more when the bounds are finer), and 15 digits in all when there is a
+fraction (so that the float a reader parses compares with the bounds as the decimal did). Strings are as long as the model makes
 them unless `maxLength` says otherwise: a cut-off document is reported as such (finish
 reason "length"), never silently shortened.
 
@@ -82,7 +82,7 @@ PUSH = 1   # (PUSH, local, child): the frame resumes at `local` after `child`; t
 ENTER = 2  # (ENTER, local, child): the byte is consumed, then `child` starts with the next byte
 
 MAX_INT_DIGITS = 15    # integer part of an unbounded number
-MAX_FRAC_DIGITS = 6    # fraction digits of a "number"
+MAX_FRAC_DIGITS = 6    # fraction digits of a "number" (unless its bounds need more)
 # digits of a number with a fraction, in all. Decimals of at most 15 significant digits
 # map one to one, and in order, onto 64-bit floats (which JSON readers parse numbers
 # into), so comparing one with a bound gives the answer the reader's float gives. Past
@@ -258,17 +258,19 @@ class Number(Node):
 
     Locals: (negative, integer digits, fraction digits or None before a '.'). A byte is only
     accepted when some completion of the new prefix still lies within [lo, hi], so the model
-    can never write itself into a dead end. A fraction has at most MAX_FRAC_DIGITS digits,
-    and a number with one at most MAX_SIGNIFICANT digits in all (fewer fraction digits
+    can never write itself into a dead end. A fraction has at most frac_digits digits
+    (MAX_FRAC_DIGITS, more for bounds that need them), and a number with one at most
+    MAX_SIGNIFICANT digits in all (fewer fraction digits
     for a longer integer part), so that the float a reader parses meets the bounds as the
     decimal does (MAX_SIGNIFICANT).
     """
 
     start = (False, "", None)
 
-    def __init__(self, integer: bool, lo: Fraction | None = None, hi: Fraction | None = None):
+    def __init__(self, integer: bool, lo: Fraction | None = None, hi: Fraction | None = None,
+                 frac_digits: int = MAX_FRAC_DIGITS):
         self.integer, self.lo, self.hi = integer, lo, hi
-        self.frac_digits = 0 if integer else MAX_FRAC_DIGITS
+        self.frac_digits = 0 if integer else frac_digits
         self.int_digits = MAX_INT_DIGITS
         if lo is not None and hi is not None:
             self.int_digits = max(1, len(str(math.floor(max(abs(lo), abs(hi))))))
@@ -998,6 +1000,26 @@ def _pointer_keys(ref: str) -> list[str]:
     return [unquote(part).replace("~1", "/").replace("~0", "~") for part in ref[2:].split("/")]
 
 
+def _on_grid(bounds: list[tuple[str, Fraction]], unit: Fraction) -> tuple[Fraction | None, Fraction | None]:
+    """(lo, hi): the inclusive bounds among multiples of unit that (keyword, value) bounds
+    leave (None: unbounded)."""
+    lo = hi = None
+    for key, v in bounds:
+        if key == "minimum":
+            b = math.ceil(v / unit) * unit
+            lo = b if lo is None else max(lo, b)
+        elif key == "exclusiveMinimum":
+            b = (math.floor(v / unit) + 1) * unit
+            lo = b if lo is None else max(lo, b)
+        elif key == "maximum":
+            b = math.floor(v / unit) * unit
+            hi = b if hi is None else min(hi, b)
+        else:
+            b = (math.ceil(v / unit) - 1) * unit
+            hi = b if hi is None else min(hi, b)
+    return lo, hi
+
+
 def _count(schema, key, path) -> int | None:
     v = schema.get(key)
     if v is None:
@@ -1175,38 +1197,34 @@ class _Compiler:
         return self.number(schema, path, integer=False)
 
     def number(self, schema, path, integer):
-        unit = Fraction(1) if integer else Fraction(1, 10 ** MAX_FRAC_DIGITS)
-        lo = hi = None
+        bounds = []
         for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-            if key not in schema:
+            if key in schema:
+                v = schema[key]
+                if not _is_number(v):
+                    raise SchemaError(f"'{key}' at {path or '/'} must be a number", f"{path}/{key}", key)
+                bounds.append((key, Fraction(repr(v)) if isinstance(v, float) else Fraction(v)))
+        # fraction digits: none for an integer, MAX_FRAC_DIGITS for a number, or when no
+        # value with those lies between the bounds, as many as MAX_SIGNIFICANT leaves
+        between = False
+        for digits in [0] if integer else [MAX_FRAC_DIGITS, MAX_SIGNIFICANT]:
+            unit = Fraction(1, 10 ** digits)
+            lo, hi = _on_grid(bounds, unit)
+            if lo is not None and hi is not None and lo > hi:
                 continue
-            v = schema[key]
-            if not _is_number(v):
-                raise SchemaError(f"'{key}' at {path or '/'} must be a number", f"{path}/{key}", key)
-            v = Fraction(repr(v)) if isinstance(v, float) else Fraction(v)
-            if key == "minimum":
-                b = math.ceil(v / unit) * unit
-                lo = b if lo is None else max(lo, b)
-            elif key == "exclusiveMinimum":
-                b = (math.floor(v / unit) + 1) * unit
-                lo = b if lo is None else max(lo, b)
-            elif key == "maximum":
-                b = math.floor(v / unit) * unit
-                hi = b if hi is None else min(hi, b)
-            else:
-                b = (math.ceil(v / unit) - 1) * unit
-                hi = b if hi is None else min(hi, b)
-        if lo is not None and hi is not None and lo > hi:
+            between = True
+            limit = Fraction(10 ** MAX_INT_DIGITS) - unit
+            if (lo is not None and lo > limit) or (hi is not None and hi < -limit):
+                raise SchemaError(f"numeric bounds at {path or '/'} are beyond {MAX_INT_DIGITS} digits",
+                                  path, "minimum")
+            node = Number(integer, lo, hi, digits)
+            if node._feasible(False, "", None) or node._feasible(True, "", None):  # MAX_SIGNIFICANT
+                return node
+        if not between:
             raise Unsatisfiable(f"no {'integer' if integer else 'number'} lies between the bounds at {path or '/'}",
-                              path, "minimum")
-        limit = Fraction(10 ** MAX_INT_DIGITS) - unit
-        if (lo is not None and lo > limit) or (hi is not None and hi < -limit):
-            raise SchemaError(f"numeric bounds at {path or '/'} are beyond {MAX_INT_DIGITS} digits", path, "minimum")
-        node = Number(integer, lo, hi)
-        if not (node._feasible(False, "", None) or node._feasible(True, "", None)):  # MAX_SIGNIFICANT
-            raise Unsatisfiable(f"no number of at most {MAX_SIGNIFICANT} digits lies between the bounds at "
-                              f"{path or '/'}", path, "minimum")
-        return node
+                                path, "minimum")
+        raise Unsatisfiable(f"no number of at most {MAX_SIGNIFICANT} digits lies between the bounds at "
+                            f"{path or '/'}", path, "minimum")
 
     def t_boolean(self, schema, path):
         return Literal([b"true", b"false"])

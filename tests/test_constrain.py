@@ -485,6 +485,23 @@ def test_a_number_means_what_a_double_reads():
         assert 1234567890.5 < float(text) <= 1234567891, text
 
 
+def test_numbers_bounded_finer_than_a_millionth_get_the_fraction_digits_they_need():
+    """6 fraction digits, or as many as the bounds need (15 digits in all at most): (0, 1e-7]
+    was refused though 0.0000001 and 0.00000005 lie in it."""
+    schema = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e-7}
+    assert accepts(schema, "0.0000001") and accepts(schema, "0.00000005")
+    assert not any(accepts(schema, text) for text in ("0", "0.00000011", "0.000001", "0.000000000000000001"))
+    tight = {"type": "number", "minimum": -12.0000000000035, "maximum": -12.0000000000031}
+    assert accepts(tight, "-12.0000000000033") and not accepts(tight, "-12.000000000003")
+    for schema in (schema, tight):
+        for seed in range(30):
+            text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=40)
+            assert complete and validate(json.loads(text), schema) is None, text
+    assert not accepts({"type": "number", "minimum": 0, "maximum": 1}, "0.0000001")  # 6 are enough there
+    with pytest.raises(SchemaError):  # no decimal of 15 digits lies in (0, 1e-16]
+        json_constraint({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-16}, BYTES)
+
+
 @pytest.mark.parametrize("schema, documents", [
     # an optional property, an alternative, an array's items that no value satisfies are left out
     ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3},

@@ -155,6 +155,15 @@ async def test_an_optional_property_no_value_satisfies_is_left_out_through_a_ref
     assert set(value) == {"b"} and isinstance(value["b"], bool)
 
 
+async def test_a_number_bounded_below_a_millionth_is_written(server):
+    schema = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e-7}
+    fmt = {"type": "json_schema", "json_schema": {"name": "tiny", "schema": schema}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "temperature": 0,
+                                    "max_output_tokens": 32, "response_format": fmt})
+    assert reply.status == 200, reply.body
+    assert 0 < json.loads(reply.json()["output"][-1]["content"][0]["text"]) <= 1e-7
+
+
 async def test_a_keyword_that_cannot_be_enforced_is_named(server):
     schema = {"type": "string", "pattern": "^[a-z]+$"}
     fmt = {"type": "json_schema", "json_schema": {"name": "word", "schema": schema}}
