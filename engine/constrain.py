@@ -28,9 +28,9 @@ appear; with `properties` given, or keys `required`, no other key is written, wi
 any string keys; a required key not in `properties` comes after those, its value as
 `additionalProperties` says), numbers without exponent with at most 15 integer and 6
 fraction digits (more when the bounds are finer), and 15 digits in all when there is a
-fraction (so that the float a reader parses compares with the bounds as the decimal did). Strings are as long as the model makes
-them unless `maxLength` says otherwise: a cut-off document is reported as such (finish
-reason "length"), never silently shortened.
+fraction (so that the float a reader parses compares with the bounds as the decimal
+did). Strings are as long as the model makes them unless `maxLength` says otherwise: a
+cut-off document is reported as such (finish reason "length"), never silently shortened.
 
 Supported keywords: type (also lists), properties, required, additionalProperties, items,
 enum, const, anyOf, minItems/maxItems, minLength/maxLength, minimum/maximum and
