@@ -361,27 +361,31 @@ async def _sse(generation: PreparedResponse, request: Request, service) -> Async
     """The SSE body of a streamed response: each event as it is produced.
 
     A client that leaves mid-stream stops the generation (D4). With `store: true` the
-    response is stored even so, `cancelled` with what was generated until then: the
-    client has its id from `response.created`, and may come back for it.
+    response is stored even so, `cancelled` with what was generated until then (or as it
+    ended, when the client left while it was being stored): the client has its id from
+    `response.created`, and may come back for it.
     """
     run = generation.run
+    finished = False  # _finish done: noted, and stored if asked
     async with aclosing(generation.events()) as events:
         try:
             async for event in events:
                 if event.is_final:
                     await _finish(generation, request, service)
+                    finished = True
                 yield event.sse()
         except Exception as exc:
             service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
             yield run.error_event(Problem("internal_error", "an unexpected error occurred")).sse()
         except BaseException:  # cancelled (the client left) or closed (GeneratorExit), mid-response
-            if run.status == "in_progress" and generation.request.store:
-                run.cancelled()
+            if not finished and generation.request.store:
+                if run.status == "in_progress":
+                    run.cancelled()
                 with trio.CancelScope(shield=True):
                     try:
                         await _finish(generation, request, service)
                     except Exception as exc:  # (the client is gone either way)
-                        service.log(f"error: storing the cancelled {run.id} failed: {type(exc).__name__}: {exc}")
+                        service.log(f"error: storing {run.id}, whose client left, failed: {type(exc).__name__}: {exc}")
             raise
 
 

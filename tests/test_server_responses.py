@@ -293,6 +293,40 @@ async def test_a_stored_stream_the_client_leaves_is_stored_cancelled(nursery, ti
     assert usage["input_tokens"] > 0 and 2 <= usage["output_tokens"] < 400
 
 
+async def test_a_stored_stream_the_client_leaves_while_it_is_stored_is_stored(nursery, tiny_path, tmp_path,
+                                                                             monkeypatch):
+    """The client left while its finished response waited to be written (the store has one
+    writer: a task's events may hold it): the write was cancelled, and the response lost."""
+    service = await make_service([tiny_path], data_dir=tmp_path / "data")
+    server = await start_server(nursery, service)
+    done_before = _handled(server)
+    put_response = service.store.put_response
+    writing = trio.Event()
+
+    async def waits_for_the_writer_once(*args):
+        if not writing.is_set():
+            writing.set()
+            await trio.sleep_forever()  # (cancelled when the client leaves)
+        await put_response(*args)
+
+    monkeypatch.setattr(service.store, "put_response", waits_for_the_writer_once)
+    async with server.connection() as client:
+        await client.send("POST", "/lmsp/v1/responses", json_body=request(max_output_tokens=5, stream=True, store=True))
+        assert (await client.read_head()).status == 200
+        created = b""
+        async for chunk in client.read_chunks():
+            created += chunk
+            if created.endswith(b"\n\n"):
+                break
+        with trio.fail_after(10):
+            await writing.wait()
+    await _wait_for(lambda: _handled(server) > done_before)
+    response_id = parse_sse(created)[0].data["response_id"]
+    stored = await server.request("GET", f"/lmsp/v1/responses/{response_id}")
+    assert stored.status == 200 and stored.json()["status"] in ("completed", "incomplete")  # as it ended
+    assert 0 < stored.json()["usage"]["output_tokens"] <= 5
+
+
 @pytest.mark.parametrize("pipelined", [0, 8])
 async def test_sync_client_disconnect_stops_generation(server, pipelined):
     """Also when the client pipelined pieces of a next request before leaving: the
