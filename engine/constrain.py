@@ -1331,12 +1331,8 @@ def _ends_given(node: Node, ending: set[int]) -> bool:
     return True  # literals, strings, numbers, free objects, free text: a short one always exists
 
 
-def _finite_documents(root: Node) -> tuple[set[int], set[int]]:
-    """The nodes root reaches, and those of them that some finite document matches (by id).
-    Not so when a required property, or an array's required items, can only be written by
-    writing their own object again (`{"properties": {"c": {"$ref": "#"}}, "required": ["c"]}`):
-    the model would write until the token limit. A fixpoint: nodes that can end, until no
-    more are found."""
+def _reached(root: Node) -> list[Node]:
+    """The nodes root's documents can be made of, root first (each once)."""
     nodes, seen, todo = [], set(), [root]
     while todo:
         node = todo.pop()
@@ -1344,6 +1340,16 @@ def _finite_documents(root: Node) -> tuple[set[int], set[int]]:
             seen.add(id(node))
             nodes.append(node)
             todo.extend(_parts(node))
+    return nodes
+
+
+def _finite_documents(root: Node) -> tuple[set[int], set[int]]:
+    """The nodes root reaches, and those of them that some finite document matches (by id).
+    Not so when a required property, or an array's required items, can only be written by
+    writing their own object again (`{"properties": {"c": {"$ref": "#"}}, "required": ["c"]}`):
+    the model would write until the token limit. A fixpoint: nodes that can end, until no
+    more are found."""
+    nodes = _reached(root)
     ending: set[int] = set()
     grew = True
     while grew:
@@ -1352,7 +1358,7 @@ def _finite_documents(root: Node) -> tuple[set[int], set[int]]:
             if id(node) not in ending and _ends_given(node, ending):
                 ending.add(id(node))
                 grew = True
-    return seen, ending
+    return {id(node) for node in nodes}, ending
 
 
 def compile_schema(schema) -> Node:
@@ -1366,9 +1372,13 @@ def compile_schema(schema) -> Node:
             # left out where optional. Only what had no finite document goes, so once is enough.
             compiler = _Compiler(schema, dead)
             node = compiler.run()
-        for b in _VALUE_STARTS:  # nested anyOfs, and $refs to anyOfs, are followed as one
+        # nested anyOfs, and $refs to anyOfs, are followed as one; those of what was left out
+        # (no value satisfies it) are never followed
+        reached = {id(n) for n in _reached(node)}
+        choices = [(choice, path) for choice, path in compiler.choices if id(choice) in reached]
+        for b in _VALUE_STARTS:
             memo: dict = {}
-            for choice, path in compiler.choices:
+            for choice, path in choices:
                 if len(_first_byte(choice, b, memo)) > MAX_CONFIGURATIONS:
                     raise SchemaError(f"the anyOf at {path or '/'} and the anyOfs nested in it are more than "
                                       f"{MAX_CONFIGURATIONS} ways to read the first byte of its value",

@@ -453,6 +453,19 @@ def test_nested_anyofs_are_counted_as_the_matcher_follows_them():
         assert complete and validate(json.loads(text), schema) is None, text
 
 
+def test_anyofs_in_what_is_left_out_are_not_counted():
+    """An anyOf inside a subschema no value satisfies, left out where it is optional, is
+    never followed: it refused the schema all the same (400 naming it)."""
+    strings = {"anyOf": [{"anyOf": [{"const": f"s{i}_{j}"} for j in range(20)]} for i in range(20)]}
+    never = {"type": "object", "properties": {"s": strings, "n": {"type": "integer", "minimum": 1, "maximum": 0}},
+             "required": ["s", "n"]}
+    for schema, text in (({"type": "object", "properties": {"a": never, "b": {"const": 1}}}, '{"b": 1}'),
+                         ({"anyOf": [never, {"const": 1}]}, "1"),
+                         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/never"}},
+                           "$defs": {"never": never}}, "{}")):
+        assert accepts(schema, text), schema
+
+
 def test_alternatives_that_share_a_ref_are_followed_once():
     """Each level an anyOf of the level below twice: the frames it starts with are L0's two,
     not 2^levels (25 levels took 1.7 s to compile, and each level more twice as long)."""
