@@ -684,14 +684,24 @@ def _complete(stack: tuple) -> bool:
 _VALUE_STARTS = b'"-0123456789[{ftn'  # the bytes a JSON value can begin with
 
 
-def _first_byte(node: Node, b: int, memo: dict) -> frozenset:
+def _first_byte(node: Node, b: int, memo: dict) -> frozenset | None:
     """The configurations that byte b, the first of a value that begins as `node`, leaves,
     as Grammar.step counts them: alternatives that refuse the byte are gone, those that
-    end with it are one. An anyOf's are its options' (memo: node -> them, for this b)."""
+    end with it are one. An anyOf's are its options' (memo: node -> them, for this b).
+    None: more than MAX_CONFIGURATIONS, as then every anyOf that holds it has (the count
+    stops there, so that no set it keeps is larger)."""
     found = memo.get(node)
     if found is None:
         if isinstance(node, AnyOf):  # expanded by now: a $ref's one option is its target
-            found = frozenset().union(*(_first_byte(option, b, memo) for option in node.options))
+            ways: set = set()
+            for option in node.options:
+                more = _first_byte(option, b, memo)
+                if more is None:
+                    return None
+                ways |= more
+                if len(ways) > MAX_CONFIGURATIONS:
+                    return None
+            found = frozenset(ways)
         else:
             out: list = []
             for frame in node.expand():
@@ -1379,7 +1389,7 @@ def compile_schema(schema) -> Node:
         for b in _VALUE_STARTS:
             memo: dict = {}
             for choice, path in choices:
-                if len(_first_byte(choice, b, memo)) > MAX_CONFIGURATIONS:
+                if _first_byte(choice, b, memo) is None:
                     raise SchemaError(f"the anyOf at {path or '/'} and the anyOfs nested in it are more than "
                                       f"{MAX_CONFIGURATIONS} ways to read the first byte of its value",
                                       f"{path}/anyOf", "anyOf")

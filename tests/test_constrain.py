@@ -453,6 +453,27 @@ def test_nested_anyofs_are_counted_as_the_matcher_follows_them():
         assert complete and validate(json.loads(text), schema) is None, text
 
 
+def test_counting_the_ways_to_read_a_first_byte_stops_at_the_bound(monkeypatch):
+    """D9: the count gives up past MAX_CONFIGURATIONS. It went on: for 250 anyOfs that
+    each hold a $ref to one anyOf of 62,500 strings it kept 250 sets of 62,500 before it
+    refused the schema (the compile's peak went from 0.4 to 1.5 GB)."""
+    sizes = []
+    first_byte = constrain._first_byte
+
+    def measured(node, b, memo):
+        found = first_byte(node, b, memo)
+        sizes.append(0 if found is None else len(found))  # (None: past the bound)
+        return found
+
+    monkeypatch.setattr(constrain, "_first_byte", measured)
+    big = {"anyOf": [{"anyOf": [{"const": f"s{i}_{j}"} for j in range(20)]} for i in range(20)]}
+    holders = {f"d{k}": {"anyOf": [{"$ref": "#/$defs/big"}, {"const": k}]} for k in range(5)}
+    with pytest.raises(SchemaError) as e:
+        compile_schema({"anyOf": [{"$ref": f"#/$defs/d{k}"} for k in range(5)], "$defs": {"big": big, **holders}})
+    assert e.value.keyword == "anyOf" and e.value.path == "/anyOf"
+    assert sizes and max(sizes) <= constrain.MAX_CONFIGURATIONS
+
+
 def test_anyofs_in_what_is_left_out_are_not_counted():
     """An anyOf inside a subschema no value satisfies, left out where it is optional, is
     never followed: it refused the schema all the same (400 naming it)."""
