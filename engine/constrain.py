@@ -1090,13 +1090,27 @@ class _Compiler:
         return node
 
     def dead_refs(self, root: Node) -> dict[str, Unsatisfiable]:
-        """The $refs that root reaches and that have no finite document, with the error their uses raise."""
-        reached, ending = _finite_documents(root)
+        """The $refs that root reaches and that have no finite document, with the error their uses
+        raise: that of a $ref no value satisfies which they cannot do without (as inline), if
+        there is one, else that they can only be written by writing themselves again."""
+        nodes = _reached(root)
+        ending = _finite_documents(nodes)
+        why = {id(self.refs[ref]): e for ref, e in self.unsatisfiable.items()}  # (by node id)
+        grew = True
+        while grew:
+            grew = False
+            for node in reversed(nodes):  # (children first, as in _finite_documents)
+                if id(node) not in ending and id(node) not in why:
+                    because = next((why[id(part)] for part in _needed(node) if id(part) in why), None)
+                    if because is not None:
+                        why[id(node)] = because
+                        grew = True
+        reached = {id(node) for node in nodes}
         dead = {}
         for ref, node in self.refs.items():
             if id(node) in reached and id(node) not in ending:
                 where = "".join("/" + part for part in _pointer_keys(ref))
-                dead[ref] = self.unsatisfiable.get(ref) or Unsatisfiable(
+                dead[ref] = why.get(id(node)) or Unsatisfiable(
                     f"no finite document satisfies the schema at {where or '/'}: a required property or "
                     "array item can only be written by writing its own object again", where, "required")
         return dead
@@ -1341,6 +1355,17 @@ def _ends_given(node: Node, ending: set[int]) -> bool:
     return True  # literals, strings, numbers, free objects, free text: a short one always exists
 
 
+def _needed(node: Node) -> list[Node]:
+    """The parts a node's documents cannot do without: all of them, or (alternatives) one."""
+    if isinstance(node, Array):
+        return [node.items] if node.min_items else []
+    if isinstance(node, Object):
+        return node.required_values
+    if isinstance(node, AnyOf):
+        return node.options
+    return []
+
+
 def _reached(root: Node) -> list[Node]:
     """The nodes root's documents can be made of, root first (each once)."""
     nodes, seen, todo = [], set(), [root]
@@ -1353,13 +1378,12 @@ def _reached(root: Node) -> list[Node]:
     return nodes
 
 
-def _finite_documents(root: Node) -> tuple[set[int], set[int]]:
-    """The nodes root reaches, and those of them that some finite document matches (by id).
+def _finite_documents(nodes: list[Node]) -> set[int]:
+    """Those of the nodes a root reaches (_reached) that some finite document matches (by id).
     Not so when a required property, or an array's required items, can only be written by
     writing their own object again (`{"properties": {"c": {"$ref": "#"}}, "required": ["c"]}`):
     the model would write until the token limit. A fixpoint: nodes that can end, until no
     more are found."""
-    nodes = _reached(root)
     ending: set[int] = set()
     grew = True
     while grew:
@@ -1368,7 +1392,7 @@ def _finite_documents(root: Node) -> tuple[set[int], set[int]]:
             if id(node) not in ending and _ends_given(node, ending):
                 ending.add(id(node))
                 grew = True
-    return {id(node) for node in nodes}, ending
+    return ending
 
 
 def compile_schema(schema) -> Node:

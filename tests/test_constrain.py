@@ -585,6 +585,20 @@ def test_what_no_value_satisfies_is_left_out_through_a_ref_as_inline(inline, doc
     assert e.value.path == "/$defs/never"
 
 
+def test_a_ref_refused_where_it_is_required_says_why():
+    """Through a $ref that leads to another, the 400 names what no value satisfies, as the
+    schema written inline does; it said the schema could only repeat itself."""
+    for inner, path, keyword in ((NEVER, "/$defs/y", "minimum"), (False, "/$defs/y", None),
+                                 ({"type": "array", "items": {"$ref": "#/$defs/x"}, "minItems": 1}, "/$defs/x",
+                                  "required")):
+        schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+                  "$defs": {"x": {"$ref": "#/$defs/y"}, "y": inner}}
+        with pytest.raises(SchemaError) as e:
+            compile_schema(schema)
+        assert (e.value.path, e.value.keyword) == (path, keyword), e.value
+        assert ("own object again" in str(e.value)) == (keyword == "required"), e.value
+
+
 def test_what_has_no_finite_document_is_left_out_where_it_is_optional():
     """A list whose items must be lists again has no end: the model would write "[[[[..."
     until the token limit. Where it is optional it is never begun."""
