@@ -260,9 +260,8 @@ class Number(Node):
     accepted when some completion of the new prefix still lies within [lo, hi], so the model
     can never write itself into a dead end. A fraction has at most frac_digits digits
     (MAX_FRAC_DIGITS, more for bounds that need them), and a number with one at most
-    MAX_SIGNIFICANT digits in all (fewer fraction digits
-    for a longer integer part), so that the float a reader parses meets the bounds as the
-    decimal does (MAX_SIGNIFICANT).
+    MAX_SIGNIFICANT digits in all (fewer fraction digits for a longer integer part), so
+    that the float a reader parses meets the bounds as the decimal does (MAX_SIGNIFICANT).
     """
 
     start = (False, "", None)
