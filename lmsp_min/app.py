@@ -379,9 +379,10 @@ async def _sse(generation: PreparedResponse, request: Request, service) -> Async
             yield run.error_event(Problem("internal_error", "an unexpected error occurred")).sse()
         except BaseException:  # cancelled (the client left) or closed (GeneratorExit), mid-response
             if not finished and generation.request.store:
-                if run.status == "in_progress":
-                    run.cancelled()
                 with trio.CancelScope(shield=True):
+                    await events.aclose()  # the generation ends first (D4), not after the write
+                    if run.status == "in_progress":
+                        run.cancelled()
                     try:
                         await _finish(generation, request, service)
                     except Exception as exc:  # (the client is gone either way)

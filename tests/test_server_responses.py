@@ -327,6 +327,48 @@ async def test_a_stored_stream_the_client_leaves_while_it_is_stored_is_stored(nu
     assert 0 < stored.json()["usage"]["output_tokens"] <= 5
 
 
+async def test_a_stored_stream_closed_mid_response_stops_generating_before_it_is_stored(tiny_path, tmp_path,
+                                                                                       monkeypatch):
+    """Closed at an event it yields (the HTTP layer closes the body when its client left while
+    a write waited): the generation ends first, then the response is stored (D4: the engine,
+    which does not wait for its reader, went on decoding while the store wrote)."""
+    import types
+
+    from lmsp_min.app import _sse, prepare_generation
+
+    service = await make_service([tiny_path], data_dir=tmp_path / "data")
+    model = await service.registry.get(TINY_ID).load()
+    generate_chat = model.generate_chat
+    ended = trio.Event()
+
+    async def noting_its_end(prepared):
+        try:
+            async with aclosing(generate_chat(prepared)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(model, "generate_chat", noting_its_end)
+    put_response = service.store.put_response
+    ended_when_stored = []
+
+    async def noting_the_engine(*args):
+        ended_when_stored.append(ended.is_set())
+        await put_response(*args)
+
+    monkeypatch.setattr(service.store, "put_response", noting_the_engine)
+    generation = await prepare_generation({**request(max_output_tokens=400), "stream": True, "store": True},
+                                          "local", service)
+    body = _sse(generation, types.SimpleNamespace(log_note=None), service)
+    while b"output_text.delta" not in await body.__anext__():
+        pass
+    await body.aclose()
+    assert ended_when_stored == [True]
+    stored = await service.store.get_response(generation.run.id, "local")
+    assert json.loads(stored.body)["status"] == "cancelled"
+
+
 @pytest.mark.parametrize("pipelined", [0, 8])
 async def test_sync_client_disconnect_stops_generation(server, pipelined):
     """Also when the client pipelined pieces of a next request before leaving: the
