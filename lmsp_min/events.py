@@ -247,8 +247,9 @@ class ResponseRun:
         return self._event("response.failed", status=self.status, error=self.error)
 
     def cancelled(self) -> Event:
-        """End the response `cancelled` (a task stopped by its client); the final event.
-        Its usage is what the engine had counted (the event's data, 6.3, has none)."""
+        """End the response `cancelled` (a task stopped by its client, a stored stream whose
+        client left); the final event. Its usage is what the engine had counted (the event's
+        data, 6.3, has none)."""
         self.status = "cancelled"
         self.usage = self.usage_so_far()
         return self._event("response.cancelled", status=self.status)
