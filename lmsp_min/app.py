@@ -28,7 +28,7 @@ import trio
 from lmsp_min import idempotency
 from lmsp_min.events import SSE_KEEPALIVE, ResponseRun, ServiceStopping
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, shutting_down
 from lmsp_min.validate import (
     ResponsesRequest,
     items_to_messages,
@@ -110,7 +110,7 @@ class App:
 
     async def __call__(self, request: Request):
         if self.service.http is not None and self.service.http.draining:
-            raise Problem("model_unavailable", "the service is shutting down", headers=[("Retry-After", "5")])
+            raise shutting_down()
         handler, scope, params = self.router.match(request.method, request.path)
         request.params = params
         request.principal = self.service.auth.authenticate(request.headers.get("authorization"), scope,

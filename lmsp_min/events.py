@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, shutting_down
 
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed",
                 "response.cancelled", "error")
@@ -230,7 +230,7 @@ class ResponseRun:
                         return
             raise RuntimeError("the engine's generation ended without a Finished event")
         except ServiceStopping:
-            yield self.failed(Problem("model_unavailable", "the service is shutting down"))
+            yield self.failed(shutting_down())
         except SchemaError as exc:  # a bound that only the output reaches (engine/constrain.py)
             yield self.failed(Problem("invalid_request", f"the schema cannot be enforced: {exc}"))
         except Exception as exc:

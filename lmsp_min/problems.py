@@ -71,3 +71,9 @@ class Problem(Exception):
         if self.param is not None:
             doc["param"] = self.param
         return doc
+
+
+def shutting_down(detail: str = "the service is shutting down") -> Problem:
+    """D1's `model_unavailable` while the service stops: for a request it refuses (told to
+    retry in a few seconds), or the `error` of a response or task it ends."""
+    return Problem("model_unavailable", detail, headers=[("Retry-After", "5")])

@@ -33,7 +33,7 @@ from typing import AsyncIterator
 import trio
 
 from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, add_text, compact_json, new_id, sse_message
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, shutting_down
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
 
 # D3: "at least every 15 seconds" while a stream is idle; 10 leaves room for a
@@ -213,7 +213,7 @@ class Tasks:
         if self._nursery is None:
             raise RuntimeError("Tasks.run is not running: tasks cannot start")
         if self._stopping:
-            raise Problem("model_unavailable", "the service is shutting down", headers=[("Retry-After", "5")])
+            raise shutting_down()
         task_id = new_id("task")
         run = generation.run
         running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))
@@ -453,8 +453,7 @@ def _failed_ending(response_id: str, created_at: int, model: str, events: list[L
 
 def _shutting_down() -> Problem:
     """D1: the service is shutting down (503), as for a direct response it stops."""
-    return Problem("model_unavailable",
-                   "the service is shutting down; the events of this task until now are kept")
+    return shutting_down("the service is shutting down; the events of this task until now are kept")
 
 
 def _process_died() -> Problem:
