@@ -418,7 +418,15 @@ def _answered_error(where: str, resp: http.client.HTTPResponse, data: bytes) -> 
         problem = None
     if not isinstance(problem, dict):
         text = data.decode("utf-8", "replace").strip()[:200]
-        problem = {"status": resp.status, "title": resp.reason, **({"detail": text} if text else {})}
-    summary = problem.get("code") or problem.get("title") or resp.reason
+        problem = {"status": resp.status, "title": _reason(resp), **({"detail": text} if text else {})}
+    summary = problem.get("code") or problem.get("title") or _reason(resp)
     detail = problem.get("detail")
     return LMSPError(f"{where}: {resp.status} {summary}" + (f": {detail}" if detail else ""), resp.status, problem)
+
+
+def _reason(resp: http.client.HTTPResponse) -> str:
+    """The reason phrase of an answer's status line, or the standard one when it has none."""
+    try:
+        return resp.reason or http.HTTPStatus(resp.status).phrase
+    except ValueError:  # a status HTTP does not define
+        return "(no reason given)"

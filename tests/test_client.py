@@ -441,6 +441,15 @@ def test_an_error_without_a_problem_document_keeps_its_status_line(raw_server, b
     assert str(e.value) == f"GET /lmsp/v1/models on {server.address}: 502 Bad Gateway" + (f": {detail}" if detail else "")
 
 
+@pytest.mark.parametrize("status, title", [("502", "Bad Gateway"), ("599", "(no reason given)")])
+def test_an_error_whose_status_line_has_no_reason_is_named_by_its_status(raw_server, status, title):
+    server = raw_server(http_reply(status, b""))
+    with pytest.raises(LMSPError) as e:
+        Client(server.url).list_models()
+    assert e.value.problem["title"] == title
+    assert str(e.value) == f"GET /lmsp/v1/models on {server.address}: {status} {title}"
+
+
 IN_EVENT_4 = len(b"".join(EVENTS[:3])) + 10
 
 
