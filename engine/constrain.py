@@ -139,27 +139,37 @@ class Node:
 
 
 class Literal(Node):
-    """One of a fixed set of byte strings: const, enum, true/false/null, tags of tool calls."""
+    """One of a fixed set of byte strings: const, enum, true/false/null, tags of tool calls.
 
-    start = b""
+    Local: (lo, hi, n): the options sorted[lo:hi] are those that begin with the n bytes
+    read so far (sorted, they are contiguous, and the one that is only those bytes comes
+    first). Not the bytes themselves: a set of every prefix of every option cost n^2
+    memory, 400 MB for a const string of 20,000 characters (a 60 kB request body).
+    """
 
     def __init__(self, options: Iterable[bytes]):
         self.options = frozenset(options)
         if not self.options:
             raise SchemaError("an empty set of allowed values admits no document")
-        self.prefixes = {o[:i] for o in self.options for i in range(len(o) + 1)}
-        self.extendable = {o[:i] for o in self.options for i in range(len(o))}
+        self.sorted = sorted(self.options)
+        self.start = (0, len(self.sorted), 0)
         self.nullable = b"" in self.options
 
     def step(self, local, b):
-        nxt = local + bytes((b,))
-        return ((SET, nxt),) if nxt in self.prefixes else ()
+        lo, hi, n = local
+        byte = bytes((b,))
+        key = lambda option: option[n:n + 1]  # b"" for the option that ends here: first
+        lo = bisect.bisect_left(self.sorted, byte, lo, hi, key=key)
+        hi = bisect.bisect_right(self.sorted, byte, lo, hi, key=key)
+        return ((SET, (lo, hi, n + 1)),) if lo < hi else ()
 
     def accepting(self, local):
-        return local in self.options
+        lo, _, n = local
+        return len(self.sorted[lo]) == n
 
     def final(self, local):
-        return local in self.options and local not in self.extendable
+        lo, hi, n = local
+        return hi - lo == 1 and len(self.sorted[lo]) == n
 
 
 def _utf8_lead(b: int):

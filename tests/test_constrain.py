@@ -432,6 +432,28 @@ def test_what_a_schema_may_cost_is_bounded():
     assert e.value.keyword == "anyOf"
 
 
+def test_a_long_const_or_enum_costs_memory_in_proportion_to_its_length():
+    """D9: a Literal kept every prefix of every value: n^2 bytes, 400 MB for a const of
+    20,000 characters (a 60 kB body took more than 2.5 GB, well within the 4 MB limit)."""
+    import tracemalloc
+
+    value = "x" * 20_000
+    tracemalloc.start()
+    try:
+        c = json_constraint({"const": value}, BYTES)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10_000_000, peak
+    for b in json.dumps(value).encode():
+        c.advance(b)
+    assert c.allows(256) and c.is_done()
+    enum = {"enum": ["ab", "abc", "b", "", "abd", {"k": "ab"}]}  # one a prefix of another, the empty string
+    for doc in ('"ab"', '"abc"', '"b"', '""', '"abd"', '{"k":"ab"}'):
+        assert accepts(enum, doc), doc
+    assert not any(accepts(enum, doc) for doc in ('"a"', '"abe"', '"abcd"', '{"k":"a"}', '"ba"'))
+
+
 def test_nested_anyofs_are_counted_as_the_matcher_follows_them():
     """An anyOf of 20 anyOfs of 20 strings is 400 ways to read the quote that begins its
     value: refused when compiled, wherever it is (it failed on that byte, mid-generation);
