@@ -281,8 +281,8 @@ class Number(Node):
         self.integer, self.lo, self.hi = integer, lo, hi
         self.frac_digits = 0 if integer else frac_digits
         self.int_digits = MAX_INT_DIGITS
-        if lo is not None and hi is not None:
-            self.int_digits = max(1, len(str(math.floor(max(abs(lo), abs(hi))))))
+        if lo is not None and hi is not None:  # fewer when the bounds are closer to 0, never more
+            self.int_digits = max(1, min(MAX_INT_DIGITS, len(str(math.floor(max(abs(lo), abs(hi)))))))
         # by integer digits (0 for "0"): fraction digits allowed, and the step between values
         self._frac_limits = [max(0, min(self.frac_digits, MAX_SIGNIFICANT - n)) for n in range(self.int_digits + 1)]
         self._units = [Fraction(1, 10 ** f) for f in self._frac_limits]

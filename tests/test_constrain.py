@@ -541,6 +541,22 @@ def test_a_number_means_what_a_double_reads():
         assert 1234567890.5 < float(text) <= 1234567891, text
 
 
+def test_an_integer_part_has_at_most_15_digits_whatever_the_bounds():
+    """Bounds on both sides set how many integer digits are written, but never more than
+    MAX_INT_DIGITS: [0, 1e20) let the model write 99999999999999999999, which a reader's
+    double reads as 1e20, outside the bounds (and [-1e300, 1e300] a 300-digit number)."""
+    for schema in ({"type": "integer", "minimum": 0, "exclusiveMaximum": 1e20},
+                   {"type": "number", "minimum": 0, "exclusiveMaximum": 1e20},
+                   {"type": "number", "minimum": -1e300, "maximum": 1e300}):
+        assert accepts(schema, "999999999999999"), schema
+        assert not accepts(schema, "1000000000000000") and not accepts(schema, "99999999999999999999"), schema
+        for seed in range(20):
+            text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=40)
+            assert complete and len(text.lstrip(b"-").split(b".")[0]) <= 15, text
+            assert validate(float(text), schema) is None, text
+    assert accepts({"type": "number", "minimum": -1e300, "maximum": 1e300}, "-123456789012.125")
+
+
 def test_numbers_bounded_finer_than_a_millionth_get_the_fraction_digits_they_need():
     """6 fraction digits, or as many as the bounds need (15 digits in all at most): (0, 1e-7]
     was refused though 0.0000001 and 0.00000005 lie in it."""
