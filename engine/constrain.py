@@ -1248,14 +1248,14 @@ class _Compiler:
             between = True
             limit = Fraction(10 ** MAX_INT_DIGITS) - unit
             if (lo is not None and lo > limit) or (hi is not None and hi < -limit):
-                raise SchemaError(f"numeric bounds at {path or '/'} are beyond {MAX_INT_DIGITS} digits",
-                                  path, "minimum")
+                raise Unsatisfiable(f"no number of at most {MAX_INT_DIGITS} integer digits lies between "
+                                    f"the bounds at {path or '/'}", path, "minimum")
             node = Number(integer, lo, hi, digits)
             if node._feasible(False, "", None) or node._feasible(True, "", None):  # MAX_SIGNIFICANT
                 return node
         if not between:
-            raise Unsatisfiable(f"no {'integer' if integer else 'number'} lies between the bounds at {path or '/'}",
-                                path, "minimum")
+            what = "integer" if integer else f"number of at most {MAX_SIGNIFICANT} fraction digits"
+            raise Unsatisfiable(f"no {what} lies between the bounds at {path or '/'}", path, "minimum")
         raise Unsatisfiable(f"no number of at most {MAX_SIGNIFICANT} digits lies between the bounds at "
                             f"{path or '/'}", path, "minimum")
 

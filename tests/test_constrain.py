@@ -570,8 +570,10 @@ def test_numbers_bounded_finer_than_a_millionth_get_the_fraction_digits_they_nee
             text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=40)
             assert complete and validate(json.loads(text), schema) is None, text
     assert not accepts({"type": "number", "minimum": 0, "maximum": 1}, "0.0000001")  # 6 are enough there
-    with pytest.raises(SchemaError):  # no decimal of 15 digits lies in (0, 1e-16]
+    with pytest.raises(SchemaError, match="no number of at most 15 fraction digits lies between"):
         json_constraint({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-16}, BYTES)
+    with pytest.raises(SchemaError, match="no number of at most 15 integer digits lies between"):
+        json_constraint({"type": "number", "minimum": 1e20}, BYTES)
 
 
 @pytest.mark.parametrize("schema, documents", [
@@ -585,6 +587,10 @@ def test_numbers_bounded_finer_than_a_millionth_get_the_fraction_digits_they_nee
     ({"type": "object", "additionalProperties": {"type": "integer", "minimum": 2, "maximum": 1}}, ["{}"]),
     ({"type": "array", "items": {"enum": ["a"], "type": "integer"}, "maxItems": 0}, ["[]"]),
     ({"$ref": "#/$defs/a%20b", "$defs": {"a b": {"const": 7}}}, ["7"]),  # a %-encoded pointer
+    # numbers the writer cannot write: past 15 integer digits, or finer than 15 fraction digits
+    ({"anyOf": [{"type": "boolean"}, {"type": "number", "minimum": 1e20}]}, ["true"]),
+    ({"type": "array", "items": {"type": "integer", "maximum": -1e16}}, ["[]"]),
+    ({"anyOf": [{"const": 1}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1e-17}]}, ["1"]),
 ])
 def test_what_no_value_satisfies_is_left_out_where_it_is_optional(schema, documents):
     for text in documents:
