@@ -128,7 +128,9 @@ def _call_object(tools: list[dict], chosen: list[dict]):
     named by its index in `tools`."""
     calls = {}
     for i, tool in enumerate(tools):
-        params = tool.get("parameters") or {"type": "object", "properties": {}}
+        params = tool.get("parameters")
+        if params is None or params == {}:  # no parameters: an empty object
+            params = {"type": "object", "properties": {}}
         try:
             args = compile_schema(params)
         except SchemaError as e:

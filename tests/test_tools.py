@@ -133,7 +133,8 @@ def test_parameters_by_ref_or_anyof_of_objects_are_objects(smollm2):
         assert check_calls(parse(text.decode()), tools)
     for parameters in ({"anyOf": [{"type": "object"}, {"type": "null"}]},
                        {"$ref": "#/$defs/s", "$defs": {"s": {"type": "string"}}},
-                       {"type": ["object", "array"]}, {"description": "anything"}):
+                       {"type": ["object", "array"]}, {"description": "anything"},
+                       False):  # (no arguments at all, not "no parameters")
         with pytest.raises(SchemaError) as e:
             tool_constraint([TOOLS[2], {"name": "h", "parameters": parameters}], "auto", index)
         assert e.value.path == "/1/parameters", parameters
