@@ -1058,7 +1058,7 @@ class _Compiler:
         self.dead = dead or {}
         self.refs: dict[str, Ref] = {}
         self.unsatisfiable: dict[str, Unsatisfiable] = {}  # $ref -> why no value satisfies its target
-        self.lazy: list[AnyOf] = []
+        self.lazy: list[tuple[AnyOf, str]] = []  # each $ref and anyOf, with its path, to expand
         self.choices: list[tuple[AnyOf, str]] = []  # every anyOf / type list, with its path
 
     def resolve(self, ref: str, path: str) -> Node:
@@ -1078,7 +1078,7 @@ class _Compiler:
                 raise SchemaError(f"$ref {ref!r} points to nothing", path, "$ref")
         node = Ref(lambda: self.target(ref, target, where))
         self.refs[ref] = node
-        self.lazy.append(node)
+        self.lazy.append((node, path))
         return node
 
     def target(self, ref: str, schema, where: str) -> Node:
@@ -1094,7 +1094,15 @@ class _Compiler:
         node = self.compile(self.root)
         done = 0
         while done < len(self.lazy):
-            self.lazy[done].expand()
+            lazy, path = self.lazy[done]
+            try:
+                lazy.expand()
+            except SchemaError as e:
+                if e.path or e.keyword:
+                    raise
+                # (a $ref that leads back to itself: named where the expansion began)
+                keyword = "$ref" if isinstance(lazy, Ref) else "anyOf"
+                raise SchemaError(str(e), path, keyword) from None
             done += 1
         return node
 
@@ -1186,7 +1194,7 @@ class _Compiler:
         if not nodes:
             raise unsatisfiable
         node = AnyOf(nodes)
-        self.lazy.append(node)
+        self.lazy.append((node, path))
         self.choices.append((node, path))
         return node
 

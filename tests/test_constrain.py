@@ -206,6 +206,15 @@ def test_unsatisfiable_or_malformed_schemas_are_rejected(schema):
         compile_schema(schema)
 
 
+def test_a_reference_loop_is_named_where_it_is_entered():
+    """(as every other $ref error is: the client's `param` points at it, not at the root)"""
+    loop = {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}},
+            "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}
+    with pytest.raises(SchemaError, match="refers to itself") as e:
+        compile_schema(loop)
+    assert (e.value.path, e.value.keyword) == ("/properties/x/$ref", "$ref")
+
+
 def test_validator():
     schema = SCHEMAS[0]
     assert validate({"name": "x", "age": 3, "active": True}, schema) is None
