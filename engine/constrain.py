@@ -1219,7 +1219,8 @@ class _Compiler:
         else:
             values = [schema["const"]]
         rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
-        self.compile(rest, path)  # reject unsupported keywords beside the enum too
+        if rest:  # (a bare const or enum, the usual one, has no other keyword to check)
+            self.compile(rest, path)  # reject unsupported keywords beside the enum too
         kept = [v for v in values if validate(v, rest, self.root) is None]
         if not kept:
             raise Unsatisfiable(f"no value of 'enum'/'const' at {path or '/'} satisfies the schema", path, "enum")
