@@ -180,8 +180,13 @@ class Scheduler:
                         self._worker = None
                         return
                 for request in joining:
-                    request.seq, request.cached_tokens = self.prefix_cache.start(
-                        request.prompt, self.model.new_sequence)
+                    try:
+                        request.seq, request.cached_tokens = self.prefix_cache.start(
+                            request.prompt, self.model.new_sequence)
+                    except Exception as exc:   # its cache could not be made (MemoryError): it alone fails
+                        _deliver(request, exc)
+                        _deliver(request, None)
+                        continue
                     active.append(request)
                 for request in [r for r in active if r.cancelled]:
                     self._retire(request, active)

@@ -150,6 +150,30 @@ async def test_a_failing_pick_fails_only_its_own_request(model):
     assert_same_greedy(model, prompt(12, 4), expected, result[0][0])
 
 
+async def test_a_sequence_that_cannot_be_made_fails_only_its_own_request(model, monkeypatch):
+    # a KV cache that cannot be allocated (MemoryError for a long prompt) as the request
+    # joins the batch: it was lost between the queue and the batch, its reader waited forever
+    bad = prompt(30, 13)
+    new_sequence = model.new_sequence
+
+    def failing(tokens, *args, **kwargs):
+        if list(tokens) == bad:
+            raise MemoryError("no room for this cache")
+        return new_sequence(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(model, "new_sequence", failing)
+    scheduler = Scheduler(model, prefix_cache_bytes=0)
+    expected, _ = await generate(alone(model), prompt(12, 4), 6)
+    result = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _collect(lambda: generate(scheduler, prompt(12, 4), 6), result))
+            with pytest.raises(MemoryError):
+                await generate(scheduler, bad, 5)
+        assert_same_greedy(model, prompt(12, 4), expected, result[0][0])
+        assert (await generate(scheduler, prompt(12, 4), 6))[0] == result[0][0]   # it still serves
+
+
 async def test_context_full_ends_with_length(model):
     with Scheduler(model).submit(prompt(model.n_ctx - 4, 3), pick=greedy, max_tokens=100) as generation:
         steps = [step async for step in generation]
