@@ -182,7 +182,7 @@ async def test_context_full_ends_with_length(model):
 
 def test_prefix_cache_is_lru_bounded_in_bytes():
     def finished(tokens: list[int]) -> Sequence:
-        seq = Sequence(tokens, KVCache(1, 1, 4, 4, 64, capacity=32))   # every entry: the same bytes
+        seq = Sequence(tokens, KVCache(1, 1, 4, 4, 64, capacity=16))   # every entry: the same bytes
         seq.cache.length = len(tokens)
         return seq
 
@@ -198,6 +198,23 @@ def test_prefix_cache_is_lru_bounded_in_bytes():
     assert n == 16 and seq.tokens == list(range(20)) and seq.cache.length == 16
     cache.store(finished(list(range(16)) + [5, 6]))                 # extends an entry: replaces it
     assert len(cache) == 2
+
+
+def test_prefix_cache_keeps_what_an_entry_holds_not_the_room_it_grew():
+    """A cache that doubled its storage for a last few tokens is stored, when the budget is
+    short, as a copy of its positions: the budget counts (and holds) what is cached."""
+    seq = Sequence(list(range(40)), KVCache(2, 1, 4, 4, 128, capacity=32))
+    seq.cache.reserve(40)                                           # doubled: room for 64
+    for layer in range(2):
+        seq.cache.store(layer, 0, np.full((40, 1, 4), layer + 1.0, np.float32), np.ones((40, 1, 4), np.float32))
+    seq.cache.length = 40
+    assert seq.cache.capacity == 64
+    kept = Sequence(list(range(40)), KVCache(2, 1, 4, 4, 128, capacity=40)).cache.nbytes
+    cache = PrefixCache(max_bytes=kept)                             # room for what it holds only
+    cache.store(seq)
+    assert len(cache) == 1 and cache.nbytes == kept
+    again, n = cache.start(list(range(41)), lambda t: Sequence(t, KVCache(2, 1, 4, 4, 128)))
+    assert n == 40 and all(again.cache.keys[layer][0, :40].min() == layer + 1 for layer in range(2))
 
 
 @pytest.mark.slow
