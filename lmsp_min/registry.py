@@ -318,18 +318,19 @@ class Registry:
     async def refresh(self) -> None:
         """Add the models directory's files that were not there (or not read) before."""
         if self.models_dir is not None:
-            new = [path for path in _gguf_files(self.models_dir) if path.resolve() not in self._known]
-            if new:
-                await self._add([], new, announce=True)
+            await self._add([], _gguf_files(self.models_dir), announce=True)
 
     async def _add(self, explicit: list[Path], found: list[Path], announce: bool = False) -> None:
         """Read the files' headers in a worker thread, then add their entries here, on the
         trio loop, where requests iterate the entries."""
         paths = []
         for path in [*explicit, *found]:
-            if path.resolve() not in self._known:
-                self._known.add(path.resolve())
+            resolved = path.resolve()
+            if resolved not in self._known:
+                self._known.add(resolved)
                 paths.append(path)
+        if not paths:  # (no thread for nothing new: the listing looks on every request)
+            return
         read = await trio.to_thread.run_sync(self._read, paths, set(explicit))
         for path, entry in read:
             if entry.id in self._entries:
