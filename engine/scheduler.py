@@ -184,8 +184,7 @@ class Scheduler:
                         request.seq, request.cached_tokens = self.prefix_cache.start(
                             request.prompt, self.model.new_sequence)
                     except Exception as exc:   # its cache could not be made (MemoryError): it alone fails
-                        _deliver(request, exc)
-                        _deliver(request, None)
+                        _fail(request, exc)
                         continue
                     active.append(request)
                 for request in [r for r in active if r.cancelled]:
@@ -198,8 +197,7 @@ class Scheduler:
                 self._waiting.clear()
                 self._worker = None
             for request in stranded:
-                _deliver(request, exc)
-                _deliver(request, None)
+                _fail(request, exc)
             raise
 
     def _step(self, active: list[Request]) -> None:
@@ -255,6 +253,12 @@ class Scheduler:
         if last is not None:
             _deliver(request, last)
         _deliver(request, None)
+
+
+def _fail(request: Request, exc: BaseException) -> None:
+    """End a request's stream with an exception, which its reader raises."""
+    _deliver(request, exc)
+    _deliver(request, None)
 
 
 def _deliver(request: Request, item) -> None:
