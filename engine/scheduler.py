@@ -218,8 +218,7 @@ class Scheduler:
         except Exception as exc:
             for request in batch:
                 active.remove(request)
-                _deliver(request, exc)
-                _deliver(request, None)
+                _fail(request, exc)
             return
         for request, row in zip(batch, logits):
             if request.seq.n_pending or request.cancelled:
