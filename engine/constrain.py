@@ -1106,11 +1106,11 @@ class _Compiler:
             done += 1
         return node
 
-    def dead_refs(self, root: Node) -> dict[str, Unsatisfiable]:
-        """The $refs that root reaches and that have no finite document, with the error their uses
-        raise: that of a $ref no value satisfies which they cannot do without (as inline), if
-        there is one, else that they can only be written by writing themselves again."""
-        nodes = _reached(root)
+    def dead_refs(self, nodes: list[Node]) -> dict[str, Unsatisfiable]:
+        """The $refs among `nodes` (what the root reaches: _reached) that have no finite document,
+        with the error their uses raise: that of a $ref no value satisfies which they cannot do
+        without (as inline), if there is one, else that they can only be written by writing
+        themselves again."""
         ending = _finite_documents(nodes)
         why = {id(self.refs[ref]): e for ref, e in self.unsatisfiable.items()}  # (by node id)
         grew = True
@@ -1418,15 +1418,17 @@ def compile_schema(schema) -> Node:
     compiler = _Compiler(schema)
     try:
         node = compiler.run()
-        dead = compiler.dead_refs(node)
+        nodes = _reached(node)
+        dead = compiler.dead_refs(nodes)
         if dead:
             # compiled again, a use of one of those fails as the subschema inline would: it is
             # left out where optional. Only what had no finite document goes, so once is enough.
             compiler = _Compiler(schema, dead)
             node = compiler.run()
+            nodes = _reached(node)
         # nested anyOfs, and $refs to anyOfs, are followed as one; those of what was left out
         # (no value satisfies it) are never followed
-        reached = {id(n) for n in _reached(node)}
+        reached = {id(n) for n in nodes}
         choices = [(choice, path) for choice, path in compiler.choices if id(choice) in reached]
         for b in _VALUE_STARTS:
             memo: dict = {}
