@@ -1340,7 +1340,8 @@ def writes_objects(node: Node) -> bool:
 
 
 def _parts(node: Node) -> list[Node]:
-    """The nodes a node's documents are made of."""
+    """The nodes a compiled schema's node's documents are made of (tools.py wraps such a node
+    in Seq, Repeat and FreeText only after compile_schema: they are never met here)."""
     if isinstance(node, Array):
         return [node.items]
     if isinstance(node, Object):
@@ -1349,28 +1350,7 @@ def _parts(node: Node) -> list[Node]:
         return [node.values]
     if isinstance(node, AnyOf):
         return node.options
-    if isinstance(node, Seq):
-        return node.children
-    if isinstance(node, Repeat):
-        return [node.child]
-    if isinstance(node, FreeText):
-        return [node.then] if node.then is not None else []
     return []
-
-
-def _ends_given(node: Node, ending: set[int]) -> bool:
-    """Whether node has a finite document, given the nodes (by id) known to have one."""
-    if isinstance(node, Array):
-        return node.min_items == 0 or id(node.items) in ending
-    if isinstance(node, Object):
-        return all(id(v) in ending for v in node.required_values)
-    if isinstance(node, AnyOf):
-        return any(id(o) in ending for o in node.options)
-    if isinstance(node, Seq):
-        return all(id(c) in ending for c in node.children)
-    if isinstance(node, Repeat):
-        return node.lo == 0 or id(node.child) in ending
-    return True  # literals, strings, numbers, free objects, free text: a short one always exists
 
 
 def _needed(node: Node) -> list[Node]:
@@ -1381,7 +1361,13 @@ def _needed(node: Node) -> list[Node]:
         return node.required_values
     if isinstance(node, AnyOf):
         return node.options
-    return []
+    return []  # literals, strings, numbers, free objects: a short document always exists
+
+
+def _ends_given(node: Node, ending: set[int]) -> bool:
+    """Whether node has a finite document, given the nodes (by id) known to have one."""
+    needed = (id(part) in ending for part in _needed(node))
+    return any(needed) if isinstance(node, AnyOf) else all(needed)
 
 
 def _reached(root: Node) -> list[Node]:
