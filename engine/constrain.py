@@ -301,7 +301,7 @@ class Number(Node):
             if ip == "":
                 for n in range(1, top + 1):
                     yield Fraction(10 ** (n - 1)), Fraction(10 ** n) - units[n], units[n]
-        elif fp is None:  # the integer part may still grow by e digits
+        elif fp is None:  # the integer part may still grow, to n digits
             v = int(ip)
             for n in range(len(ip), top + 1):
                 scale = 10 ** (n - len(ip))
@@ -309,7 +309,7 @@ class Number(Node):
         else:
             n = 0 if ip == "0" else len(ip)
             base = int(ip) + Fraction(int(fp or "0"), 10 ** len(fp))
-            width = 0 if len(fp) == self._frac_limit(ip) else Fraction(1, 10 ** len(fp)) - units[n]
+            width = 0 if len(fp) == self._frac_limits[n] else Fraction(1, 10 ** len(fp)) - units[n]
             yield base, base + width, units[n]
 
     def _feasible(self, neg: bool, ip: str, fp: str | None) -> bool:
