@@ -103,10 +103,9 @@ def parallel_for(fn: Callable[[int, int], None], n_items: int, n_values: int,
     chunks of about CHUNK_VALUES values, or of `items_per_chunk` items when given (at
     least one chunk per thread), fed through one queue to daemon worker threads (cheaper
     per call than concurrent.futures, which matters for ~100 small matmuls per decoded
-    token). The
-    caller works through the queue too, so it only ever waits for chunks a worker has
-    already started: on a busy machine a worker can wait milliseconds for a core, and
-    a matmul must not wait with it.
+    token). The caller works through the queue too, so it only ever waits for chunks a
+    worker has already started: on a busy machine a worker can wait milliseconds for a
+    core, and a matmul must not wait with it.
     """
     k = min(_threads, n_items) if n_values >= min_values else 1
     if k == 1:
