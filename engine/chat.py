@@ -206,13 +206,17 @@ async def generate_chat(model, prepared: PreparedChat):
     output = OutputSplitter(ToolCallParser() if prepared.tool_calls else None, splitter)
     message_stop = MessageStop(request.stop) if prepared.tool_calls and request.stop else None
     counts = prepared.counts
+
+    def stopped() -> bool:  # by a stop sequence of the message text, or a call the model repeated
+        return message_stop is not None and message_stop.stopped or output.repeated_call
+
     try:
         async for token in generation:
             counts.update(generation)
             events = output.feed(token.text)
             for event in message_stop.apply(events) if message_stop else events:
                 yield event
-            if message_stop and message_stop.stopped or output.repeated_call:
+            if stopped():
                 break
         else:
             events = output.finish(complete=generation.finish_reason == "stop")
@@ -223,9 +227,8 @@ async def generate_chat(model, prepared: PreparedChat):
     finally:
         counts.update(generation)  # (an end-of-turn token is never yielded; as the first, it brings cached_tokens)
         await generation.aclose()
-    # (perhaps in the last token allowed)
-    stopped = message_stop is not None and message_stop.stopped or output.repeated_call
-    yield Finished("stop" if stopped else generation.finish_reason or "stop", counts.input_tokens,
+    # (stopped perhaps in the last token allowed: "stop" all the same)
+    yield Finished("stop" if stopped() else generation.finish_reason or "stop", counts.input_tokens,
                    counts.output_tokens, cached_tokens=counts.cached_tokens)
 
 
