@@ -139,9 +139,11 @@ class Literals:
     def _mark_arguments(self, arguments):
         """A call's arguments, marked: a JSON string that holds special-token text is marked
         as the object it encodes (a mark inside a JSON string would be escaped away)."""
-        if isinstance(arguments, str) and any(special for _, special in self.tokenizer.special_text_parts(arguments)):
-            arguments = json.loads(arguments)
-        return self.mark(arguments)
+        if not isinstance(arguments, str):
+            return self.mark(arguments)
+        if not any(special for _, special in self.tokenizer.special_text_parts(arguments)):
+            return arguments  # (as _mark_text would, having looked for them again)
+        return self.mark(json.loads(arguments))
 
     def _mark_text(self, text: str) -> str:
         parts = self.tokenizer.special_text_parts(text)
