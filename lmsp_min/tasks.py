@@ -195,14 +195,21 @@ class Tasks:
                 nursery.start_soon(self._watch_cancel_requests)
             task_status.started()
             while True:
-                try:
-                    if trio.current_time() >= next_purge:
-                        next_purge = trio.current_time() + purge_interval
-                        await self.purge()
-                    await trio.sleep(min(RECOVER_INTERVAL, purge_interval))
-                    await self.recover()
-                except Exception as exc:  # (a full disk, no file descriptor left...) try again next time
-                    self._log(f"error: recovering or purging tasks failed: {type(exc).__name__}: {exc}")
+                if trio.current_time() >= next_purge:
+                    next_purge = trio.current_time() + purge_interval
+                    await self._attempt(self.purge, "purging expired events")
+                await trio.sleep(min(RECOVER_INTERVAL, purge_interval))
+                await self._attempt(self.recover, "recovering tasks")
+
+    async def _attempt(self, work, what: str) -> None:
+        """One round of `run`'s work on the database: a failure (a full disk, no file
+        descriptor left...) is logged, and tried again next round. Only the work is
+        guarded: an error of the wait itself (of trio) ends `run` (catching it
+        too made the loop spin at full speed, logging millions of lines)."""
+        try:
+            await work()
+        except Exception as exc:
+            self._log(f"error: {what} failed: {type(exc).__name__}: {exc}")
 
     # -- starting and running -----------------------------------------------------
 

@@ -10,6 +10,7 @@ import trio
 
 from lmsp_min import tasks
 from lmsp_min.store import LoggedEvent, Store, StoreError
+from lmsp_min.service import _only
 from lmsp_min.tasks import Tasks
 from server_harness import SSE, make_service, parse_sse, start_server, tiny_path  # noqa: F401
 
@@ -520,3 +521,50 @@ async def test_a_failing_recovery_is_logged_and_the_service_goes_on(nursery, tin
     monkeypatch.undo()
     assert (await wait_final(server, (await create(server, task_body(max_output_tokens=2)))["id"]))["status"] in (
         "completed", "incomplete")
+
+
+async def test_an_error_of_trio_ends_the_periodic_work_instead_of_spinning(monkeypatch):
+    """After an abnormal teardown trio's calls raised on every round, and the loop that
+    logged them went round at full speed (6.6 million lines in a few seconds)."""
+    lines = []
+    store = await Store.open(None)
+    real_sleep = trio.sleep
+    failures = 3
+
+    async def broken_sleep(seconds):
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise RuntimeError("must be called from async context")
+        await real_sleep(seconds)
+
+    monkeypatch.setattr(trio, "sleep", broken_sleep)
+    with pytest.raises(BaseException) as raised:  # (an exception group since trio 0.25)
+        with trio.fail_after(2):  # (the old loop logged the errors, then slept its 5 s)
+            await Tasks(store, log=lines.append).run()
+    assert isinstance(_only(raised.value, RuntimeError), RuntimeError)
+    assert failures == 2 and lines == []
+    store.close()
+
+
+async def test_failing_periodic_work_is_logged_once_a_round(monkeypatch):
+    monkeypatch.setattr(tasks, "RECOVER_INTERVAL", 0.05)
+    lines = []
+    store = await Store.open(None)
+
+    async def disk_full(*args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(Tasks(store, event_retention=0.0, log=lines.append).run)  # (a purge every 0.5 s)
+        monkeypatch.setattr(store, "purge", disk_full)
+        monkeypatch.setattr(store, "interrupted_tasks", disk_full)
+        start = trio.current_time()
+        with trio.fail_after(5):
+            while not any(line.startswith("error: purging expired events failed") for line in lines):
+                await trio.sleep(0.01)
+        rounds = (trio.current_time() - start) / 0.05
+        nursery.cancel_scope.cancel()
+    recoveries = sum(line.startswith("error: recovering tasks failed: OperationalError") for line in lines)
+    assert len(lines) == recoveries + 1 and 1 <= recoveries <= rounds + 1  # (one a round, not a spin)
+    store.close()
