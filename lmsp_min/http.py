@@ -551,6 +551,10 @@ class _Connection:
         The chunks are produced in a task of their own, so that waiting for the
         next one can time out without interrupting whatever produces it. The
         channel has no buffer: the producer still waits for each write.
+
+        What fails, the producer or the writer (_ClientGone), is raised once the
+        nursery is over: raised inside it, trio >= 0.25 would wrap it in an
+        exception group, which the callers' `except _ClientGone` does not catch.
         """
         send, receive = trio.open_memory_channel[bytes](0)
         failures: list[Exception] = []
@@ -559,20 +563,24 @@ class _Connection:
             async with send:
                 try:
                     await self._pass_on(response.chunks, send)
-                except Exception as exc:  # re-raised by the writer, below
+                except Exception as exc:
                     failures.append(exc)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(produce)
-            while True:
-                with trio.move_on_after(response.idle_interval) as idle:
-                    try:
-                        chunk = await receive.receive()
-                    except trio.EndOfChannel:
-                        if failures:
-                            raise failures[0] from None
-                        return
-                await self._send(h11.Data(data=response.idle_chunk if idle.cancelled_caught else chunk))
+            try:
+                while True:
+                    with trio.move_on_after(response.idle_interval) as idle:
+                        try:
+                            chunk = await receive.receive()
+                        except trio.EndOfChannel:
+                            break
+                    await self._send(h11.Data(data=response.idle_chunk if idle.cancelled_caught else chunk))
+            except _ClientGone as exc:
+                failures.append(exc)
+                nursery.cancel_scope.cancel()  # (the producer waits to hand over its next chunk)
+        if failures:
+            raise failures[0] from None
 
     @staticmethod
     async def _pass_on(source: AsyncIterable[bytes], send: trio.MemorySendChannel) -> None:

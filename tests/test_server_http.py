@@ -345,6 +345,30 @@ async def test_a_stream_that_fails_midway_is_logged_as_failed_not_as_a_client_go
     assert line.endswith("(stream failed)"), line
 
 
+async def test_a_client_that_stops_reading_a_stream_with_keepalives_is_logged_as_gone(nursery, tiny_path):
+    """Under trio >= 0.25 the writer's "client gone" left a nursery wrapped in an exception
+    group: it was logged as a failed stream (or a failed connection), with a traceback."""
+    service = await make_service([tiny_path], limits=Limits(write_timeout=0.3))
+    server = await start_server(nursery, service)
+
+    async def chunks():
+        while True:
+            yield b"data: " + b"x" * 65536 + b"\n\n"
+
+    async def streams(request, service):
+        return http.StreamingResponse(chunks(), idle_chunk=b": keep-alive\n\n", idle_interval=10.0)
+
+    service.router.add("GET", "/lmsp/v1/streams", "models:read", streams)
+    async with server.connection() as client:
+        await client.send("GET", "/lmsp/v1/streams")  # and reads nothing
+        with trio.fail_after(10):
+            while not any("/lmsp/v1/streams" in line for line in service.log_lines):
+                await trio.sleep(0.01)
+    line = [line for line in service.log_lines if "/lmsp/v1/streams" in line][-1]
+    assert line.endswith("(client gone)"), line
+    assert not any(line.startswith("error") for line in service.log_lines)
+
+
 async def test_stream_is_chunked_and_flushed_per_event(server):
     model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
     async with server.connection() as client:
