@@ -61,6 +61,9 @@ CAPABILITY_ORDER = ("streaming", "tools", "structured_output", "reasoning", "con
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+# How deep arrays of arrays may nest: deeper is a corrupt header (each level is a
+# recursion of the parser, and a few thousand, 12 bytes each, raised RecursionError).
+_MAX_ARRAY_DEPTH = 16
 
 
 class GGUFHeaderError(Exception):
@@ -105,7 +108,7 @@ def _parse_header(view) -> GGUFHeader:
         offset += length
         return text
 
-    def value(kind: int):
+    def value(kind: int, depth: int = 0):
         nonlocal offset
         if kind in _SCALARS:
             fmt = _SCALARS[kind]
@@ -124,8 +127,10 @@ def _parse_header(view) -> GGUFHeader:
                 for _ in range(count):
                     offset += 8 + length_of(view, offset)[0]
             else:
+                if depth == _MAX_ARRAY_DEPTH:
+                    raise GGUFHeaderError("arrays nested too deeply")
                 for _ in range(count):
-                    value(item_kind)
+                    value(item_kind, depth + 1)
             if offset > len(view):
                 raise GGUFHeaderError("an array runs past the end of the file")
             return count

@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import gguf
@@ -91,6 +92,22 @@ async def test_listing_does_not_load_models(nursery, tmp_path, tiny_path):
     assert [m["id"] for m in reply.json()["data"]] == ["smollm2:135m-instruct-q4_1"]
     assert all(entry.model is None for entry in service.registry)
     assert all(any(f"{name}.gguf" in line for line in lines) for name in ("broken", "odd-text", "odd-nan"))
+
+
+async def test_a_header_of_arrays_nested_too_deeply_is_skipped(tmp_path, tiny_path):
+    """Each level of arrays of arrays was one more recursion: 5,000 of them (60 kB) raised
+    RecursionError, which stopped the start of a service serving that directory."""
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(tiny_path, models / "tiny-chat-q8_0.gguf")
+    key = b"general.nested"
+    nested = struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 0, 0)  # [[[...[]...]]]
+    (models / "nested.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key))
+                                         + key + struct.pack("<I", 9) + nested)
+    lines = []
+    registry = await Registry.scan([], models, lines.append)
+    assert [entry.id for entry in registry] == ["tiny:chat-q8_0"]
+    assert lines == ["warning: skipping nested.gguf: arrays nested too deeply"]
 
 
 async def test_a_bad_model_path_is_refused_at_start(tmp_path):
