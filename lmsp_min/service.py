@@ -33,7 +33,12 @@ LAST_WORDS = 2.0  # seconds, after that, for the responses still generating to s
 
 
 def stderr_log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """The service's log. A line that cannot be written is dropped (stderr may be a pipe
+    whose reader has ended, `2>&1 | tee`): raising would end the server at its next line."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 @dataclass

@@ -369,6 +369,24 @@ async def test_a_client_that_stops_reading_a_stream_with_keepalives_is_logged_as
     assert not any(line.startswith("error") for line in service.log_lines)
 
 
+async def test_a_service_whose_stderr_is_gone_goes_on_serving(nursery, tiny_path, monkeypatch):
+    """`lmsp-min serve 2>&1 | tee log`, and tee ends: each log line raised BrokenPipeError,
+    and the first one (the access log of the next request) ended the server."""
+    from lmsp_min.service import stderr_log
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        flush = write
+
+    server = await start_server(nursery, await make_service([tiny_path], log=stderr_log))
+    monkeypatch.setattr("sys.stderr", ClosedPipe())
+    for _ in range(2):
+        assert (await server.request("GET", MODELS)).status == 200
+        assert (await server.request("GET", "/nowhere")).status == 404
+
+
 async def test_stream_is_chunked_and_flushed_per_event(server):
     model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
     async with server.connection() as client:
