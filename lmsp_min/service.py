@@ -25,7 +25,7 @@ from lmsp_min.auth import Auth, is_loopback
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem
 from lmsp_min.registry import Registry
-from lmsp_min.store import Store
+from lmsp_min.store import Store, StoreError
 from lmsp_min.tasks import Tasks
 
 SHUTDOWN_GRACE = 10.0  # seconds requests in progress get to finish after SIGINT / SIGTERM
@@ -182,14 +182,15 @@ def run(config: ServiceConfig, host: str, port: int) -> None:
         trio.run(_serve_until_signal, config, host, port)
     except Exception as exc:
         # trio's nurseries wrap what fails in them in exception groups (strictly since trio
-        # 0.25): an address that is taken is one OSError for the user, not a traceback
-        os_error = _only(exc, OSError)
-        if os_error is None:
+        # 0.25): an address that is taken is one OSError for the user, a database that
+        # cannot be read (found as tasks recover) one StoreError, not a traceback
+        error = _only(exc, (OSError, StoreError))
+        if error is None:
             raise
-        raise os_error from None
+        raise error from None
 
 
-def _only(exc: BaseException, kind: type) -> BaseException | None:
+def _only(exc: BaseException, kind: type | tuple[type, ...]) -> BaseException | None:
     """The one `kind` exception that exc is, or that its (nested) groups hold alone, else None."""
     while isinstance(getattr(exc, "exceptions", None), tuple) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]

@@ -4,12 +4,14 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from lmsp_min.store import Store
 from server_harness import tiny_path  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,6 +75,31 @@ def test_serve_on_a_taken_port_says_so_in_one_line(tmp_path, tiny_path):
             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_on_a_damaged_database_says_so_in_one_line(tmp_path, tiny_path):
+    """Found when tasks recover at start, inside the service's nurseries: trio >= 0.25 wrapped
+    the StoreError in exception groups, and serve printed their traceback."""
+    data = tmp_path / "data"
+    Store.open_sync(data).close()
+    database = data / "lmsp-min.sqlite3"
+    with sqlite3.connect(database) as db:
+        db.executemany("INSERT INTO tasks (id, principal, owner, created_at, model, response_id, status, request)"
+                       " VALUES (?, 'local', 'gone', 0, 'tiny:chat-q8_0', ?, 'queued', ?)",
+                       [(f"task_{n}", f"resp_{n}", "x" * 500) for n in range(200)])
+    db.close()
+    with open(database, "r+b") as file:  # the pages after the first ones: the tasks' table
+        for offset in range(4096, database.stat().st_size, 4096):
+            file.seek(offset)
+            file.write(bytes(range(256)) * 16)
+    result = subprocess.run(
+        [sys.executable, "-m", "lmsp_min.cli", "serve", "--model", str(tiny_path), "--port", str(_free_port()),
+         "--data-dir", str(data)],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LMSP_HOME": str(tmp_path)},
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "lmsp-min serve: the database cannot be read" in result.stderr
     assert "Traceback" not in result.stderr
 
 
