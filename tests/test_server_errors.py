@@ -71,6 +71,7 @@ async def test_a_number_past_a_doubles_range_is_refused(server, number):
     ({"input": "hello"}, "input"),
     ({"input": []}, "input"),
     ({"input": [42]}, "input[0]"),
+    ({"input": [{"role": "user", "content": "x"}] * 4097}, "input"),  # D9: bounded input items
     ({"input": [{"type": "message", "role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "message", "role": "user", "content": 5}]}, "input[0].content"),
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
@@ -102,6 +103,7 @@ async def test_a_number_past_a_doubles_range_is_refused(server, number):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema.schema"),
     ({"tools": {"name": "f"}}, "tools"),
+    ({"tools": [{"type": "function", "name": f"f{i}"} for i in range(129)]}, "tools"),  # D9
     ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
     ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools[1].name"),
     ({"tools": [{"type": "retrieval", "name": "f"}]}, "tools[0].type"),
