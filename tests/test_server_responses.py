@@ -93,6 +93,20 @@ async def test_max_output_tokens_gives_incomplete(server):
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
+async def test_without_max_output_tokens_generation_stops_at_the_window(server):
+    # D4: no max_output_tokens, no refusal: the response fills the window and ends
+    # incomplete, as at a token limit (a long input leaves a few dozen tokens to write)
+    window = (await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")).json()["context_window"]
+    body = request("Tell me a story. " * 90)
+    response = (await server.responses(body)).json()
+    assert response["status"] == "incomplete", response
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["usage"]["total_tokens"] == window
+    events = await stream(server, body)
+    assert events[-1].event == "response.incomplete"
+    assert events[-1].data["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
 async def test_stream_events_and_the_sync_response_agree(server):
     body = request(max_output_tokens=12)
     events = await stream(server, body)
