@@ -185,6 +185,28 @@ async def test_streaming_generation_failure_ends_with_response_failed(server, mo
     assert events[-1].data["status"] == "failed" and events[-1].data["error"]["code"] == "generation_failed"
 
 
+async def test_a_stream_that_cannot_go_on_ends_with_an_error_event(nursery, tiny_path, tmp_path, monkeypatch):
+    # 6.3's `error` event: a problem object in `error`, after which the stream is closed
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
+
+    async def fails(*args, **kwargs):
+        raise OSError(28, "No space left on device", "/secret/path/lmsp.db")
+
+    monkeypatch.setattr(server.service.store, "put_response", fails)
+    reply = await server.responses({**request(max_output_tokens=3), "stream": True, "store": True})
+    assert reply.status == 200 and reply.headers["content-type"] == "text/event-stream"
+    events = parse_sse(reply.body)  # (the whole body: the stream was closed)
+    ids = [e.id for e in events]
+    assert ids == sorted(set(ids)) and ids[0] == 1
+    assert events[-1].event == "error" and set(events[-1].data) == {"error"}
+    problem = events[-1].data["error"]
+    assert problem["code"] == "internal_error" and problem["status"] == 500
+    assert problem["type"] == "urn:lmsp:error:internal_error" and "/secret" not in problem["detail"]
+    assert not any(e.event in ("response.completed", "response.incomplete", "response.failed",
+                               "response.cancelled") for e in events)
+    assert (await server.responses(request(max_output_tokens=1))).status == 200  # the server goes on
+
+
 async def test_a_failed_stream_is_stored_like_a_failed_task(nursery, tiny_path, tmp_path, monkeypatch):
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
     model = await server.service.registry.get(TINY_ID).load()
