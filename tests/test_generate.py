@@ -283,6 +283,17 @@ def test_chat_checks_the_context_window(tmp_path):
     with pytest.raises(ContextLengthExceeded):
         small.prepare_chat(ChatRequest([{"role": "user", "content": "word " * 40}]))
     assert small.prepare_chat(ChatRequest(messages)).max_tokens == 40 - n_input
+    assert small.prepare_chat(ChatRequest(messages, max_tokens=40 - n_input)).max_tokens == 40 - n_input
+
+
+def test_an_input_that_fills_the_window_exactly_is_refused(tmp_path):
+    # D4: "or whose input alone fills it": no room is left for a single token
+    path = write_tiny_chat_model(tmp_path / "m.gguf")
+    messages = [{"role": "user", "content": "Hi"}]
+    n_input = load_model(path).prepare_chat(ChatRequest(messages)).input_tokens
+    with pytest.raises(ContextLengthExceeded):
+        load_model(path, n_ctx=n_input).prepare_chat(ChatRequest(messages))
+    assert load_model(path, n_ctx=n_input + 1).prepare_chat(ChatRequest(messages)).max_tokens == 1
 
 
 @pytest.mark.parametrize("add_bos", [None, True, False])
