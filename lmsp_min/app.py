@@ -242,7 +242,7 @@ async def _engine_events(model, prepared, in_progress: GenerationsInProgress):
 
 
 async def prepare_generation(body: dict, principal: str, service) -> PreparedResponse:
-    """Everything that can refuse a request, done before any generation (D1, D2, D4)."""
+    """Everything that can refuse a request, done before any generation (D1, D2, D4, D9)."""
     from engine.errors import ChatTemplateError, ContextLengthExceeded, SchemaError
 
     request = validate_responses_request(body)
@@ -261,11 +261,10 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
         raise Problem("unsupported_capability", f"model '{entry.id}' has no 'structured_output' capability",
                       param="response_format")
 
-    earlier: list[dict] = []
+    items = request.input
     if request.previous_response_id is not None:
-        earlier = await service.conversation_items(principal, request.previous_response_id)
-    items = earlier + request.input
-    messages = items_to_messages(items, input_start=len(earlier))
+        items = await service.conversation_input(principal, request.previous_response_id, request.input)
+    messages = items_to_messages(items, input_start=len(items) - len(request.input))
     chat_request = _chat_request(request, messages)
     try:
         constrained = bool(request.tools) or request.json_schema is not None  # compiles a grammar

@@ -22,11 +22,13 @@ import trio
 from lmsp_min import paths
 from lmsp_min.app import App, GenerationsInProgress, default_router
 from lmsp_min.auth import Auth, is_loopback
+from lmsp_min.events import compact_json
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem
 from lmsp_min.registry import Registry
 from lmsp_min.store import Store, StoreError
 from lmsp_min.tasks import Tasks
+from lmsp_min.validate import MAX_INPUT_ITEMS
 
 SHUTDOWN_GRACE = 10.0  # seconds requests in progress get to finish after SIGINT / SIGTERM
 LAST_WORDS = 2.0  # seconds, after that, for the responses still generating to say they were stopped
@@ -123,13 +125,36 @@ class Service:
             names.append("tasks")
         return tuple(names)
 
-    async def conversation_items(self, principal: str, response_id: str) -> list[dict]:
-        """The input then the output items of a stored response (for previous_response_id)."""
+    async def conversation_input(self, principal: str, response_id: str, new_items: list[dict]) -> list[dict]:
+        """The effective input of a request with previous_response_id: the stored response's
+        input then output items, then `new_items`.
+
+        Our reading of D9 ("bounded everything"): previous_response_id is a shorthand for
+        sending the whole conversation in one request, so the effective input is held to
+        the bounds of one request: MAX_INPUT_ITEMS items, and max_body_bytes as compact
+        UTF-8 JSON. The context window is no bound: it holds only what the prompt renders
+        (not reasoning items, nor keys no template reads). Unbounded, the stored input
+        grew with every turn, and every later turn loaded all of it.
+        """
         stored = await self.store.get_response(response_id, principal)
         if stored is None:
             raise Problem("response_not_found", f"no stored response has the id '{response_id[:80]}'",
                           param="previous_response_id")
-        return [*stored.input, *stored.output]
+        items = [*stored.input, *stored.output, *new_items]
+        restart = "start a new conversation (without previous_response_id)"
+        if len(items) > MAX_INPUT_ITEMS:
+            raise Problem("invalid_request",
+                          f"this conversation would hold {len(items)} input items, more than the "
+                          f"{MAX_INPUT_ITEMS} one request may send: {restart}, or send fewer items",
+                          param="previous_response_id")
+        size = len(compact_json(items).encode("utf-8"))
+        max_bytes = self.config.limits.max_body_bytes
+        if size > max_bytes:
+            raise Problem("request_too_large",
+                          f"this conversation's input would be {size} bytes of JSON, more than the "
+                          f"{max_bytes} one request may send: {restart}, or send smaller items",
+                          param="previous_response_id")
+        return items
 
 
 async def serve(service: Service, host: str = "127.0.0.1", port: int = 8080, *,

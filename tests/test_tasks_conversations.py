@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from lmsp_min.http import Limits
+from lmsp_min.validate import MAX_INPUT_ITEMS
 from server_harness import make_service, parse_sse, start_server, tiny_path  # noqa: F401
 
 RESPONSES = "/lmsp/v1/responses"
@@ -88,6 +90,55 @@ async def test_previous_response_id_must_exist_and_be_yours(server):
         reply = await server.responses({**body(), "previous_response_id": response_id}, headers=auth(token))
         assert reply.status == 404 and reply.json()["code"] == "response_not_found"
         assert reply.json()["param"] == "previous_response_id"
+
+
+def reasoning(text: str = "") -> dict:
+    """An earlier output item sent back: accepted, never rendered into the prompt."""
+    return {"type": "reasoning", "summary": [{"type": "summary_text", "text": text}]}
+
+
+def json_size(items: list[dict]) -> int:
+    return len(json.dumps(items, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+
+
+async def test_a_conversation_holds_at_most_the_items_of_one_request(server):
+    """D9, our reading: previous_response_id stands for sending the whole conversation in
+    one request, so the effective input holds at most MAX_INPUT_ITEMS items. It grew by
+    every turn's items, whatever the context window (reasoning items are not rendered)."""
+    first_input = [reasoning()] * 4000 + body("One.")["input"]
+    first = (await server.responses({**body(store=True), "input": first_input}, headers=auth(ALICE))).json()
+    room = MAX_INPUT_ITEMS - len(first_input) - len(first["output"])
+    fills = [reasoning()] * (room - 1) + body("Two.")["input"]  # exactly MAX_INPUT_ITEMS in all
+    for extra, status in ((0, 200), (1, 400)):
+        reply = await server.responses({**body(), "input": [reasoning()] * extra + fills,
+                                        "previous_response_id": first["id"]}, headers=auth(ALICE))
+        assert reply.status == status, reply.body
+    assert reply.json()["code"] == "invalid_request" and reply.json()["param"] == "previous_response_id"
+    assert "start a new conversation" in reply.json()["detail"]
+
+
+async def test_a_conversation_holds_at_most_the_bytes_of_one_request(nursery, tiny_path, tmp_path):
+    """D9, our reading: the effective input is at most --max-body-bytes of JSON (compact,
+    UTF-8), else 413. Each turn that sent 3 MB stored 3 MB more, and every later turn
+    loaded all of it."""
+    limit = 3000
+    service = await make_service([tiny_path], limits=Limits(max_body_bytes=limit), data_dir=tmp_path / "data")
+    server = await start_server(nursery, service)
+    first_input = [reasoning("x" * 900), *body("Un é.")["input"]]
+    first = (await server.responses({**body(store=True), "input": first_input})).json()
+    earlier = [*first_input, *first["output"]]
+    second_input = [reasoning(), *body("Deux é.")["input"]]
+    padding = limit - json_size(earlier + second_input)  # exactly `limit` bytes in all
+    replies = []
+    for extra in (0, 1):
+        second_input[0] = reasoning("x" * (padding + extra))
+        replies.append(await server.responses({**body(store=True), "input": second_input,
+                                               "previous_response_id": first["id"]}))
+    assert replies[0].status == 200, replies[0].body
+    assert replies[1].status == 413 and replies[1].json()["code"] == "request_too_large"
+    assert replies[1].json()["param"] == "previous_response_id"
+    third = await server.responses({**body("Trois."), "previous_response_id": replies[0].json()["id"]})
+    assert third.status == 413 and third.json()["param"] == "previous_response_id"  # the chain is full
 
 
 async def test_another_principal_sees_nothing_of_yours(server):
