@@ -209,7 +209,7 @@ class PreparedResponse:
     async def events(self):
         """The LMSP events of this response (start it once)."""
         try:
-            engine_events = _engine_events(self.model, self.prepared, self.in_progress)
+            engine_events = _engine_events(self.model, self.prepared, self.request, self.in_progress)
             async with aclosing(self.run.events(engine_events)) as events:
                 async for event in events:
                     yield event
@@ -217,14 +217,17 @@ class PreparedResponse:
             self.count_out()
 
 
-async def _engine_events(model, prepared, in_progress: GenerationsInProgress):
+async def _engine_events(model, prepared, request: ResponsesRequest, in_progress: GenerationsInProgress):
     """The engine's chat events, asked for only when the first one is wanted.
 
     So that an engine refusing to start fails inside the event generator, where it
     becomes a failed response, like any generation failure. A service that stops
     cuts the wait for the next event (never a yield: the consumer runs outside the
-    cancel scope), and ServiceStopping ends the response.
+    cancel scope), and ServiceStopping ends the response. A schema whose bound only
+    the output reaches (engine/constrain.py) is the Problem it is while preparing.
     """
+    from engine.errors import SchemaError
+
     chat = model.generate_chat(prepared)
     try:
         while True:
@@ -233,6 +236,8 @@ async def _engine_events(model, prepared, in_progress: GenerationsInProgress):
                     event = await chat.__anext__()
                 except StopAsyncIteration:
                     return
+                except SchemaError as exc:
+                    raise _schema_problem(exc, request) from None
             if wait.cancelled_caught:
                 raise ServiceStopping
             yield event
@@ -274,18 +279,24 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
             prepared = await trio.to_thread.run_sync(model.prepare_chat, chat_request)
     except ContextLengthExceeded as exc:
         raise Problem("context_length_exceeded", str(exc), param="input") from None
-    except SchemaError as exc:  # D5: a keyword we cannot enforce is refused, by name
-        param = "response_format.json_schema.schema" if request.json_schema is not None else "tools"
-        detail = f"the schema cannot be enforced: {exc}"
-        if exc.keyword and exc.keyword not in detail:
-            detail += f" (keyword '{exc.keyword}')"
-        raise Problem("invalid_request", detail, param=param + _param_suffix(exc.path)) from None
+    except SchemaError as exc:
+        raise _schema_problem(exc, request) from None
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
     count_out = entry.admit()  # nothing is awaited from here until the PreparedResponse holds it
     run = ResponseRun(entry.id, log=service.log, counts=prepared.counts)
     return PreparedResponse(request, principal, items, model, prepared, run, count_out, service.generations)
+
+
+def _schema_problem(exc, request: ResponsesRequest) -> Problem:
+    """D5: a schema we cannot enforce (an engine SchemaError) is refused by name, where it
+    is in the request's json_schema or tools, whether preparing or generating found it."""
+    param = "response_format.json_schema.schema" if request.json_schema is not None else "tools"
+    detail = f"the schema cannot be enforced: {exc}"
+    if exc.keyword and exc.keyword not in detail:
+        detail += f" (keyword '{exc.keyword}')"
+    return Problem("invalid_request", detail, param=param + _param_suffix(exc.path))
 
 
 _SCHEMA_MAPPINGS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
@@ -352,7 +363,7 @@ async def _respond(body: dict, request: Request, service):
     run = generation.run
     if run.status == "failed":
         retry = [("Retry-After", "5")] if run.error["code"] == "model_unavailable" else None  # stopping
-        raise Problem(run.error["code"], run.error["detail"], headers=retry)
+        raise Problem(run.error["code"], run.error["detail"], param=run.error.get("param"), headers=retry)
     return json_response(run.response_object())
 
 

@@ -200,13 +200,13 @@ class ResponseRun:
 
         An exception out of the engine ends the response `failed` (with a
         `generation_failed` problem; the traceback goes to the log, never to
-        the client), except two that say what happened: a schema whose bound only
-        the output reaches (`invalid_request`) and a stopping service
-        (`model_unavailable`). Cancellation is not caught: the caller decides what it
+        the client), except two that say what happened: a Problem (the caller's
+        reading of an engine error, such as a schema whose bound only the output
+        reaches) is the response's error as it is, and a stopping service is
+        `model_unavailable`. Cancellation is not caught: the caller decides what it
         means (a stream whose client left; a task cancelled, see `cancelled`).
         """
         from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall
-        from engine.errors import SchemaError
 
         yield self._event("response.created", status="in_progress")
         try:
@@ -231,8 +231,8 @@ class ResponseRun:
             raise RuntimeError("the engine's generation ended without a Finished event")
         except ServiceStopping:
             yield self.failed(shutting_down())
-        except SchemaError as exc:  # a bound that only the output reaches (engine/constrain.py)
-            yield self.failed(Problem("invalid_request", f"the schema cannot be enforced: {exc}"))
+        except Problem as problem:
+            yield self.failed(problem)
         except Exception as exc:
             if self._log is not None:
                 self._log(f"error: generation of {self.id} failed: {type(exc).__name__}: {exc}")

@@ -134,15 +134,18 @@ async def test_engine_failure_ends_failed_without_details():
     assert any("/home/secret/x broke" in line for line in lines)  # the log has the reason
 
 
-@pytest.mark.parametrize("reason, code", [("schema", "invalid_request"), ("stopping", "model_unavailable")])
+@pytest.mark.parametrize("reason, code", [("problem", "invalid_request"), ("stopping", "model_unavailable")])
 async def test_two_engine_ends_say_what_happened(reason, code):
-    from engine.errors import SchemaError
+    """A Problem (app._engine_events' reading of a schema the output takes past its bound)
+    is the error as it is, param included; a stopping service is model_unavailable."""
     from lmsp_min.events import ServiceStopping
 
-    fail = SchemaError("alternatives grow past 256", "", "anyOf") if reason == "schema" else ServiceStopping()
-    _, events = await run(TextDelta("["), fail=fail)
+    problem = Problem("invalid_request", "the schema cannot be enforced", param="tools")
+    _, events = await run(TextDelta("["), fail=problem if reason == "problem" else ServiceStopping())
     check_sequence(events)
     assert events[-1].name == "response.failed" and events[-1].data["error"]["code"] == code
+    if reason == "problem":
+        assert events[-1].data["error"] == problem.to_dict()
 
 
 async def test_an_engine_that_stops_without_finished_has_failed():

@@ -197,6 +197,25 @@ async def test_nested_alternatives_past_the_bound_are_refused_before_generating(
     assert reply.json()["param"] == "tools[0].parameters.properties.a.anyOf"
 
 
+async def test_alternatives_that_grow_past_the_bound_while_generating_are_named(server):
+    """D5: a schema refused by the bound only the output reaches (each "[" doubles the ways
+    to read it: 512 after nine) names the schema as one refused before generating does,
+    synchronous (the param was missing) and streamed (in response.failed's error)."""
+    defs = {"L0": {"type": "integer"}}
+    for k in range(1, 11):
+        one = {"type": "array", "items": {"$ref": f"#/$defs/L{k - 1}"}, "minItems": 1, "maxItems": 1}
+        defs[f"L{k}"] = {"anyOf": [one, {**one, "maxItems": 2}]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "nested", "schema": {"$ref": "#/$defs/L10", "$defs": defs}}}
+    request = {"model": TINY_ID, "input": ASK, "max_output_tokens": 32, "response_format": fmt}
+    reply = await server.responses(request)
+    assert reply.status == 400, reply.body
+    assert reply.json()["code"] == "invalid_request" and "256" in reply.json()["detail"]
+    assert reply.json()["param"] == "response_format.json_schema.schema"
+    events = parse_sse((await server.responses({**request, "stream": True})).body)
+    assert events[-1].event == "response.failed"
+    assert events[-1].data["error"] == reply.json()
+
+
 @pytest.mark.parametrize("chosen", ["get_time", "f"])
 async def test_a_tool_schema_is_named_by_its_index_whichever_tool_is_chosen(server, chosen):
     tool = {"type": "function", "name": "f", "parameters": {
