@@ -5,7 +5,8 @@ anywhere in a handler, turned into an `application/problem+json` response by
 the HTTP layer, or embedded as the `error` of a failed response or event.
 `detail` is written for humans and never carries a path, a stack trace or a
 secret: it is always composed here or by the validator, never copied from an
-arbitrary exception.
+arbitrary exception. What an unexpected exception was is for the log, where
+`leaf_exceptions` finds it inside trio's exception groups.
 """
 
 # code -> (HTTP status, title). The closed list of D1's error table.
@@ -77,3 +78,12 @@ def shutting_down(detail: str = "the service is shutting down") -> Problem:
     """D1's `model_unavailable` while the service stops: for a request it refuses (told to
     retry in a few seconds), or the `error` of a response or task it ends."""
     return Problem("model_unavailable", detail, headers=[("Retry-After", "5")])
+
+
+def leaf_exceptions(exc: BaseException) -> list[BaseException]:
+    """exc, or the exceptions its (nested) exception groups hold: trio's nurseries wrap
+    what fails in them in groups (strictly since trio 0.25), which do not say what it was."""
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return [exc]
+    return [leaf for member in inner for leaf in leaf_exceptions(member)]

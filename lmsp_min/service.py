@@ -24,7 +24,7 @@ from lmsp_min.app import App, GenerationsInProgress, default_router
 from lmsp_min.auth import Auth, is_loopback
 from lmsp_min.events import compact_json
 from lmsp_min.http import HTTPServer, Limits
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, leaf_exceptions
 from lmsp_min.registry import Registry
 from lmsp_min.store import Store, StoreError
 from lmsp_min.tasks import Tasks
@@ -217,9 +217,8 @@ def run(config: ServiceConfig, host: str, port: int) -> None:
 
 def _only(exc: BaseException, kind: type | tuple[type, ...]) -> BaseException | None:
     """The one `kind` exception that exc is, or that its (nested) groups hold alone, else None."""
-    while isinstance(getattr(exc, "exceptions", None), tuple) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, kind) else None
+    leaves = leaf_exceptions(exc)
+    return leaves[0] if len(leaves) == 1 and isinstance(leaves[0], kind) else None
 
 
 async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> None:

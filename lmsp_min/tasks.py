@@ -33,7 +33,7 @@ from typing import AsyncIterator
 import trio
 
 from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, add_text, compact_json, new_id, sse_message
-from lmsp_min.problems import Problem, shutting_down
+from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
 
 # D3: "at least every 15 seconds" while a stream is idle; 10 leaves room for a
@@ -262,7 +262,8 @@ class Tasks:
                 await event_log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
         except Exception as exc:
             # A bug or a failing database: the task fails, the service goes on.
-            self._log(f"error: task {running.task_id} failed: {type(exc).__name__}: {exc}")
+            causes = "; ".join(f"{type(error).__name__}: {error}" for error in leaf_exceptions(exc))
+            self._log(f"error: task {running.task_id} failed: {causes}")
             problem = _runner_lost()
         finally:
             if not event_log.done:

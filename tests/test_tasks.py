@@ -307,6 +307,19 @@ async def test_a_broken_task_fails_alone_and_the_service_goes_on(server, monkeyp
         "status"] in ("completed", "incomplete")
 
 
+async def test_a_broken_task_is_logged_with_its_cause(server, monkeypatch):
+    """Under trio >= 0.25 the runner's nursery wraps what failed in an exception group:
+    the log said "ExceptionGroup: Exceptions from Trio nursery (1 sub-exception)"."""
+    async def disk_full(task_id, events):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(server.service.store, "append_events", disk_full)
+    task = await create(server, task_body(max_output_tokens=5))
+    await wait_final(server, task["id"])
+    assert f"error: task {task['id']} failed: OperationalError: database or disk is full" in (
+        server.service.log_lines)
+
+
 @pytest.mark.slow
 async def test_a_smollm2_task_says_what_a_direct_request_says(nursery, smollm2_path, tmp_path):
     server = await start_server(nursery, await make_service([smollm2_path], data_dir=tmp_path))
