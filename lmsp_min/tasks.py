@@ -234,7 +234,12 @@ class Tasks:
             except BaseException:
                 del self._running[task_id]
                 raise
-            self._nursery.start_soon(self._run, running)
+            try:
+                self._nursery.start_soon(self._run, running)
+            except RuntimeError:  # its nursery closed meanwhile: the service stopped at once
+                await self._fail(running, _shutting_down())
+                self._release(running)
+                raise shutting_down() from None
         return TaskRow(task_id, generation.principal, self.store.owner, run.created_at, run.model_id,
                        run.id, "queued", compact_json(body), None, None, False)
 
@@ -273,9 +278,14 @@ class Tasks:
                 # final event.
                 with trio.CancelScope(shield=True):
                     await self._fail(running, problem)
-            event_log.abandon()  # (release followers if no final event could be published)
-            del self._running[running.task_id]
-            running.ended.set()
+            self._release(running)
+
+    def _release(self, running: _Running) -> None:
+        """The task has no runner any more: release its followers (if no final event could
+        be published) and whoever waits for its end."""
+        running.event_log.abandon()
+        del self._running[running.task_id]
+        running.ended.set()
 
     def _stored(self, running: _Running) -> tuple[str, list] | None:
         """(principal, effective input) when the task's response is to be stored (D6)."""

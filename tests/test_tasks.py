@@ -7,8 +7,11 @@ from contextlib import aclosing
 
 import pytest
 import trio
+import trio.testing
 
 from lmsp_min import tasks
+from lmsp_min.app import prepare_generation
+from lmsp_min.problems import Problem
 from lmsp_min.store import LoggedEvent, Store, StoreError
 from lmsp_min.service import _only
 from lmsp_min.tasks import Tasks
@@ -493,6 +496,45 @@ async def test_a_service_that_stops_fails_its_running_tasks_at_once(tiny_path, t
     assert [e.seq for e in events[:4]] == [e.id for e in seen] and events[-1].event == "response.failed"
     assert await Tasks(store).recover() == []  # nothing was left for a restart to do
     store.close()
+
+
+async def test_a_task_created_once_the_service_has_stopped_at_once_ends_as_it_stops(tiny_path, tmp_path,
+                                                                                   monkeypatch):
+    """The row of a task was written just after a forced stop closed the tasks' nursery:
+    its start raised RuntimeError, the task stayed running for good, and its row queued."""
+    service = await make_service([tiny_path], data_dir=tmp_path)
+    generation = await prepare_generation(task_body(), "local", service)
+    create_task = service.store.create_task
+    created, stopped = [], trio.Event()
+
+    async def after_the_stop(task_id, *args):
+        await stopped.wait()
+        await create_task(task_id, *args)
+        created.append(task_id)
+
+    monkeypatch.setattr(service.store, "create_task", after_the_stop)
+    refused = []
+
+    async def start() -> None:  # (a request's handler)
+        with pytest.raises(Problem) as raised:
+            await service.tasks.start(generation, task_body())
+        refused.append(raised.value)
+
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as forced_stop:
+            async with trio.open_nursery() as service_nursery:
+                await service_nursery.start(service.tasks.run)
+                nursery.start_soon(start)
+                await trio.testing.wait_all_tasks_blocked()
+                forced_stop.cancel()
+        stopped.set()
+    # D1: 503 model_unavailable, the service is shutting down; for the row too, as for a running task
+    assert [(problem.status, problem.code) for problem in refused] == [(503, "model_unavailable")]
+    assert not service.tasks.is_running(created[0])
+    row = await service.store.get_task(created[0], None)
+    assert row.status == "failed" and row.object()["response"]["error"]["code"] == "model_unavailable"
+    assert [e.event for e in await service.store.read_events(created[0], 0)] == ["response.failed"]
+    service.close()
 
 
 async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_path, tmp_path, monkeypatch):
