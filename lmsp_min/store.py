@@ -254,28 +254,32 @@ class Store:
         # 'running' claim of ours that is not here was left by a request that could
         # neither complete nor release it (a failing disk), see release_abandoned_keys
         self._claims_held: set[tuple[str, str]] = set()
-        if path is None:
-            self._owners = self._owner_lock = None
-            self._writer = _connect(":memory:")
-            self._read_limiter = self._write_limiter  # one connection does everything
-            self._idle_readers.append(self._writer)
-        else:
-            self._owners = path.parent / OWNERS_DIR
-            self._owners.mkdir(exist_ok=True)
-            lock_path = self._owners / f"{self.owner}.lock"
-            if fcntl is None:
-                self._owner_lock = open(lock_path, "w")
-            else:  # locked under another name, then renamed: never seen unlocked
-                self._owner_lock = open(lock_path.with_suffix(".new"), "w")
-                fcntl.flock(self._owner_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                lock_path.with_suffix(".new").rename(lock_path)
-            for lock_file in self._owners.glob("*.lock"):  # (the dead leave theirs behind)
-                self._is_dead(lock_file.stem)
-            self._writer = _connect(str(path))
-            _use_wal(self._writer)
-            self._read_limiter = trio.CapacityLimiter(readers)
-        self._writer.execute("PRAGMA synchronous = FULL")
-        _migrate(self._writer)
+        self._owners = self._owner_lock = self._writer = None
+        try:
+            if path is None:
+                self._writer = _connect(":memory:")
+                self._read_limiter = self._write_limiter  # one connection does everything
+                self._idle_readers.append(self._writer)
+            else:
+                self._owners = path.parent / OWNERS_DIR
+                self._owners.mkdir(exist_ok=True)
+                lock_path = self._owners / f"{self.owner}.lock"
+                if fcntl is None:
+                    self._owner_lock = open(lock_path, "w")
+                else:  # locked under another name, then renamed: never seen unlocked
+                    self._owner_lock = open(lock_path.with_suffix(".new"), "w")
+                    fcntl.flock(self._owner_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    lock_path.with_suffix(".new").rename(lock_path)
+                for lock_file in self._owners.glob("*.lock"):  # (the dead leave theirs behind)
+                    self._is_dead(lock_file.stem)
+                self._writer = _connect(str(path))
+                _use_wal(self._writer)
+                self._read_limiter = trio.CapacityLimiter(readers)
+            self._writer.execute("PRAGMA synchronous = FULL")
+            _migrate(self._writer)
+        except BaseException:  # a newer schema, a damaged file: nothing is left open, nor on disk
+            self.close()
+            raise
 
     @classmethod
     def open_sync(cls, data_dir: Path | str | None) -> "Store":
@@ -302,7 +306,8 @@ class Store:
             conn.close()
         self._all_readers.clear()
         self._idle_readers.clear()
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
         if self._owner_lock is not None:
             self._owner_lock.close()
             (self._owners / f"{self.owner}.lock").unlink(missing_ok=True)

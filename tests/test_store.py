@@ -62,6 +62,22 @@ def test_newer_schema_is_refused(tmp_path):
         Store.open_sync(tmp_path)
 
 
+def test_a_database_that_cannot_open_leaves_no_lock_file(tmp_path):
+    """A newer schema or a damaged file: the connection and the lock file were closed only
+    when the half-made Store was garbage-collected, and the lock file stayed on disk."""
+    Store.open_sync(tmp_path).close()
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer"):
+        Store.open_sync(tmp_path)
+    assert list((tmp_path / "owners").iterdir()) == []
+    (tmp_path / DB_NAME).write_bytes(b"not a database" * 512)
+    with pytest.raises(StoreError, match="not a database"):
+        Store.open_sync(tmp_path)
+    assert list((tmp_path / "owners").iterdir()) == []
+
+
 async def test_no_store_database_lives_in_memory():
     s = await Store.open(None)
     assert not s.persistent and s.path is None
