@@ -147,6 +147,7 @@ class Helper:
                 self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
                 if not self._answered():
                     w._decode_tiles(xs, ys, split, w.n_tiles)  # it is gone: do its part
+            w._add_mins(xs, ys)
             return ys[:, : w.shape[0]].copy()
 
     def close(self) -> None:

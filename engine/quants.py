@@ -270,6 +270,7 @@ class QuantWeight(Weight):
         if x.shape[0] <= DECODE_MAX_ROWS:
             parallel_for(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
                          DECODE_PARALLEL_MIN_WORK // x.shape[0])
+            self._add_mins(x, y)
         else:
             parallel_for(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
                          items_per_chunk=PREFILL_CHUNK_TILES)
@@ -290,7 +291,8 @@ class QuantWeight(Weight):
 
     def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int,
                       converted: dict[int, np.ndarray] | None = None) -> None:
-        """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing.
+        """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing
+        (formats with mins: but for their part, `_add_mins`).
 
         The loop over tiles is two numpy calls on prepared views: with several threads
         every return from numpy waits for the GIL, so Python work between them costs
@@ -321,10 +323,20 @@ class QuantWeight(Weight):
             np.multiply(p[:m], scales[:, :, None, :], out=p[:m])
             # y[:, r] = sum_k scales[k, r] * p[k, :, r]
             np.add.reduce(p[:m], axis=1, out=y[:, r0:r1].reshape(n, m, rows).transpose(1, 0, 2))
+
+    def _add_mins(self, x: np.ndarray, y: np.ndarray) -> None:
+        """The decode kernel's last part, once every tile is done (formats with mins):
+        y[:, r] += sum_k mins[k, r] * sum(x[:, group k]).
+
+        One product over all of y's (padded) columns, never per share of the tiles:
+        BLAS may give a column other floats depending on where in the product it
+        falls, so the floats would move with how the tiles were shared out (between
+        threads, or with the helper process, which shares them as timing goes).
+        """
         if self.mins is not None:
-            # y[:, r] += sum_k mins[k, r] * sum(x[:, group k])
-            x_sums = x.reshape(n, n_groups, g).sum(axis=2)  # (n, groups)
-            y[:, b0 * rows: b1 * rows] += x_sums @ self.mins[:, b0 * rows: b1 * rows]
+            n, n_in = x.shape
+            x_sums = x.reshape(n, n_in // self.group, self.group).sum(axis=2)  # (n, groups)
+            y += x_sums @ self.mins
 
 
 def _row_ids(rows: slice | np.ndarray, n_rows: int) -> np.ndarray:

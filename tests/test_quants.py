@@ -210,6 +210,25 @@ def test_single_thread_gives_the_same_result(two_threads):
     np.testing.assert_array_equal(weight.matmul(x), y)
 
 
+def test_decode_floats_do_not_depend_on_how_the_tiles_are_shared():
+    """Threads, and the helper process with the tiles it gives back as it goes, share a
+    decode matmul's tiles out differently from call to call: every way gives the same
+    floats (the mins' part too, which BLAS may sum differently by where a column falls
+    in a product: it is added once, over every column)."""
+    weight, _ = weight_and_reference(T.Q4_1, n_out=576, n_in=1536)
+    assert (weight.n_tiles, weight.tile_rows) == (8, 72)  # tiles that do not start at multiples of 16
+    x = np.random.default_rng(6).standard_normal((3, 1536)).astype(np.float32)
+    whole = np.zeros((3, 576), np.float32)
+    weight._decode_tiles(x, whole, 0, 8)
+    weight._add_mins(x, whole)
+    for cuts in ([1], [3], [5], [1, 6], [2, 3, 7]):
+        y = np.zeros((3, 576), np.float32)
+        for b0, b1 in zip([0, *cuts], [*cuts, 8]):
+            weight._decode_tiles(x, y, b0, b1)
+        weight._add_mins(x, y)
+        np.testing.assert_array_equal(y, whole)
+
+
 def _rss_anon_mib() -> float:
     with open("/proc/self/status") as f:
         return int(dict(line.split(":", 1) for line in f)["RssAnon"].split()[0]) / 1024
