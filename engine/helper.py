@@ -16,7 +16,9 @@ matmul (`Helper.matmul`):
     model's thread                              helper process
     x -> shared I/O area
     "weight i, n rows, tiles b0:b1" -> pipe ->  reads the command
-    computes tiles 0:b0 into the I/O area       computes tiles b0:b1 into the I/O area
+    computes tiles 0:b0 into the I/O area       computes tiles b0:b1 into the I/O area,
+    takes back tiles from b1 down while the     claiming each one first, and stops at
+      helper is behind (_take_back)               the first one taken back
     waits on the answer pipe            <-      writes one byte
     copies y out of the I/O area                converts ahead the first tiles of the
     runs the ops up to the next matmul          matmul it expects next (_ConvertAhead)
@@ -54,6 +56,9 @@ SPIN_SECONDS = 0.0003        # a wait on a pipe polls this long before it sleeps
 CONVERT_AHEAD = 3            # tiles of its next matmul the helper converts while it waits (_ConvertAhead)
 _COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
 _READY, _DONE = b"r", b"d"
+# the claims at the start of the I/O area (int64): one past the helper's latest tile, and
+# the first of the tiles the model's process took back from the end (Helper._take_back)
+_HELPER_NEXT, _TAKEN_FROM = 0, 1
 _ALIGN = 64
 _HELPER_MAIN = "import sys; sys.path.insert(0, sys.argv[1]); from engine.helper import serve; serve()"
 
@@ -82,10 +87,10 @@ class Helper:
         weights_fd, weights_size, layout = _share(weights)
         self.x_values = DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
         y_values = DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
-        io_size = 4 * (self.x_values + y_values)
+        io_size = _ALIGN + 4 * (self.x_values + y_values)
         io_fd = os.memfd_create("lmsp-helper-io")
         os.ftruncate(io_fd, io_size)
-        self.io = np.frombuffer(mmap.mmap(io_fd, io_size), np.float32)  # x, then y
+        self.claims, self.io = _map_io(io_fd, io_size)
         cmd_r, self._cmd = os.pipe()
         self._answers, ans_w = os.pipe()
         # the helper must run this very code: its package's directory goes first on its
@@ -127,28 +132,59 @@ class Helper:
         return self._state == "ready"
 
     def matmul(self, w: QuantWeight, x: np.ndarray) -> np.ndarray:
-        """x @ w.T for a few rows of x, the last `share` of w's tiles computed by the helper.
+        """x @ w.T for a few rows of x, the last `share` of w's tiles given to the helper.
 
         The two cores of a VM need not be equally fast (here one often ran the same
-        tiles 1.5x slower than the other), so the share follows what happens: when
-        the helper's answer is already there as we finish our part, it takes more
-        next time, when we have to wait for it, less.
+        tiles 1.5x slower than the other), nor equally free, so the share follows
+        what happens: when the helper's answer is already there as we finish our
+        part, it gets more next time, otherwise less. And rather than wait for a
+        helper that is behind, we take back its tiles from the end, one at a time,
+        until we meet it (`_take_back`).
         """
         n = x.shape[0]
         split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - self.share))))
         with self._lock:
             xs, ys = _io_views(self.io, self.x_values, w, n)
             xs[...] = x
+            self.claims[:] = split, w.n_tiles
             if not self._send(_COMMAND.pack(w.helper_index, n, split, w.n_tiles)):
                 split = w.n_tiles
             w._decode_tiles(xs, ys, 0, split)
             if split < w.n_tiles:
                 early = bool(select.select([self._answers], [], [], 0)[0])
                 self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
-                if not self._answered():
-                    w._decode_tiles(xs, ys, split, w.n_tiles)  # it is gone: do its part
+                taken = w.n_tiles if early else self._take_back(w, xs, ys, split)
+                if self._answered():
+                    helper_end = int(self.claims[_HELPER_NEXT])
+                else:  # it is gone: do its part
+                    helper_end = split
+                if helper_end < taken:  # a tile each of us left to the other (see _take_back)
+                    w._decode_tiles(xs, ys, helper_end, taken)
             w._add_mins(xs, ys)
             return ys[:, : w.shape[0]].copy()
+
+    def _take_back(self, w: QuantWeight, xs: np.ndarray, ys: np.ndarray, split: int) -> int:
+        """Compute the helper's tiles from the end while it is behind; the first tile taken.
+
+        Each time we take half of what it has left, as one span of tiles (taken one
+        by one, each would cost its own scaling and summing), until we meet it. Each
+        side says which tiles it takes before it looks at the other's claims
+        (claims[_HELPER_NEXT] is one past the helper's latest, claims[_TAKEN_FROM] the
+        first of ours), so a tile is at worst computed twice (the same floats, written
+        twice) or, when each saw the other's claim, left by both: the caller computes
+        that one once the helper has answered.
+        """
+        claims = self.claims
+        taken = w.n_tiles
+        while (left := taken - int(claims[_HELPER_NEXT])) > 0:
+            first = taken - max(1, left // 2)
+            claims[_TAKEN_FROM] = first
+            first = max(first, int(claims[_HELPER_NEXT]))  # not the tiles it claimed meanwhile
+            if first >= taken:
+                break
+            w._decode_tiles(xs, ys, first, taken)
+            taken = first
+        return taken
 
     def close(self) -> None:
         """Stop the helper (the model keeps working without it)."""
@@ -246,7 +282,13 @@ def _serve(spec: dict) -> None:
 
     weights = [QuantWeight(array(c), array(s), array(m), n_out) for c, s, m, n_out in layout]
     io_fd, io_size, x_values = spec["io"]
-    io = np.frombuffer(mmap.mmap(io_fd, io_size), np.float32)
+    claims, io = _map_io(io_fd, io_size)
+
+    def claim(b: int) -> bool:
+        """Take tile b, unless the model's process took it back (see Helper._take_back)."""
+        claims[_HELPER_NEXT] = b + 1
+        return b < claims[_TAKEN_FROM]
+
     commands, answers = spec["commands"], spec["answers"]
     ahead = _ConvertAhead(weights, CONVERT_AHEAD)
     os.write(answers, _READY)
@@ -260,7 +302,7 @@ def _serve(spec: dict) -> None:
         i, n, b0, b1 = _COMMAND.unpack(command)
         w = weights[i]
         x, y = _io_views(io, x_values, w, n)
-        w._decode_tiles(x, y, b0, b1, ahead.received(i, b0, b1))
+        claims[_HELPER_NEXT] = w._decode_tiles(x, y, b0, b1, ahead.received(i, b0, b1), claim)
         os.write(answers, _DONE)
         ahead.plan(i)
 
@@ -315,6 +357,12 @@ class _ConvertAhead:
         np.copyto(buffer[: w.shape[1] * w.tile_rows].reshape(w.shape[1], w.tile_rows), w.codes[b])
         self.converted[b] = buffer
         return True
+
+
+def _map_io(fd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shared I/O area: the two claims (int64), then x and y (float32, see _io_views)."""
+    memory = mmap.mmap(fd, size)
+    return np.frombuffer(memory, np.int64, 2), np.frombuffer(memory, np.float32, offset=_ALIGN)
 
 
 def _io_views(io: np.ndarray, x_values: int, w: QuantWeight, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -44,7 +44,7 @@ does; `gguf.quants.dequantize` is the reference the tests compare against.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -290,14 +290,18 @@ class QuantWeight(Weight):
             np.matmul(x, w, out=y[:, r0:r1])
 
     def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int,
-                      converted: dict[int, np.ndarray] | None = None) -> None:
+                      converted: dict[int, np.ndarray] | None = None,
+                      claim: Callable[[int], bool] | None = None) -> int:
         """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing
         (formats with mins: but for their part, `_add_mins`).
 
         The loop over tiles is two numpy calls on prepared views: with several threads
         every return from numpy waits for the GIL, so Python work between them costs
         twice. `converted` may hold tiles already converted to float32 (flat, by tile
-        index: the helper process converts ahead while it waits).
+        index: the helper process converts ahead while it waits). `claim(b)`, when
+        given, is asked before each tile b: the work stops at the first tile it refuses
+        (the helper's tiles that the model's process took over). Returns the end of the
+        tiles computed: b1, or the refused tile.
         """
         n, n_in = x.shape
         g, rows = self.group, self.tile_rows
@@ -308,9 +312,13 @@ class QuantWeight(Weight):
         # the partial sums of a span of tiles are scaled and reduced together
         span = max(1, min(b1 - b0, TILE_VALUES // (n_groups * n * rows)))
         p = scratch("partial", span * n_groups * n * rows).reshape(span, n_groups, n, rows)
+        end = b1
         for s0 in range(b0, b1, span):
             m = min(span, b1 - s0)
             for j in range(m):
+                if claim is not None and not claim(s0 + j):
+                    m, end = j, s0 + j
+                    break
                 ready = converted.get(s0 + j) if converted else None
                 if ready is None:
                     np.copyto(w_codes, self.codes[s0 + j])
@@ -323,6 +331,9 @@ class QuantWeight(Weight):
             np.multiply(p[:m], scales[:, :, None, :], out=p[:m])
             # y[:, r] = sum_k scales[k, r] * p[k, :, r]
             np.add.reduce(p[:m], axis=1, out=y[:, r0:r1].reshape(n, m, rows).transpose(1, 0, 2))
+            if end < b1:
+                break
+        return end
 
     def _add_mins(self, x: np.ndarray, y: np.ndarray) -> None:
         """The decode kernel's last part, once every tile is done (formats with mins):

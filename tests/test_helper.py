@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -68,6 +70,51 @@ def test_the_same_floats_with_and_without_the_helper(model_with_helper, monkeypa
     alone = decode_logits(model)
     for a, b in zip(with_helper, alone):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_helper_that_is_behind_has_its_tiles_taken_back(model_with_helper):
+    """A helper that does not run (stopped here, as a busy core would delay it) costs no
+    wait: its tiles are taken back, and its late answer claims none of them."""
+    model = model_with_helper
+    helper = model.helper
+    w = max(quantized_matrices(model.weights), key=lambda w: w.n_tiles)
+    assert w.n_tiles >= 4
+    x = np.random.default_rng(0).random((2, w.shape[1])).astype(np.float32)
+    helper.min_work = 1 << 62
+    alone = w.matmul(x)
+    helper.min_work = 0
+    split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - helper.share))))  # as matmul cuts it
+    os.kill(helper.process.pid, signal.SIGSTOP)
+    resume = threading.Timer(0.5, os.kill, (helper.process.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        started = time.monotonic()
+        with_helper = helper.matmul(w, x)
+        assert time.monotonic() - started >= 0.4  # it waited for the answer, as it must
+    finally:
+        resume.join()
+    assert helper.claims[helper_module._TAKEN_FROM] == split  # every tile of the helper's taken back
+    assert helper.claims[helper_module._HELPER_NEXT] == split  # and it computed none
+    np.testing.assert_array_equal(with_helper, alone)
+    assert helper.alive
+
+
+def test_tiles_refused_by_the_claim_are_left_alone(monkeypatch):
+    monkeypatch.setattr(quants, "TILE_VALUES", 1024)
+    rng = np.random.default_rng(0)
+    w = quants.QuantWeight.from_rows(rng.integers(-8, 8, (60, 64)).astype(np.int8),
+                                     rng.random((2, 60)).astype(np.float32), rng.random((2, 60)).astype(np.float32))
+    x = rng.random((3, 64)).astype(np.float32)
+    expected = np.zeros((3, w.n_tiles * w.tile_rows), np.float32)
+    w._decode_tiles(x, expected, 0, 4)
+    got = np.full_like(expected, np.nan)
+    asked = []
+    assert w._decode_tiles(x, got, 1, 4, claim=lambda b: asked.append(b) or b < 3) == 3
+    assert asked == [1, 2, 3]
+    rows = w.tile_rows
+    np.testing.assert_array_equal(got[:, rows: 3 * rows], expected[:, rows: 3 * rows])
+    assert np.isnan(got[:, : rows]).all() and np.isnan(got[:, 3 * rows:]).all()
+    assert w._decode_tiles(x, got, 1, 4, claim=lambda b: False) == 1  # none taken: nothing written
 
 
 def test_tiles_converted_ahead_give_the_same_floats(monkeypatch):
