@@ -301,6 +301,8 @@ def add_serve_parser(commands) -> None:
                    help="how long a finished task's events can be replayed (default 3600)")
     p.add_argument("--max-body-bytes", type=_number(int, 0), default=4 * 1024 * 1024, metavar="N",
                    help="largest request body accepted (default 4 MiB)")
+    p.add_argument("--ctx", type=_number(int, 1), default=None, metavar="N",
+                   help="cap every model's context window at N tokens (default: each model's trained length)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -316,6 +318,7 @@ def cmd_serve(args) -> int:
         store=not args.no_store,
         event_retention=args.event_retention,
         limits=Limits(max_body_bytes=args.max_body_bytes),
+        context_cap=args.ctx,
     )
     try:
         run(config, args.host, args.port)

@@ -163,6 +163,11 @@ def _count(value, key: str) -> int:
     return value
 
 
+def _capped(window: int, cap: int | None) -> int:
+    """The context window served: the trained one, at most `cap` (`serve --ctx`)."""
+    return window if cap is None else min(window, cap)
+
+
 # -- ids ------------------------------------------------------------------------------
 
 
@@ -194,13 +199,14 @@ class ModelEntry:
     context_window: int
     parameters: int
     capabilities: tuple[str, ...]  # the engine's: among tools, structured_output, reasoning
+    context_cap: int | None = None  # `serve --ctx`: the window is at most this (D4)
     model: object | None = None
     admitted: int = 0  # requests of this model admitted (`admit`) and not yet counted out
     _load_lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
     _admit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def from_file(cls, path: Path) -> "ModelEntry":
+    def from_file(cls, path: Path, context_cap: int | None = None) -> "ModelEntry":
         header = read_gguf_header(path)
         meta = header.metadata
         architecture = meta.get("general.architecture")
@@ -218,9 +224,11 @@ class ModelEntry:
             size_bytes=stat.st_size,
             architecture=architecture,
             quantization=FILE_TYPES.get(meta.get("general.file_type"), "unknown"),
-            context_window=_count(meta.get(f"{architecture}.context_length", 0), "context_length"),
+            context_window=_capped(_count(meta.get(f"{architecture}.context_length", 0), "context_length"),
+                                   context_cap),
             parameters=header.n_parameters,
             capabilities=capabilities,
+            context_cap=context_cap,
         )
 
     def model_object(self, service_capabilities: tuple[str, ...]) -> dict:
@@ -249,7 +257,7 @@ class ModelEntry:
 
                 started = time.perf_counter()
                 try:
-                    model = await trio.to_thread.run_sync(engine.load_model, self.path)
+                    model = await trio.to_thread.run_sync(engine.load_model, self.path, self.context_cap)
                 except Exception as exc:
                     if log is not None:
                         log(f"error: model {self.id} failed to load: {type(exc).__name__}: {exc}")
@@ -302,21 +310,24 @@ class Registry:
     unknown id look again before they answer.
     """
 
-    def __init__(self, entries: list[ModelEntry], models_dir: Path | None = None, log=None):
+    def __init__(self, entries: list[ModelEntry], models_dir: Path | None = None, log=None,
+                 context_cap: int | None = None):
         self._entries = {entry.id: entry for entry in entries}
         self.models_dir = models_dir
+        self.context_cap = context_cap  # caps the context window of every model found (D4)
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._known = {entry.path.resolve() for entry in entries}  # files read, served or not
 
     @classmethod
-    async def scan(cls, paths: list[Path], models_dir: Path | None, log=None) -> "Registry":
+    async def scan(cls, paths: list[Path], models_dir: Path | None, log=None,
+                   context_cap: int | None = None) -> "Registry":
         """Read the headers of every `--model` path and every .gguf in `models_dir`.
 
         A `--model` that cannot be read is an error (raised as ValueError with a
         message for the command line); an unreadable file in the models
         directory is reported and skipped.
         """
-        registry = cls([], models_dir, log)
+        registry = cls([], models_dir, log, context_cap)
         await registry._add([Path(path) for path in paths], _gguf_files(models_dir))
         return registry
 
@@ -349,7 +360,7 @@ class Registry:
         read = []
         for path in paths:
             try:
-                read.append((path, ModelEntry.from_file(path)))
+                read.append((path, ModelEntry.from_file(path, self.context_cap)))
             except (OSError, GGUFHeaderError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 if path in explicit:

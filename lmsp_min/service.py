@@ -55,6 +55,7 @@ class ServiceConfig:
     event_retention: float = 3600.0  # seconds a finished task's events are kept (D3)
     limits: Limits = field(default_factory=Limits)
     access_log: bool = True  # one line per request on stderr
+    context_cap: int | None = None  # --ctx: every model's context window is at most this (D4)
 
 
 class Service:
@@ -82,7 +83,7 @@ class Service:
     @classmethod
     async def open(cls, config: ServiceConfig, log=stderr_log) -> "Service":
         """Read the model headers and the tokens file (ValueError: a message for the user)."""
-        registry = await Registry.scan(config.model_paths, config.models_dir, log)
+        registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap)
         auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
         store = await Store.open((config.data_dir or paths.data_dir()) if config.store else None)
         service = cls(registry, auth=auth, store=store, config=config, log=log)

@@ -125,7 +125,7 @@ async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
             capabilities = ("tools",)
             context_length = 256
 
-    def slow_load(path):
+    def slow_load(path, n_ctx=None):
         calls.append(path)
         import time
 
@@ -150,7 +150,7 @@ async def test_a_model_that_fails_to_load_is_503(monkeypatch, nursery, tiny_path
     import engine
     from engine.errors import ModelFileError
 
-    def broken(path):
+    def broken(path, n_ctx=None):
         raise ModelFileError(f"{path}: tensor data lies past the end of the file")
 
     monkeypatch.setattr(engine, "load_model", broken)
@@ -196,3 +196,32 @@ async def test_a_model_that_appears_in_the_models_directory_is_served_without_a_
     assert sum("skipping broken.gguf" in line for line in lines) == 1
     await server.request("GET", "/lmsp/v1/models")  # read once: a file that cannot be read is not read again
     assert sum("skipping broken.gguf" in line for line in lines) == 1
+
+
+async def test_ctx_caps_the_context_window_of_every_model(nursery, tiny_path):
+    """D4: the window is the model's trained length, capped by configuration (`serve --ctx`)."""
+    service = await Service.open(ServiceConfig(model_paths=[tiny_path], store=False, context_cap=64),
+                                 log=lambda line: None)
+    server = await start_server(nursery, service)
+    listed = await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")
+    assert listed.json()["context_window"] == 64  # from the header, before the model is loaded
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "Hello there!"}], "max_output_tokens": 60,
+            "temperature": 0}
+    reply = await server.responses(body)
+    assert reply.status == 400 and reply.json()["code"] == "context_length_exceeded"  # fits 512, not 64
+    assert service.registry.get(TINY_ID).model.n_ctx == 64
+    reply = await server.responses({**body, "max_output_tokens": 2})
+    assert reply.status == 200 and reply.json()["usage"]["total_tokens"] <= 64
+    listed = await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")
+    assert listed.json()["context_window"] == 64  # and once it is loaded
+
+
+def test_serve_passes_ctx_on(monkeypatch, tiny_path):
+    from lmsp_min import cli, service
+
+    configs = []
+    monkeypatch.setattr(service, "run", lambda config, host, port: configs.append(config))
+    assert cli.main(["serve", "--model", str(tiny_path), "--ctx", "64"]) == 0
+    assert configs[0].context_cap == 64
+    cli.main(["serve", "--model", str(tiny_path)])
+    assert configs[1].context_cap is None  # each model's own window
