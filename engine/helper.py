@@ -84,31 +84,32 @@ class Helper:
     """The model's side of a helper process (see the module docstring)."""
 
     def __init__(self, weights: list[QuantWeight]):
-        weights_fd, weights_size, layout = _share(weights)
-        self.x_values = DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
-        y_values = DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
-        io_size = _ALIGN + 4 * (self.x_values + y_values)
-        io_fd = os.memfd_create("lmsp-helper-io")
-        os.ftruncate(io_fd, io_size)
-        self.claims, self.io = _map_io(io_fd, io_size)
-        cmd_r, self._cmd = os.pipe()
-        self._answers, ans_w = os.pipe()
-        # the helper must run this very code: its package's directory goes first on its
-        # path, before the working directory, which `python -c` puts first
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        # in a session of its own: a Ctrl-C at the terminal goes to the model's process,
-        # which decides what it means (stop an answer, drain the server); the helper
-        # would only die of it, with a traceback. It ends when its command pipe closes.
+        child_fds: list[int] = []  # the helper's ends: closed here once it has its copies, or failed to start
+        own_fds: list[int] = []    # ours: closed here only if it failed to start
         try:
+            weights_fd, weights_size, layout = _share(weights, child_fds)
+            self.x_values = DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
+            y_values = DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
+            io_size = _ALIGN + 4 * (self.x_values + y_values)
+            io_fd = _memfd("lmsp-helper-io", io_size, child_fds)
+            self.claims, self.io = _map_io(io_fd, io_size)
+            cmd_r, self._cmd = _pipe(child_fds, own_fds)
+            self._answers, ans_w = _pipe(own_fds, child_fds)
+            # the helper must run this very code: its package's directory goes first on its
+            # path, before the working directory, which `python -c` puts first
+            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            # in a session of its own: a Ctrl-C at the terminal goes to the model's process,
+            # which decides what it means (stop an answer, drain the server); the helper
+            # would only die of it, with a traceback. It ends when its command pipe closes.
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _HELPER_MAIN, package_root], stdin=subprocess.PIPE,
                 pass_fds=(weights_fd, io_fd, cmd_r, ans_w), start_new_session=True)
         except BaseException:
-            os.close(self._cmd)
-            os.close(self._answers)
+            for fd in own_fds:
+                os.close(fd)
             raise
         finally:
-            for fd in (weights_fd, io_fd, cmd_r, ans_w):  # the child has its own copies
+            for fd in child_fds:
                 os.close(fd)
         try:
             with self.process.stdin as stdin:
@@ -229,15 +230,31 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _share(weights: list[QuantWeight]) -> tuple[int, int, list]:
-    """Move the weights' arrays into one memfd; their layout for the helper to map them.
+def _memfd(name: str, size: int, fds: list[int]) -> int:
+    """A new memfd of `size` bytes, added to `fds` (the caller closes them) as soon as it exists."""
+    fd = os.memfd_create(name)
+    fds.append(fd)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def _pipe(read_ends: list[int], write_ends: list[int]) -> tuple[int, int]:
+    """os.pipe(), each end added as soon as it exists to the list of fds that will close it."""
+    r, w = os.pipe()
+    read_ends.append(r)
+    write_ends.append(w)
+    return r, w
+
+
+def _share(weights: list[QuantWeight], fds: list[int]) -> tuple[int, int, list]:
+    """Move the weights' arrays into one memfd (added to `fds`); their layout for the helper
+    to map them.
 
     The layout has one entry per weight: [codes, scales, mins, n_out], each array as
     (offset, shape, dtype) or None.
     """
     size = max(1, sum(_aligned(a.nbytes) for w in weights for a in (w.codes, w.scales, w.mins) if a is not None))
-    fd = os.memfd_create("lmsp-weights")
-    os.ftruncate(fd, size)
+    fd = _memfd("lmsp-weights", size, fds)
     memory = mmap.mmap(fd, size)
     layout, offset = [], 0
     for w in weights:

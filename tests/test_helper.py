@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -223,3 +224,29 @@ def test_a_helper_whose_model_is_gone_exits_quietly(tmp_path, monkeypatch, capfd
     model.helper.close()  # at once: before the helper has said it is ready, most likely
     assert process.wait(timeout=30) == 0
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_helper_that_cannot_start_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "llama")
+    weights = quantized_matrices(load_model(path).weights)
+    monkeypatch.setattr(helper_module, "HELPER_MIN_VALUES", 0)
+    real_pipe = os.pipe
+    pipes = []
+
+    def one_pipe_then_none():  # as when the process runs out of descriptors half-way
+        if pipes:
+            raise OSError(errno.EMFILE, "Too many open files")
+        pipes.append(real_pipe())
+        return pipes[-1]
+
+    def open_descriptors() -> dict[str, str]:
+        return {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    before = open_descriptors()
+    monkeypatch.setattr(os, "pipe", one_pipe_then_none)
+    assert helper_module.start(weights, n_threads=2) is None  # the model works without one
+    monkeypatch.setattr(os, "pipe", real_pipe)
+    new = [link for fd, link in open_descriptors().items() if fd not in before]
+    assert pipes and new == ["/memfd:lmsp-weights (deleted)"]  # the weights' mapping (mmap's own copy)
