@@ -54,17 +54,8 @@ async def test_a_later_migration_is_applied_once_and_keeps_the_data(tmp_path, mo
 
 
 def test_newer_schema_is_refused(tmp_path):
-    Store.open_sync(tmp_path).close()
-    conn = sqlite3.connect(tmp_path / DB_NAME)
-    conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
-    conn.close()
-    with pytest.raises(StoreError, match="newer"):
-        Store.open_sync(tmp_path)
-
-
-def test_a_database_that_cannot_open_leaves_no_lock_file(tmp_path):
-    """A newer schema or a damaged file: the connection and the lock file were closed only
-    when the half-made Store was garbage-collected, and the lock file stayed on disk."""
+    """And leaves no lock file: the connection and the lock file were closed only when the
+    half-made Store was garbage-collected, and the lock file stayed on disk."""
     Store.open_sync(tmp_path).close()
     conn = sqlite3.connect(tmp_path / DB_NAME)
     conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
@@ -72,6 +63,10 @@ def test_a_database_that_cannot_open_leaves_no_lock_file(tmp_path):
     with pytest.raises(StoreError, match="newer"):
         Store.open_sync(tmp_path)
     assert list((tmp_path / "owners").iterdir()) == []
+
+
+def test_a_damaged_database_is_refused_and_leaves_no_lock_file(tmp_path):
+    Store.open_sync(tmp_path).close()
     (tmp_path / DB_NAME).write_bytes(b"not a database" * 512)
     with pytest.raises(StoreError, match="not a database"):
         Store.open_sync(tmp_path)
