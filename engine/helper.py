@@ -139,8 +139,8 @@ class Helper:
         tiles 1.5x slower than the other), nor equally free, so the share follows
         what happens: when the helper's answer is already there as we finish our
         part, it gets more next time, otherwise less. And rather than wait for a
-        helper that is behind, we take back its tiles from the end, one at a time,
-        until we meet it (`_take_back`).
+        helper that is behind, we take back its last tiles until we meet it
+        (`_take_back`).
         """
         n = x.shape[0]
         split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - self.share))))
