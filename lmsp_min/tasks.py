@@ -127,21 +127,26 @@ class LiveLog:
     async def follow(self, after: int) -> AsyncIterator[list[LoggedEvent] | None]:
         """Committed events with seq > `after`, then live ones, until the final one:
         each time, all those not yet yielded (a late follower catches up in one
-        batch). Yields None when nothing happened for KEEPALIVE_INTERVAL seconds."""
+        batch). Yields None after KEEPALIVE_INTERVAL seconds without yielding
+        anything: counted from its last yield, not from the last publish, which
+        brings nothing to a follower resumed past the events published so far."""
         cursor = after  # index in self.events of the next event to yield
+        quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
         while True:
             if cursor < len(self.events):
                 batch = self.events[cursor:]
                 cursor += len(batch)
                 yield batch
+                quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
                 continue
             if self.done:
                 return
             published = self._published
-            with trio.move_on_after(KEEPALIVE_INTERVAL) as idle:
+            with trio.move_on_at(quiet_until) as idle:
                 await published.wait()
             if idle.cancelled_caught:
                 yield None
+                quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
 
 
 def sse(event: LoggedEvent) -> bytes:

@@ -109,3 +109,21 @@ async def test_keepalive_while_idle_and_abandon_releases_followers(store, monkey
         await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert seen[0].seq == 1 and seen[1:] == [None] * (len(seen) - 1) and len(seen) >= 3
+
+
+async def test_a_follower_resumed_past_the_last_event_gets_keepalives(store, monkeypatch):
+    """D3: an idle stream gets a comment at least every KEEPALIVE_INTERVAL, even while
+    the task publishes events this follower does not get (it is ahead of them): each
+    publish restarted its wait, so events every 0.02 s kept it silent to the end."""
+    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.05)
+    log = LiveLog(store, "task_1")
+    seen = []
+
+    async def follow():
+        async for batch in log.follow(1000):
+            seen.extend(batch or [None])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follow)
+        await run_task(log, 20, 0.02)  # 0.4 s
+    assert seen == [None] * len(seen) and len(seen) >= 4
