@@ -414,22 +414,21 @@ class Tasks:
 
         What is left of a final task's log is read at once: one read is one
         snapshot, which an expiry purge cannot cut in the middle of a replay."""
-        quiet = 0.0
+        quiet_until = trio.current_time() + KEEPALIVE_INTERVAL  # (by the clock: reads take time too)
         while True:
             events = await self.store.read_events(task_id, after, batch if follow else None)
             if events:
                 yield b"".join(sse(event) for event in events)
-                after, quiet = events[-1].seq, 0.0
+                after, quiet_until = events[-1].seq, trio.current_time() + KEEPALIVE_INTERVAL
                 if events[-1].event in FINAL_EVENTS:
                     return
             if not follow:
                 return
             if len(events) < batch:
                 await trio.sleep(POLL_INTERVAL)
-                quiet += POLL_INTERVAL
-                if quiet >= KEEPALIVE_INTERVAL:
+                if trio.current_time() >= quiet_until:
                     yield SSE_KEEPALIVE
-                    quiet = 0.0
+                    quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
                     await self.recover()  # (its process may have died)
                     row = await self.store.get_task(task_id, None)
                     follow = row is not None and row.status not in FINAL_STATUSES

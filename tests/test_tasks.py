@@ -362,6 +362,30 @@ async def test_two_processes_share_a_data_directory(nursery, tiny_path, tmp_path
     assert [(e.id, e.event) for e in rest] == [(2, "response.failed")]
 
 
+async def test_a_follower_through_another_process_gets_keepalives_on_time(nursery, tiny_path, tmp_path,
+                                                                         monkeypatch):
+    """D3: a comment at least every KEEPALIVE_INTERVAL while idle, however long the polls'
+    reads take: only the polls' sleeps were counted, so with reads of 0.2 s the comments
+    came every 1 s instead of every 0.2 s."""
+    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.2)
+    first = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    await first.service.store.create_task("task_elsewhere", "local", 0, "tiny:chat-q8_0", "resp_1", "{}")
+    read_events = second.service.store.read_events
+
+    async def slow_read(*args, **kwargs):
+        await trio.sleep(0.2)
+        return await read_events(*args, **kwargs)
+
+    monkeypatch.setattr(second.service.store, "read_events", slow_read)
+    seen = []
+    async with second.connection() as client:
+        with trio.move_on_after(2.0):
+            async for event in follow(client, "task_elsewhere"):
+                seen.append(event)
+    assert seen.count(None) == len(seen) >= 4  # (one every 0.25 to 0.5 s; it was one a second)
+
+
 async def test_a_task_is_cancelled_through_another_process(nursery, tiny_path, tmp_path, monkeypatch):
     first = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
     second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
