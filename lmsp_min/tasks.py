@@ -387,33 +387,34 @@ class Tasks:
         if row.events_expired or (
             row.ended_at is not None and time.time() - row.ended_at > self.event_retention
         ):
-            raise Problem(
-                "event_history_expired",
-                f"the events of task '{task_id}' are no longer kept; GET the task for its result",
-            )
+            raise _history_expired(task_id)
         running = self._running.get(task_id)
         if running is not None:
             return self._follow(running.event_log, after)
         if row.status not in FINAL_STATUSES and row.owner == self.store.owner:
             await self.recover()  # ours, but its runner is gone: it ends failed, with a final event
             row = await self.get(task_id, principal)
-        # Final: what the log holds is all there is. Otherwise another process
-        # sharing the data directory runs it.
-        return self._from_database(task_id, after, follow=row.status not in FINAL_STATUSES)
+        if row.status not in FINAL_STATUSES:  # another process sharing the data directory runs it
+            return self._from_database(task_id, after)
+        # Final: what the log holds is all there is, read now in one read (one snapshot, which
+        # an expiry purge cannot cut in the middle of a replay). Nothing read may mean a purge
+        # since the check above: that is a 410 too, not an empty stream.
+        events = await self.store.read_events(task_id, after)
+        if not events and (await self.get(task_id, principal)).events_expired:
+            raise _history_expired(task_id)
+        return _replay(events)
 
     async def _follow(self, event_log: LiveLog, after: int) -> AsyncIterator[bytes]:
         async with aclosing(event_log.follow(after)) as batches:
             async for batch in batches:
                 yield SSE_KEEPALIVE if batch is None else b"".join(sse(event) for event in batch)
 
-    async def _from_database(self, task_id: str, after: int, *, follow: bool,
-                             batch: int = 512) -> AsyncIterator[bytes]:
-        """A task's logged events after `after`, read from the database. With
-        `follow` (another process runs the task) it polls for new ones until the
-        final event, and recovers the task if that process dies meanwhile.
-
-        What is left of a final task's log is read at once: one read is one
-        snapshot, which an expiry purge cannot cut in the middle of a replay."""
+    async def _from_database(self, task_id: str, after: int, batch: int = 512) -> AsyncIterator[bytes]:
+        """The logged events after `after` of a task another process runs, read from
+        the database: it polls for new ones until the final event, and recovers the
+        task if that process dies meanwhile. Once the task is final, what is left of
+        its log is read at once."""
+        follow = True
         quiet_until = trio.current_time() + KEEPALIVE_INTERVAL  # (by the clock: reads take time too)
         while True:
             events = await self.store.read_events(task_id, after, batch if follow else None)
@@ -458,6 +459,17 @@ class Tasks:
         from lmsp_min.idempotency import RECORD_TTL
 
         await self.store.purge(time.time(), self.event_retention, RECORD_TTL)
+
+
+async def _replay(events: list[LoggedEvent]) -> AsyncIterator[bytes]:
+    """The SSE body of a final task's events, read beforehand."""
+    if events:
+        yield b"".join(sse(event) for event in events)
+
+
+def _history_expired(task_id: str) -> Problem:
+    return Problem("event_history_expired",
+                   f"the events of task '{task_id}' are no longer kept; GET the task for its result")
 
 
 def _failed_ending(response_id: str, created_at: int, model: str, events: list[LoggedEvent],

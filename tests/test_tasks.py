@@ -469,6 +469,27 @@ async def test_an_expiry_purge_cannot_cut_a_replay_short(tmp_path):
     store.close()
 
 
+async def test_events_purged_just_after_the_expiry_check_are_410(tmp_path, monkeypatch):
+    """6.4: events older than the retention period are 410 event_history_expired. Purged
+    between the check and the replay's read, they were a 200 stream without any event,
+    which a client takes for "nothing after the resume point" (client.follow_task)."""
+    store = await Store.open(tmp_path)
+    await store.create_task("task_1", "local", 0, "tiny:chat-q8_0", "resp_1", "{}")
+    await store.finish_task("task_1", "completed", "{}", [LoggedEvent(1, "response.completed", "{}")])
+    read_events = store.read_events
+
+    async def purged_first(*args, **kwargs):
+        await store.purge(2e9, 0, 0)  # every ended task's events expire now
+        return await read_events(*args, **kwargs)
+
+    monkeypatch.setattr(store, "read_events", purged_first)
+    with pytest.raises(Problem) as raised:
+        async with aclosing(await Tasks(store).events("task_1", "local", 0)) as replay:
+            assert [chunk async for chunk in replay] == []
+    assert (raised.value.status, raised.value.code) == (410, "event_history_expired")
+    store.close()
+
+
 async def test_a_damaged_database_is_a_store_error_at_start(tmp_path):
     store = await Store.open(tmp_path)
     for n in range(200):  # pages beyond the first few
