@@ -98,8 +98,8 @@ def cmd_models(args) -> int:
 
 def resolve_model(name_or_path: str) -> Path:
     """A model's file: a path as given, a known name pulled into the store, or a store id."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
+    path = fetch.user_path(name_or_path)
+    if os.path.isfile(path):  # (False, not an OSError, for a name too long or a directory we cannot search)
         return path
     if name_or_path in fetch.KNOWN_MODELS:
         return fetch.pull(name_or_path)

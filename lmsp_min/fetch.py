@@ -112,11 +112,11 @@ def pull(name_or_path: str | os.PathLike, *, log: TextIO | None = None) -> Path:
     """
     log = sys.stderr if log is None else log
     name = str(name_or_path)
-    path = Path(name).expanduser()
+    path = user_path(name)
     try:
         if name in KNOWN_MODELS:
             return _pull_known(KNOWN_MODELS[name], log)
-        if path.is_file():
+        if os.path.exists(path):  # (a directory is refused by _import_local, naming it)
             return _import_local(path, log)
     except OSError as e:  # the store is not writable, the disk is full...
         raise FetchError(f"cannot write to the model store {models_dir()}: {e.strerror or e}") from None
@@ -124,6 +124,15 @@ def pull(name_or_path: str | os.PathLike, *, log: TextIO | None = None) -> Path:
         raise FetchError(f"no such model file: {name}")
     known = ", ".join(KNOWN_MODELS)
     raise FetchError(f"unknown model {name!r}: pass the path of a .gguf file, or one of: {known}")
+
+
+def user_path(name: str) -> Path:
+    """The path a user typed, `~` expanded. A `~user` of no user stays as typed (expanduser
+    raises RuntimeError), to be reported as a file that does not exist."""
+    try:
+        return Path(name).expanduser()
+    except RuntimeError:
+        return Path(name)
 
 
 def store_path(model: KnownModel) -> Path:

