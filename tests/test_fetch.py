@@ -10,6 +10,7 @@ import io
 import json
 import os
 import socket
+import struct
 import threading
 import time
 import zipfile
@@ -88,9 +89,13 @@ class FakeIndex:
 
 
 def gguf_bytes(n: int, seed: int = 0) -> bytes:
-    """Bytes that start like a GGUF file (the contents do not matter to the store)."""
+    """Bytes that start like a GGUF file: a header of one key, general.architecture, which is
+    all the store reads; then filler."""
+    key, value = b"general.architecture", b"llama"
+    header = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+              + struct.pack("<IQ", 8, len(value)) + value)
     pattern = bytes((i * 31 + seed) % 251 for i in range(251))
-    return (b"GGUF" + pattern * (n // 251 + 1))[:n]
+    return (header + pattern * (n // 251 + 1))[:n]
 
 
 @pytest.fixture
@@ -292,6 +297,15 @@ def test_bad_names_and_paths(store, tmp_path):
         fetch.pull(str(tmp_path / "missing.gguf"))
     with pytest.raises(fetch.FetchError, match="smollm2:135m-instruct-q4_1"):
         fetch.pull("llama9:1t")
+
+
+def test_a_damaged_file_is_not_stored(store, tmp_path):
+    """`models` would list it as unreadable and `serve` skip it at every start."""
+    source = tmp_path / "cut.gguf"
+    source.write_bytes(gguf_bytes(1000)[:28])  # cut inside its header, in its first key
+    with pytest.raises(fetch.FetchError, match="cut.gguf: truncated or corrupt GGUF header"):
+        fetch.pull(source)
+    assert not store.exists() or list(store.iterdir()) == []
 
 
 @pytest.mark.parametrize("name", ["~no-such-user-lmsp/m.gguf", "x" * 300 + ".gguf"], ids=["no-user", "too-long"])
