@@ -200,18 +200,17 @@ def _import_local(path: Path, log: TextIO) -> Path:
     if target.exists() and target.samefile(path):
         return target
     store.mkdir(parents=True, exist_ok=True)
-    tmp = store / f".{path.name}.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
-    try:
+    _remove_abandoned_pulls(store)
+    # A temporary directory as _pull_known's: one rename at the end, and swept if we are killed
+    with tempfile.TemporaryDirectory(dir=store, prefix=".pull-") as tmp:
+        partial = Path(tmp) / target.name
         try:
-            os.link(path, tmp)
+            os.link(path, partial)
             how = "linked"
         except OSError:  # another file system, or links not allowed there
-            shutil.copyfile(path, tmp)
+            shutil.copyfile(path, partial)
             how = "copied"
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+        os.replace(partial, target)
     print(f"{path}: {how} into the store as {target}", file=log)
     return target
 

@@ -9,8 +9,12 @@ import http.server
 import io
 import json
 import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import zipfile
@@ -191,6 +195,40 @@ def test_a_killed_pull_leaves_nothing_for_long(store, index, two_part_model):
     os.utime(killed, (old, old))
     fetch.pull(two_part_model[0].name, log=io.StringIO())
     assert not killed.exists() and running.exists()
+
+
+def test_a_killed_copy_leaves_nothing_for_long(store, tmp_path):
+    """A copy of a local file killed half-way (SIGKILL, or SIGTERM: no `finally` runs) is
+    swept by a later pull, as a killed download is; hundreds of MB stayed hidden in the store."""
+    source = tmp_path / "mine.gguf"
+    source.write_bytes(gguf_bytes(100_000))
+    killed = textwrap.dedent(f"""
+        import os, signal
+        from lmsp_min import fetch
+
+        def copy_half_then_die(src, dst):
+            with open(dst, "wb") as out:
+                out.write(open(src, "rb").read(50_000))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def no_link(src, dst):
+            raise OSError(18, "Invalid cross-device link")
+
+        fetch.os.link, fetch.shutil.copyfile = no_link, copy_half_then_die
+        fetch.pull({str(source)!r})
+    """)
+    root = Path(fetch.__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", killed], cwd=root, env={**os.environ, "LMSP_HOME": str(store.parent)})
+    assert done.returncode == -signal.SIGKILL
+    left = list(store.iterdir())
+    assert left and not (store / "mine.gguf").exists()
+    old = time.time() - fetch.ABANDONED_AFTER - 60
+    for path in [*store.rglob("*"), *left]:
+        os.utime(path, (old, old))
+    other = tmp_path / "other.gguf"
+    other.write_bytes(gguf_bytes(1000))
+    fetch.pull(other, log=io.StringIO())
+    assert [p.name for p in store.iterdir()] == ["other.gguf"]
 
 
 def test_an_index_url_without_a_scheme_is_one_clear_error(store, two_part_model, monkeypatch):
