@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if isinstance(sys.stdout, io.TextIOWrapper):  # a file name that is not UTF-8 is printed as its bytes, as ls does
+        sys.stdout.reconfigure(errors="surrogateescape")
     try:
         return args.func(args)
     except (CommandError, fetch.FetchError, EngineError) as e:

@@ -49,6 +49,17 @@ def test_models_on_an_empty_store(store, capsys):
     assert f"lmsp-min pull {fetch.DEFAULT_MODEL}" in capsys.readouterr().out
 
 
+def test_a_file_name_that_is_not_utf8_is_listed(store, monkeypatch):
+    """As the bytes it is, on a strict UTF-8 stdout (a UTF-8 locale's): it was a UnicodeEncodeError."""
+    store.mkdir(parents=True)
+    (store / os.fsdecode(b"caf\xe9.gguf")).write_bytes(b"not a model")
+    out = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, encoding="utf-8"))
+    assert cli.main(["models"]) == 0
+    sys.stdout.flush()
+    assert b"caf\xe9.gguf" in out.getvalue()
+
+
 def test_offline_pull_is_one_clear_line(store):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
