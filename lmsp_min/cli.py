@@ -310,6 +310,8 @@ def cmd_serve(args) -> int:
     from lmsp_min.http import Limits
     from lmsp_min.service import ServiceConfig, run
 
+    if args.models_dir is not None and not os.path.isdir(args.models_dir):  # (a typo served nothing, or fetched)
+        raise CommandError(f"--models-dir {args.models_dir}: not a directory")
     config = ServiceConfig(
         model_paths=[Path(path) for path in args.models],
         models_dir=args.models_dir if args.models_dir is not None else models_dir(),

@@ -104,6 +104,15 @@ def test_bench_finds_the_checkout_it_runs_from():
     assert cli.benchmarks_script() == Path(cli.__file__).resolve().parent.parent / "benchmarks" / "run.py"
 
 
+def test_serve_refuses_a_models_dir_that_is_not_one(store, tmp_path, monkeypatch, capsys):
+    """A typo was an empty directory: no model, so the default one was fetched and served."""
+    monkeypatch.setenv("LMSP_PYPI_URL", "http://127.0.0.1:9/simple")  # (nothing fetched, whatever happens)
+    (tmp_path / "file").write_text("x")
+    for models_dir in (tmp_path / "no-such-dir", tmp_path / "file"):
+        assert cli.main(["serve", "--models-dir", str(models_dir)]) == 1
+        assert capsys.readouterr().err == f"lmsp-min serve: --models-dir {models_dir}: not a directory\n"
+
+
 def test_unknown_arguments_are_rejected(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["models", "--bad"])
