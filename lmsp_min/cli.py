@@ -151,14 +151,15 @@ def cmd_run(args) -> int:
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
     )
-    history = [{"role": "system", "content": args.system}] if args.system else []
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = opening
 
     def answer(messages: list[dict]) -> str:
         request = ChatRequest(messages=messages, max_tokens=args.max_tokens, sampling=sampling)
         return trio.run(_stream_answer, model, request)
 
     if args.prompt is not None:
-        answer(history + [{"role": "user", "content": args.prompt}])
+        answer(opening + [{"role": "user", "content": args.prompt}])
         return 0
 
     if isinstance(sys.stdin, io.TextIOWrapper):  # bytes that are not UTF-8 become U+FFFD, not an error
@@ -176,7 +177,7 @@ def cmd_run(args) -> int:
         if line.strip() == "/bye":
             break
         if line.strip() == "/clear":
-            history = history[:1] if args.system else []
+            history = opening
             continue
         if not line.strip():
             continue
@@ -187,7 +188,8 @@ def cmd_run(args) -> int:
             print("\n(stopped; that answer is not kept)", file=sys.stderr)
             continue
         except ContextLengthExceeded as e:
-            print(f"({e}; /clear starts a new conversation)", file=sys.stderr)
+            hint = "; /clear starts a new conversation" if history != opening else ""  # (else it would not help)
+            print(f"({e}{hint})", file=sys.stderr)
             continue
         history = turn + [{"role": "assistant", "content": text}]
     return 0

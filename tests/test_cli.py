@@ -198,8 +198,16 @@ def test_chat_goes_on_when_the_conversation_outgrows_the_window(tiny_chat, load_
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{long_line}\nHi\n"))
     assert cli.main(["run", str(tiny_chat), "--temperature", "0", "--max-tokens", "2"]) == 0
     captured = capsys.readouterr()
-    assert "/clear starts a new conversation" in captured.err
+    assert "the context window is 512 tokens" in captured.err
+    assert "/clear" not in captured.err  # the conversation was empty: forgetting it would not help
     assert captured.out.strip()  # the second line was still answered
+
+
+def test_chat_says_clear_helps_when_there_is_a_conversation_to_forget(tiny_chat, load_once, monkeypatch, capsys):
+    long_line = "word " * 400  # fits alone, not after an earlier exchange
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{long_line}\n{long_line}\n"))
+    assert cli.main(["run", str(tiny_chat), "--temperature", "0", "--max-tokens", "60"]) == 0
+    assert "/clear starts a new conversation" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("shell", [
