@@ -172,7 +172,9 @@ def cmd_run(args) -> int:
     while True:
         try:
             line = input(">>> " if interactive else "")
-        except EOFError:
+        except EOFError:  # Ctrl-D
+            if interactive:
+                print()  # (the shell's prompt starts on a line of its own, not after ">>> ")
             break
         if line.strip() == "/bye":
             break

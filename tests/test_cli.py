@@ -193,6 +193,16 @@ def test_run_the_default_model(smollm2_path, capsys):
     assert "Paris" in capsys.readouterr().out
 
 
+def test_ctrl_d_at_the_prompt_ends_the_line(tiny_chat, load_once, monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal(""))  # Ctrl-D at the first prompt
+    assert cli.main(["run", str(tiny_chat)]) == 0
+    assert capsys.readouterr().out.endswith(">>> \n")
+
+
 def test_chat_goes_on_when_the_conversation_outgrows_the_window(tiny_chat, load_once, monkeypatch, capsys):
     long_line = "word " * 600  # more tokens than the tiny model's 512-token window
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{long_line}\nHi\n"))
