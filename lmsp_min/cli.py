@@ -166,6 +166,10 @@ def cmd_run(args) -> int:
         sys.stdin.reconfigure(errors="replace")
     interactive = sys.stdin.isatty()
     if interactive:
+        try:  # input() edits the line with it: arrow keys move, and bring back earlier lines
+            import readline  # noqa: F401
+        except ImportError:  # (not built on every platform: then lines are typed without editing)
+            pass
         info = model.info
         print(f"{path.name}: {info.architecture} {info.quantization}, {info.context_length} tokens of context.")
         print("/clear forgets the conversation, /bye (or Ctrl-D) ends it, Ctrl-C stops an answer.")

@@ -2,6 +2,8 @@
 
 import io
 import os
+import pty
+import select
 import socket
 import subprocess
 import sys
@@ -201,6 +203,38 @@ def test_ctrl_d_at_the_prompt_ends_the_line(tiny_chat, load_once, monkeypatch, c
     monkeypatch.setattr(sys, "stdin", Terminal(""))  # Ctrl-D at the first prompt
     assert cli.main(["run", str(tiny_chat)]) == 0
     assert capsys.readouterr().out.endswith(">>> \n")
+
+
+def _read_terminal(fd: int, until: bytes, timeout: float = 60) -> bytes:
+    """What a program writes to its terminal, up to `until` or its end (EIO: it closed the terminal)."""
+    seen = b""
+    while not seen.endswith(until) and select.select([fd], [], [], timeout)[0]:
+        try:
+            chunk = os.read(fd, 1024)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    return seen
+
+
+def test_the_chat_edits_its_lines_on_a_terminal(tiny_chat):
+    """An arrow key moves in the line (it was sent to the model as "\\x1b[D")."""
+    controller, terminal = pty.openpty()
+    command = [sys.executable, "-m", "lmsp_min.cli", "run", str(tiny_chat), "--max-tokens", "1"]
+    with subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal,
+                          cwd=Path(cli.__file__).resolve().parent.parent, env={**os.environ, "LMSP_HELPER": "0"}) as chat:
+        os.close(terminal)
+        try:
+            assert _read_terminal(controller, b">>> ").endswith(b">>> ")
+            os.write(controller, b"/be\x1b[Dy\r")  # "/be", left arrow, "y": "/bye"
+            after = _read_terminal(controller, b">>> ")  # a prompt again only if it answered "/be\x1b[Dy"
+        finally:
+            if chat.poll() is None:
+                os.write(controller, b"\x04")  # Ctrl-D
+            os.close(controller)
+    assert b">>> " not in after and chat.returncode == 0
 
 
 def test_chat_goes_on_when_the_conversation_outgrows_the_window(tiny_chat, load_once, monkeypatch, capsys):
