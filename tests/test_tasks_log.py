@@ -88,18 +88,19 @@ async def test_fast_generation_is_group_committed(store):
     assert commits < 500
 
 
+async def follow_into(seen: list, log: LiveLog, after: int) -> None:
+    """Follow the log from `after`, noting each event, and None for each keep-alive."""
+    async for batch in log.follow(after):
+        seen.extend(batch or [None])
+
+
 async def test_keepalive_while_idle_and_abandon_releases_followers(store, monkeypatch):
     monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.05)
     log = LiveLog(store, "task_1")
     seen = []
-
-    async def follow():
-        async for batch in log.follow(0):
-            seen.extend(batch or [None])
-
     async with trio.open_nursery() as nursery:
         nursery.start_soon(log.write_loop)
-        nursery.start_soon(follow)
+        nursery.start_soon(follow_into, seen, log, 0)
         log.append(LoggedEvent(1, "response.created", "{}"))
         with pytest.raises(ValueError):
             log.append(LoggedEvent(3, "response.output_text.delta", "{}"))
@@ -118,12 +119,7 @@ async def test_a_follower_resumed_past_the_last_event_gets_keepalives(store, mon
     monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.05)
     log = LiveLog(store, "task_1")
     seen = []
-
-    async def follow():
-        async for batch in log.follow(1000):
-            seen.extend(batch or [None])
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(follow)
+        nursery.start_soon(follow_into, seen, log, 1000)
         await run_task(log, 20, 0.02)  # 0.4 s
     assert seen == [None] * len(seen) and len(seen) >= 4
