@@ -270,11 +270,19 @@ class Tasks:
                     event = run.failed(_shutting_down()) if self._stopping else run.cancelled()
                     final = LoggedEvent(event.id, event.name, compact_json(event.data))
                 await event_log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
-        except Exception as exc:
-            # A bug or a failing database: the task fails, the service goes on.
-            causes = "; ".join(f"{type(error).__name__}: {error}" for error in leaf_exceptions(exc))
+        except BaseException as exc:
+            # A bug or a failing database: the task fails, the service goes on. What fails
+            # as a forced stop cancels the runner comes out of its nursery in one group with
+            # that cancellation: the errors are the task's, the cancellation goes on alone.
+            leaves = leaf_exceptions(exc)
+            errors = [leaf for leaf in leaves if isinstance(leaf, Exception)]
+            if not errors:
+                raise
+            causes = "; ".join(f"{type(error).__name__}: {error}" for error in errors)
             self._log(f"error: task {running.task_id} failed: {causes}")
             problem = _runner_lost()
+            if len(errors) < len(leaves):
+                raise next(leaf for leaf in leaves if not isinstance(leaf, Exception)) from None
         finally:
             if not event_log.done:
                 # The runner failed, or was cancelled from outside (the service stopped at

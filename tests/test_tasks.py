@@ -582,6 +582,38 @@ async def test_a_task_created_once_the_service_has_stopped_at_once_ends_as_it_st
     service.close()
 
 
+async def test_a_runner_failing_as_a_forced_stop_cancels_it_lets_the_service_stop(tiny_path, tmp_path,
+                                                                                    monkeypatch):
+    """A task's event write fails (a full disk) just as a forced stop cancels its runner:
+    the runner's nursery raised both in one group, which escaped Tasks.run (serve
+    printed a traceback at exit). The error is the task's, logged; the stop goes on."""
+    service = await make_service([tiny_path], data_dir=tmp_path)
+    generation = await prepare_generation(task_body(max_output_tokens=50), "local", service)
+    append_events = service.store.append_events
+    writing = trio.Event()
+
+    async def append_then_fail(task_id, events):
+        await append_events(task_id, events)
+        writing.set()
+        with trio.CancelScope(shield=True):  # as a store write: it finishes, then fails
+            await trio.sleep(0.1)
+            raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(service.store, "append_events", append_then_fail)
+    with trio.CancelScope() as forced_stop:
+        async with trio.open_nursery() as service_nursery:
+            await service_nursery.start(service.tasks.run)
+            task = await service.tasks.start(generation, task_body())
+            await writing.wait()
+            forced_stop.cancel()
+    assert forced_stop.cancelled_caught  # and nothing else came out
+    assert any("database or disk is full" in line for line in service.log_lines)
+    monkeypatch.setattr(service.store, "append_events", append_events)  # the disk has room again
+    assert await Tasks(service.store).recover() == [task.id]  # as the next start does
+    assert (await service.store.get_task(task.id, None)).status == "failed"
+    service.close()
+
+
 async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_path, tmp_path, monkeypatch):
     """SIGTERM drains the service: its tasks end failed first, so that the clients
     following them get the final event before their streams close."""
