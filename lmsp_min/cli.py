@@ -22,6 +22,25 @@ class CommandError(Exception):
     """An error for the user: printed as one line, exit status 1."""
 
 
+def write_out(text: str) -> None:
+    """Write `text` to stdout at once, so that a stdout that cannot take it (a full disk,
+    /dev/full) is told here in one line, rather than as a traceback, or at exit."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # (the reader left, `lmsp-min run ... | head`: main ends quietly)
+    except OSError as e:
+        _drop_unwritten_output()
+        raise CommandError(f"cannot write the output: {e.strerror or e}") from None
+
+
+def _drop_unwritten_output() -> None:
+    """Point stdout at /dev/null: what its buffer still holds is not written (and does not
+    fail) a second time at exit, which Python reports as "Exception ignored", status 120."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmsp-min",
@@ -58,7 +77,7 @@ def add_pull_parser(commands) -> None:
 
 
 def cmd_pull(args) -> int:
-    print(fetch.pull(args.model))
+    write_out(f"{fetch.pull(args.model)}\n")
     return 0
 
 
@@ -79,7 +98,7 @@ def cmd_models(args) -> int:
 
     paths = sorted(models_dir().glob("*.gguf"))
     if not paths:
-        print(f"no models in {models_dir()}; try `lmsp-min pull {fetch.DEFAULT_MODEL}`")
+        write_out(f"no models in {models_dir()}; try `lmsp-min pull {fetch.DEFAULT_MODEL}`\n")
         return 0
     rows = [("ID", "SIZE", "PARAMETERS", "ARCHITECTURE", "QUANTIZATION", "CONTEXT", "FILE")]
     for path in paths:
@@ -92,7 +111,7 @@ def cmd_models(args) -> int:
         rows.append((m.id, size, params, m.architecture, m.quantization, str(m.context_window), path.name))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        write_out("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() + "\n")
     return 0
 
 
@@ -171,14 +190,14 @@ def cmd_run(args) -> int:
         except ImportError:  # (not built on every platform: then lines are typed without editing)
             pass
         info = model.info
-        print(f"{path.name}: {info.architecture} {info.quantization}, {info.context_length} tokens of context.")
-        print("/clear forgets the conversation, /bye (or Ctrl-D) ends it, Ctrl-C stops an answer.")
+        write_out(f"{path.name}: {info.architecture} {info.quantization}, {info.context_length} tokens of context.\n")
+        write_out("/clear forgets the conversation, /bye (or Ctrl-D) ends it, Ctrl-C stops an answer.\n")
     while True:
         try:
             line = input(">>> " if interactive else "")
         except EOFError:  # Ctrl-D
             if interactive:
-                print()  # (the shell's prompt starts on a line of its own, not after ">>> ")
+                write_out("\n")  # (the shell's prompt starts on a line of its own, not after ">>> ")
             break
         if line.strip() == "/bye":
             break
@@ -207,19 +226,17 @@ async def _stream_answer(model, request) -> str:
 
     prepared = model.prepare_chat(request)
     text = []
-    out = sys.stdout
     async for event in model.generate_chat(prepared):
         if isinstance(event, TextDelta):
-            out.write(event.text)
+            write_out(event.text)
             text.append(event.text)
         elif isinstance(event, ReasoningDelta):
-            out.write(_dim(event.text))
+            write_out(_dim(event.text))
         elif isinstance(event, ToolCall):
-            out.write(f"[call {event.name}({event.arguments})]")
+            write_out(f"[call {event.name}({event.arguments})]")
         elif isinstance(event, Finished) and event.reason == "length":
-            out.write("\n[stopped at the token limit]")
-        out.flush()
-    out.write("\n")
+            write_out("\n[stopped at the token limit]")
+    write_out("\n")
     return "".join(text)
 
 
@@ -364,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # (`lmsp-min run ... | head`): the reader has all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit)
+        _drop_unwritten_output()
         return 1
 
 

@@ -263,3 +263,16 @@ def test_run_in_a_pipe_ends_without_a_traceback(tiny_chat, shell):
     done = subprocess.run(shell.format(run=run), shell=True, capture_output=True, text=True, timeout=120,
                           cwd=Path(cli.__file__).resolve().parent.parent, env={**os.environ, "LMSP_HELPER": "0"})
     assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full, a device every write to fails")
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("command", ["models", "run {model} Hi --max-tokens 2"], ids=["models", "run"])
+def test_an_output_that_cannot_be_written_is_one_line(tiny_chat, store, command, unbuffered):
+    """As on a full disk: it was a traceback (unbuffered), or "Exception ignored" and status 120 at exit."""
+    run = f"{sys.executable} -m lmsp_min.cli {command.format(model=tiny_chat)} > /dev/full"
+    env = {**os.environ, "LMSP_HOME": str(store.parent), "LMSP_HELPER": "0", "PYTHONUNBUFFERED": unbuffered}
+    done = subprocess.run(run, shell=True, capture_output=True, text=True, timeout=120,
+                          cwd=Path(cli.__file__).resolve().parent.parent, env=env)
+    name = command.split()[0]
+    assert (done.returncode, done.stderr) == (1, f"lmsp-min {name}: cannot write the output: No space left on device\n")
