@@ -22,6 +22,13 @@ class CommandError(Exception):
     """An error for the user: printed as one line, exit status 1."""
 
 
+def require_stdout() -> None:
+    """Refuse a command whose output would go nowhere: Python sets sys.stdout to None when
+    started with stdout closed (`lmsp-min models >&-`), and print() then drops everything."""
+    if sys.stdout is None:
+        raise CommandError("cannot write the output: stdout is closed")
+
+
 def write_out(text: str) -> None:
     """Write `text` to stdout at once, so that a stdout that cannot take it (a full disk,
     /dev/full) is told here in one line, rather than as a traceback, or at exit."""
@@ -77,6 +84,7 @@ def add_pull_parser(commands) -> None:
 
 
 def cmd_pull(args) -> int:
+    require_stdout()  # (before the download, not after)
     write_out(f"{fetch.pull(args.model)}\n")
     return 0
 
@@ -96,6 +104,7 @@ def add_models_parser(commands) -> None:
 def cmd_models(args) -> int:
     from lmsp_min.registry import GGUFHeaderError, ModelEntry
 
+    require_stdout()
     paths = sorted(models_dir().glob("*.gguf"))
     if not paths:
         write_out(f"no models in {models_dir()}; try `lmsp-min pull {fetch.DEFAULT_MODEL}`\n")
@@ -160,6 +169,9 @@ def add_run_parser(commands) -> None:
 
 
 def cmd_run(args) -> int:
+    require_stdout()  # (before a model is pulled and loaded for nothing)
+    if args.prompt is None and sys.stdin is None:  # (started with stdin closed, `<&-`)
+        raise CommandError("no PROMPT, and stdin is closed: there is no chat to read")
     path = resolve_model(args.model)
 
     import trio

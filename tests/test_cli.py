@@ -276,3 +276,20 @@ def test_an_output_that_cannot_be_written_is_one_line(tiny_chat, store, command,
                           cwd=Path(cli.__file__).resolve().parent.parent, env=env)
     name = command.split()[0]
     assert (done.returncode, done.stderr) == (1, f"lmsp-min {name}: cannot write the output: No space left on device\n")
+
+
+@pytest.mark.parametrize("command, error", [
+    ("models >&-", "lmsp-min models: cannot write the output: stdout is closed"),
+    ("pull {model} >&-", "lmsp-min pull: cannot write the output: stdout is closed"),
+    ("run {model} Hi >&-", "lmsp-min run: cannot write the output: stdout is closed"),
+    ("run {model} <&-", "lmsp-min run: no PROMPT, and stdin is closed: there is no chat to read"),
+], ids=["models", "pull", "run", "chat"])
+def test_a_closed_stdout_or_stdin_is_one_line(tiny_chat, store, command, error):
+    """Python sets sys.stdout (sys.stdin) to None: `run` ended in an AttributeError traceback, and
+    `models` and `pull` printed nothing and said it went well."""
+    run = f"{sys.executable} -m lmsp_min.cli {command.format(model=tiny_chat)}"
+    done = subprocess.run(run, shell=True, capture_output=True, text=True, timeout=120,
+                          cwd=Path(cli.__file__).resolve().parent.parent,
+                          env={**os.environ, "LMSP_HOME": str(store.parent), "LMSP_HELPER": "0"})
+    assert (done.returncode, done.stderr) == (1, error + "\n")
+    assert not store.exists()  # refused before pull stored anything
