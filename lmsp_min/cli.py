@@ -336,8 +336,9 @@ def add_serve_parser(commands) -> None:
                    help="keep nothing beyond this process (no conversations)")
     p.add_argument("--event-retention", type=_number(float, 0), default=3600.0, metavar="SECONDS",
                    help="how long a finished task's events can be replayed (default 3600)")
-    p.add_argument("--max-body-bytes", type=_number(int, 0), default=4 * 1024 * 1024, metavar="N",
-                   help="largest request body accepted (default 4 MiB)")
+    p.add_argument("--max-body-bytes", type=_number(int, 1024), default=4 * 1024 * 1024, metavar="N",
+                   help="largest request body accepted (default 4 MiB); at least 1024, as a smaller "
+                        "limit would refuse all but the shortest requests")
     p.add_argument("--ctx", type=_number(int, 1), default=None, metavar="N",
                    help="cap every model's context window at N tokens (default: each model's trained length)")
     p.set_defaults(func=cmd_serve)

@@ -122,7 +122,8 @@ def test_unknown_arguments_are_rejected(capsys):
 
 
 @pytest.mark.parametrize("args", [
-    ["serve", "--event-retention", "-5"], ["serve", "--event-retention", "nan"], ["serve", "--max-body-bytes", "-1"],
+    ["serve", "--event-retention", "-5"], ["serve", "--event-retention", "nan"], ["serve", "--max-body-bytes", "0"],
+    ["serve", "--max-body-bytes", "1023"],
     ["serve", "--port", "70000"], ["run", "m", "--max-tokens", "0"], ["run", "m", "--temperature", "nan"],
     ["run", "m", "--top-p", "0"], ["run", "m", "--min-p", "5"], ["run", "m", "--seed", "-1"], ["run", "m", "--ctx", "-5"],
 ])
