@@ -158,7 +158,8 @@ def add_run_parser(commands) -> None:
     p.add_argument("model", metavar="MODEL", help="a known model name, a store id or a .gguf path")
     p.add_argument("prompt", metavar="PROMPT", nargs="?", help="one message to answer, then exit")
     p.add_argument("--system", help="a system message opening the conversation")
-    p.add_argument("--max-tokens", type=_number(int, 1), default=None, help="cap on tokens per answer (default: the context window)")
+    p.add_argument("--max-tokens", type=_number(int, 1), default=None,
+                   help="at most N tokens per answer, within what the context window has left (default: all it has left)")
     p.add_argument("--temperature", type=_number(float, 0, 2), default=0.8, help="0 for greedy, deterministic answers (default 0.8)")
     p.add_argument("--top-p", type=_number(float, 0, 1, above=True), default=0.95, help="nucleus sampling (default 0.95)")
     p.add_argument("--top-k", type=_number(int, 0), default=40, help="sample among the k likeliest tokens, 0 = off (default 40)")
@@ -186,8 +187,8 @@ def cmd_run(args) -> int:
     history = opening
 
     def answer(messages: list[dict]) -> str:
-        request = ChatRequest(messages=messages, max_tokens=args.max_tokens, sampling=sampling)
-        return trio.run(_stream_answer, model, request)
+        request = ChatRequest(messages=messages, sampling=sampling)
+        return trio.run(_stream_answer, model, request, args.max_tokens)
 
     if args.prompt is not None:
         answer(opening + [{"role": "user", "content": args.prompt}])
@@ -232,11 +233,16 @@ def cmd_run(args) -> int:
     return 0
 
 
-async def _stream_answer(model, request) -> str:
-    """Print one answer as it is generated and return its text."""
+async def _stream_answer(model, request, max_tokens: int | None) -> str:
+    """Print one answer as it is generated and return its text.
+
+    `max_tokens` is a cap, so past what the context window has left it is that: a request
+    for more would be refused by the engine (the protocol's rule, D4), on every turn."""
     from engine import Finished, ReasoningDelta, TextDelta, ToolCall
 
-    prepared = model.prepare_chat(request)
+    prepared = model.prepare_chat(request)  # (a request without max_tokens: all the window has left)
+    if max_tokens is not None:
+        prepared.max_tokens = min(prepared.max_tokens, max_tokens)
     text = []
     async for event in model.generate_chat(prepared):
         if isinstance(event, TextDelta):

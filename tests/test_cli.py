@@ -294,3 +294,20 @@ def test_a_closed_stdout_or_stdin_is_one_line(tiny_chat, store, command, error):
                           env={**os.environ, "LMSP_HOME": str(store.parent), "LMSP_HELPER": "0"})
     assert (done.returncode, done.stderr) == (1, error + "\n")
     assert not store.exists()  # refused before pull stored anything
+
+
+def test_max_tokens_past_the_window_is_what_the_window_has_left(tiny_chat, load_once, monkeypatch, capsys):
+    """--max-tokens reads "at most": past the window, every turn was refused (context_length_exceeded)."""
+    from engine.model import Model
+
+    asked = []
+    generate = Model.generate
+
+    def spy(self, prompt_ids, *, max_tokens, **options):
+        asked.append(len(prompt_ids) + max_tokens)
+        return generate(self, prompt_ids, max_tokens=max_tokens, **options)
+
+    monkeypatch.setattr(Model, "generate", spy)
+    assert cli.main(["run", str(tiny_chat), "word " * 400, "--temperature", "0", "--max-tokens", "1000"]) == 0
+    assert asked == [512]  # the prompt and the answer fill the tiny model's window, no more
+    assert capsys.readouterr().out.strip()
