@@ -212,6 +212,10 @@ def cmd_run(args) -> int:
             if interactive:
                 write_out("\n")  # (the shell's prompt starts on a line of its own, not after ">>> ")
             break
+        except KeyboardInterrupt:  # Ctrl-C: the line ends as for Ctrl-D, and main exits with 130
+            if interactive:
+                write_out("\n")
+            raise
         if line.strip() == "/bye":
             break
         if line.strip() == "/clear":

@@ -196,13 +196,25 @@ def test_run_the_default_model(smollm2_path, capsys):
     assert "Paris" in capsys.readouterr().out
 
 
-def test_ctrl_d_at_the_prompt_ends_the_line(tiny_chat, load_once, monkeypatch, capsys):
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
 
+
+def test_ctrl_d_at_the_prompt_ends_the_line(tiny_chat, load_once, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", Terminal(""))  # Ctrl-D at the first prompt
     assert cli.main(["run", str(tiny_chat)]) == 0
+    assert capsys.readouterr().out.endswith(">>> \n")
+
+
+def test_ctrl_c_at_the_prompt_ends_the_line(tiny_chat, load_once, monkeypatch, capsys):
+    """As Ctrl-D does; the shell's prompt followed ">>> " on the same line."""
+    class CtrlC(Terminal):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "stdin", CtrlC())
+    assert cli.main(["run", str(tiny_chat)]) == 130  # (128 + SIGINT, as a shell reports a command Ctrl-C stopped)
     assert capsys.readouterr().out.endswith(">>> \n")
 
 
