@@ -383,7 +383,7 @@ async def test_a_follower_through_another_process_gets_keepalives_on_time(nurser
         with trio.move_on_after(2.0):
             async for event in follow(client, "task_elsewhere"):
                 seen.append(event)
-    assert seen.count(None) == len(seen) >= 4  # (one every 0.25 to 0.5 s; it was one a second)
+    assert seen.count(None) == len(seen) >= 3  # (one every 0.25 to 0.5 s, 4 to 8; it was one a second)
 
 
 async def test_a_task_is_cancelled_through_another_process(nursery, tiny_path, tmp_path, monkeypatch):
