@@ -69,6 +69,9 @@ class Auth:
             secret, principal, scopes = entry.get("token"), entry.get("principal"), entry.get("scopes")
             if not isinstance(secret, str) or not secret:
                 raise ValueError(f"{where}: 'token' must be a non-empty string")
+            if not _sendable(secret):
+                raise ValueError(f"{where}: 'token' must be printable ASCII without spaces around it, "
+                                 "as a client can send it in 'Authorization: Bearer <token>'")
             if not isinstance(principal, str) or not principal:
                 raise ValueError(f"{where}: 'principal' must be a non-empty string")
             if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
@@ -115,6 +118,13 @@ class Auth:
                 headers=[("WWW-Authenticate", f'Bearer realm="lmsp", error="insufficient_scope", scope="{scope}"')],
             )
         return match.principal
+
+
+def _sendable(token: str) -> bool:
+    """Whether a request can present `token`: header values arrive as ASCII (other bytes are
+    read as Latin-1, and a client sends UTF-8), and the credentials are stripped of spaces.
+    A token that fails this could never match, and its principal would only ever get 401."""
+    return token.isascii() and token.isprintable() and token == token.strip()
 
 
 def is_loopback(host: str) -> bool:

@@ -162,3 +162,14 @@ def test_bad_tokens_files_are_refused_without_quoting_tokens(tmp_path, content, 
     with pytest.raises(ValueError, match=message) as info:
         Auth.from_file(path)
     assert '"t"' not in str(info.value)
+
+
+@pytest.mark.parametrize("token", ["caf\u00e9-token", " padded-token", "padded-token ", "tab\there"])
+def test_a_token_no_request_can_present_is_refused(tmp_path, token):
+    """Header values arrive as ASCII (UTF-8 bytes are read as Latin-1) and the credentials
+    are stripped: such a token was accepted, and its principal only ever got 401."""
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps([{"token": token, "principal": "p", "scopes": []}]), encoding="utf-8")
+    with pytest.raises(ValueError, match="printable ASCII") as info:
+        Auth.from_file(path)
+    assert token.strip() not in str(info.value)
