@@ -17,8 +17,10 @@ matmul (`Helper.matmul`):
     x -> shared I/O area
     "weight i, n rows, tiles b0:b1" -> pipe ->  reads the command
     computes tiles 0:b0 into the I/O area       computes tiles b0:b1 into the I/O area,
-    takes back tiles from b1 down while the     claiming each one first, and stops at
-      helper is behind (_take_back)               the first one taken back
+    computes the mins' part (formats with       claiming each one first, and stops at
+      mins: one product over all columns)         the first one taken back
+    takes back tiles from b1 down while the
+      helper is behind (_take_back)
     waits on the answer pipe            <-      writes one byte
     copies y out of the I/O area                converts ahead the first tiles of the
     runs the ops up to the next matmul          matmul it expects next (_ConvertAhead)
@@ -151,6 +153,7 @@ class Helper:
             if not self._send(_COMMAND.pack(w.helper_index, n, split, w.n_tiles)):
                 split = w.n_tiles
             w._decode_tiles(xs, ys, 0, split)
+            mins_part = w._mins_part(xs)  # meanwhile the helper goes on with its tiles
             if split < w.n_tiles:
                 early = bool(select.select([self._answers], [], [], 0)[0])
                 self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
@@ -161,7 +164,8 @@ class Helper:
                     helper_end = split
                 if helper_end < taken:  # a tile each of us left to the other (see _take_back)
                     w._decode_tiles(xs, ys, helper_end, taken)
-            w._add_mins(xs, ys)
+            if mins_part is not None:
+                ys += mins_part
             return ys[:, : w.shape[0]].copy()
 
     def _take_back(self, w: QuantWeight, xs: np.ndarray, ys: np.ndarray, split: int) -> int:

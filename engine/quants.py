@@ -270,7 +270,9 @@ class QuantWeight(Weight):
         if x.shape[0] <= DECODE_MAX_ROWS:
             parallel_for(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
                          DECODE_PARALLEL_MIN_WORK // x.shape[0])
-            self._add_mins(x, y)
+            mins_part = self._mins_part(x)
+            if mins_part is not None:
+                y += mins_part
         else:
             parallel_for(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
                          items_per_chunk=PREFILL_CHUNK_TILES)
@@ -293,7 +295,7 @@ class QuantWeight(Weight):
                       converted: dict[int, np.ndarray] | None = None,
                       claim: Callable[[int], bool] | None = None) -> int:
         """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing
-        (formats with mins: but for their part, `_add_mins`).
+        (formats with mins: but for their part, `_mins_part`).
 
         The loop over tiles is two numpy calls on prepared views: with several threads
         every return from numpy waits for the GIL, so Python work between them costs
@@ -335,19 +337,20 @@ class QuantWeight(Weight):
                 break
         return end
 
-    def _add_mins(self, x: np.ndarray, y: np.ndarray) -> None:
-        """The decode kernel's last part, once every tile is done (formats with mins):
-        y[:, r] += sum_k mins[k, r] * sum(x[:, group k]).
+    def _mins_part(self, x: np.ndarray) -> np.ndarray | None:
+        """The decode kernel's last part (formats with mins), to add to y once every tile
+        is done: sum_k mins[k, r] * sum(x[:, group k]), (n, padded out); None without mins.
 
         One product over all of y's (padded) columns, never per share of the tiles:
         BLAS may give a column other floats depending on where in the product it
         falls, so the floats would move with how the tiles were shared out (between
         threads, or with the helper process, which shares them as timing goes).
         """
-        if self.mins is not None:
-            n, n_in = x.shape
-            x_sums = x.reshape(n, n_in // self.group, self.group).sum(axis=2)  # (n, groups)
-            y += x_sums @ self.mins
+        if self.mins is None:
+            return None
+        n, n_in = x.shape
+        x_sums = x.reshape(n, n_in // self.group, self.group).sum(axis=2)  # (n, groups)
+        return x_sums @ self.mins
 
 
 def _row_ids(rows: slice | np.ndarray, n_rows: int) -> np.ndarray:
