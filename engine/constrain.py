@@ -784,27 +784,40 @@ class Grammar:
         return mask
 
     def _compute_mask(self, state: frozenset) -> np.ndarray:
+        """A token is allowed when some stack of the state reads all its bytes: the mask is the
+        union of the stacks' own. Those whose node has a shortcut (inside a string, free text)
+        take it one by one, the others share one walk of the trie. (One walk for all, when two
+        alternatives are inside a string, reads every token byte by byte: 0.5 s for 262k.)"""
         index = self.index
-        fast = None
-        if len(state) == 1:
-            (stack,) = state
-            if stack:
-                node, local = stack[-1]
-                if len(stack) == 1 or not node.accepting(local):
-                    fast = node.fast(local, index)
-        if fast is not None:
+        mask = np.zeros(index.n_vocab, dtype=np.bool_)
+        others = []
+        for stack in state:
+            fast = self._fast(stack)
+            if fast is None:
+                others.append(stack)
+                continue
             sure, check = fast  # bool (n_vocab,), int ids
-            mask = sure.copy()
+            mask |= sure
+            alone = frozenset((stack,))
             token_bytes = index.token_bytes
             for t in check.tolist():
-                if self.walk(state, token_bytes[t]) is not None:
+                if not mask[t] and self.walk(alone, token_bytes[t]) is not None:
                     mask[t] = True
-        else:
-            mask = np.zeros(index.n_vocab, dtype=np.bool_)
-            mask[index.sorted_ids[self._trie_walk(state)]] = True
+        if others:
+            mask[index.sorted_ids[self._trie_walk(frozenset(others))]] = True
         if self.complete(state):
             mask[index.eos_list] = True
         return mask
+
+    def _fast(self, stack: tuple):
+        """The shortcut of a stack's top node (Node.fast), or None: also when the node may end
+        here, as then the next byte may go to the frame below it."""
+        if not stack:
+            return None
+        node, local = stack[-1]
+        if len(stack) > 1 and node.accepting(local):
+            return None
+        return node.fast(local, self.index)
 
     def _trie_walk(self, state: frozenset) -> list[int]:
         """Positions in index.sorted_bytes of the tokens whose bytes the matcher accepts."""

@@ -101,6 +101,30 @@ def test_mask_agrees_with_allows(smollm2):
             assert mask[t] == c.allows(t), (prefix, t, smollm2.token_bytes[t])
 
 
+def test_a_mask_inside_a_string_two_alternatives_share_takes_the_string_shortcut(smollm2, monkeypatch):
+    """Two alternatives inside one string (anyOf of strings, of objects sharing a key) made the
+    mask walk the whole vocabulary byte by byte: 70 ms for SmolLM2's, 0.5 s for Gemma's, at
+    every token whose state was new. The mask is the union of the stacks' own: each takes
+    its shortcut, and decides as allows() does."""
+    schema = {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "string", "minLength": 3},
+                        {"enum": ["abc\\n", "abd"]}]}
+    c = json_constraint(schema, smollm2)
+    for t in _encode_exact(smollm2, '"ab'):
+        c.advance(t)
+    assert len(c.state) == 3
+    walked = []
+    trie_walk = constrain.Grammar._trie_walk
+    monkeypatch.setattr(constrain.Grammar, "_trie_walk",
+                        lambda self, state: walked.append(state) or trie_walk(self, state))
+    mask = c.mask()
+    assert [[type(stack[-1][0]) for stack in state] for state in walked] == [[constrain.Literal]]
+    sample = np.random.default_rng(2).choice(smollm2.n_vocab, 3000, replace=False).tolist()
+    quote_or_backslash = [i for i, data in enumerate(smollm2.token_bytes) if b'"' in data or b"\\" in data]
+    for t in sample + quote_or_backslash + sorted(smollm2.eos_ids):
+        assert mask[t] == c.allows(t), (t, smollm2.token_bytes[t])
+    assert mask[_encode_exact(smollm2, '"')[0]] and mask[_encode_exact(smollm2, "\\")[0]]
+
+
 def _encode_exact(index, text):
     """Single-byte tokens spelling `text` (every byte is a token in a byte-level BPE)."""
     single = {data: i for i, data in enumerate(index.token_bytes) if len(data) == 1}
