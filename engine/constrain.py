@@ -46,6 +46,7 @@ required property that contains its own object again), and so are both behind a 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import re
@@ -90,7 +91,7 @@ MAX_FRAC_DIGITS = 6    # fraction digits of a "number" (unless its bounds need m
 MAX_SIGNIFICANT = 15
 MAX_ANY_DEPTH = 6      # nesting depth of schema-less ("any") values
 # Bounds on what a client's schema may cost (D9). An object's optional properties cost
-# n^2 (where each may come next); 8,000 of them took 85 s and 3 GB to compile.
+# n at each byte of a key (each is tried): 8,000 of them made a mask take 1.6 s.
 MAX_PROPERTIES = 256   # declared properties of one object
 MAX_ENUM = 1024        # values of one enum
 # Alternatives followed side by side: nested anyOf branches that agree on a prefix multiply
@@ -263,6 +264,14 @@ class String(Node):
         return index.plain & (index.nchars <= self.max_len - local[1]), index.string_specials
 
 
+@functools.cache
+def _digit_grid(frac_digits: int, int_digits: int) -> tuple[tuple[int, ...], tuple[Fraction, ...]]:
+    """By integer digits (0 for "0"): the fraction digits a Number allows, and the step between
+    its values. Shared: a schema may hold thousands of numbers, each paid 0.1 ms for its own."""
+    limits = tuple(max(0, min(frac_digits, MAX_SIGNIFICANT - n)) for n in range(int_digits + 1))
+    return limits, tuple(Fraction(1, 10 ** f) for f in limits)
+
+
 class Number(Node):
     """A JSON integer or number (no exponent) within inclusive bounds, of bounded length.
 
@@ -283,9 +292,7 @@ class Number(Node):
         self.int_digits = MAX_INT_DIGITS
         if lo is not None and hi is not None:  # fewer when the bounds are closer to 0, never more
             self.int_digits = max(1, min(MAX_INT_DIGITS, len(str(math.floor(max(abs(lo), abs(hi)))))))
-        # by integer digits (0 for "0"): fraction digits allowed, and the step between values
-        self._frac_limits = [max(0, min(self.frac_digits, MAX_SIGNIFICANT - n)) for n in range(self.int_digits + 1)]
-        self._units = [Fraction(1, 10 ** f) for f in self._frac_limits]
+        self._frac_limits, self._units = _digit_grid(self.frac_digits, self.int_digits)
         self._final: dict = {}
 
     def _frac_limit(self, ip: str) -> int:
@@ -419,14 +426,13 @@ class Object(Node):
         self.values = list(values)
         self.n = n
         self.required_values = [v for name, v in zip(names, self.values) if name in required]
-        # candidates[i]: properties that may come next when i is the first not yet passed
-        # (up to and including the first required one); can_close[i]: none required from i on
-        self.candidates, self.can_close = [], []
-        for i in range(n + 1):
-            req = [j for j in range(i, n) if names[j] in required]
-            last = req[0] if req else n - 1
-            self.candidates.append([(self.keys[j], j) for j in range(i, last + 1)])
-            self.can_close.append(not req)
+        # last[i]: the last property that may come next when i is the first not yet passed
+        # (the first required one from i on); can_close[i]: none required from i on. (A list
+        # of the candidates for each i took n^2 memory: 2.8 MB for 256 properties.)
+        self.last, self.can_close = [n - 1] * (n + 1), [True] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            self.last[i] = i if names[i] in required else self.last[i + 1]
+            self.can_close[i] = self.can_close[i + 1] and names[i] not in required
 
     def step(self, local, b):
         phase = local[0]
@@ -438,7 +444,8 @@ class Object(Node):
                 if b == SPACE:
                     return () if first or spaced else ((SET, (1, i, b"", True, first)),)
             nxt = prefix + bytes((b,))
-            for key, j in self.candidates[i]:
+            for j in range(i, self.last[i] + 1):
+                key = self.keys[j]
                 if key == nxt:  # keys end with a quote: none is a prefix of another
                     return ((SET, (2, j)),)
                 if key.startswith(nxt):
@@ -1073,6 +1080,7 @@ class _Compiler:
         self.unsatisfiable: dict[str, Unsatisfiable] = {}  # $ref -> why no value satisfies its target
         self.lazy: list[tuple[AnyOf, str]] = []  # each $ref and anyOf, with its path, to expand
         self.choices: list[tuple[AnyOf, str]] = []  # every anyOf / type list, with its path
+        self.any_value = AnyValue()  # one for every `{}`: each new one cost 0.1 ms (its Number)
 
     def resolve(self, ref: str, path: str) -> Node:
         if ref in self.dead:
@@ -1147,7 +1155,7 @@ class _Compiler:
 
     def compile(self, schema, path: str = "") -> Node:
         if schema is True or schema == {}:
-            return AnyValue()
+            return self.any_value
         if schema is False:
             raise Unsatisfiable(f"the schema at {path or '/'} is false: no value is valid", path)
         if not isinstance(schema, dict):
@@ -1162,7 +1170,7 @@ class _Compiler:
         constraints = {k: v for k, v in schema.items()
                        if k not in ANNOTATIONS and k not in ("$defs", "definitions")}
         if not constraints:
-            return AnyValue()
+            return self.any_value
         if "$ref" in constraints:
             if len(constraints) > 1:
                 other = sorted(set(constraints) - {"$ref"})[0]
@@ -1292,7 +1300,7 @@ class _Compiler:
         if hi is not None and lo > hi:
             raise Unsatisfiable(f"minItems > maxItems at {path or '/'}", f"{path}/minItems", "minItems")
         try:
-            items = self.compile(schema["items"], f"{path}/items") if "items" in schema else AnyValue()
+            items = self.compile(schema["items"], f"{path}/items") if "items" in schema else self.any_value
         except Unsatisfiable:
             if lo > 0:
                 raise
@@ -1339,7 +1347,7 @@ class _Compiler:
                 values += [value] * len(undeclared)
             return Object(names, values, required)
         try:
-            values = self.compile(extra, f"{path}/additionalProperties") if isinstance(extra, dict) else AnyValue()
+            values = self.compile(extra, f"{path}/additionalProperties") if isinstance(extra, dict) else self.any_value
         except Unsatisfiable:
             return Literal([b"{}"])  # no value of any key can be written: only the empty object
         return FreeObject(values)
