@@ -35,7 +35,9 @@ cut-off document is reported as such (finish reason "length"), never silently sh
 Supported keywords: type (also lists), properties, required, additionalProperties, items,
 enum, const, anyOf, minItems/maxItems, minLength/maxLength, minimum/maximum and
 exclusiveMinimum/exclusiveMaximum, local $ref with $defs/definitions; annotations (title,
-description, examples, default, ...) are ignored; any other keyword raises SchemaError.
+description, examples, default, ...) are ignored; any other keyword raises SchemaError, and
+so does a keyword whose value is not of its kind, whatever the type. $ref and anyOf stand
+alone; beside enum or const, only keywords without a subschema (type, bounds, required).
 A subschema that no value satisfies (false, bounds that exclude every value) is left
 out where it is optional (a property not required, one of anyOf's alternatives, the
 items of an array that may be empty: `[]`, the values of a free object: `{}`); where
@@ -1059,13 +1061,45 @@ def _on_grid(bounds: list[tuple[str, Fraction]], unit: Fraction) -> tuple[Fracti
     return lo, hi
 
 
-def _count(schema, key, path) -> int | None:
-    v = schema.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise SchemaError(f"'{key}' at {path or '/'} must be a non-negative integer", f"{path}/{key}", key)
-    return v
+COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _check_values(schema: dict, path: str) -> None:
+    """Refuse a keyword whose value is not of its kind, whatever the schema's type reads:
+    validate() reads them all (the values of an enum are checked against the keywords
+    beside it), and a malformed one is refused, never ignored."""
+    at = path or "/"
+    for key, v in schema.items():
+        where = f"{path}/{key}"
+        if key in COUNTS:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise SchemaError(f"'{key}' at {at} must be a non-negative integer", where, key)
+        elif key in BOUNDS:
+            if not _is_number(v):
+                raise SchemaError(f"'{key}' at {at} must be a number", where, key)
+        elif key in ("$defs", "definitions", "properties"):
+            if not isinstance(v, dict):
+                raise SchemaError(f"'{key}' at {at} must be an object", where, key)
+        elif key in ("anyOf", "enum"):
+            if not isinstance(v, list) or not v:
+                raise SchemaError(f"'{key}' at {at} must be a non-empty array", where, key)
+        elif key == "$ref":
+            if not isinstance(v, str):
+                raise SchemaError(f"'$ref' at {at} must be a string", where, key)
+        elif key == "required":
+            if not isinstance(v, list) or not all(isinstance(name, str) for name in v):
+                raise SchemaError(f"'required' at {at} must be an array of strings", where, key)
+        elif key == "additionalProperties":
+            if not isinstance(v, (bool, dict)):
+                raise SchemaError(f"'additionalProperties' at {at} must be a boolean or a schema", where, key)
+        elif key == "type":
+            types = v if isinstance(v, list) else [v]
+            unknown = [t for t in types if t not in TYPES]
+            if unknown:
+                raise SchemaError(f"unknown type {unknown[0]!r} at {at}", where, key)
+            if not types or len(set(types)) != len(types):
+                raise SchemaError(f"'type' at {at} must be a non-empty list of distinct types", where, key)
 
 
 class _Compiler:
@@ -1164,9 +1198,7 @@ class _Compiler:
             if key not in KEYWORDS and key not in ANNOTATIONS:
                 raise SchemaError(f"unsupported JSON Schema keyword '{key}' at {path or '/'}",
                                   f"{path}/{key}", key)
-        for key in ("$defs", "definitions"):
-            if key in schema and not isinstance(schema[key], dict):
-                raise SchemaError(f"'{key}' at {path or '/'} must be an object", f"{path}/{key}", key)
+        _check_values(schema, path)
         constraints = {k: v for k, v in schema.items()
                        if k not in ANNOTATIONS and k not in ("$defs", "definitions")}
         if not constraints:
@@ -1176,8 +1208,6 @@ class _Compiler:
                 other = sorted(set(constraints) - {"$ref"})[0]
                 raise SchemaError(f"'{other}' beside '$ref' at {path or '/'} is not supported",
                                   f"{path}/{other}", other)
-            if not isinstance(schema["$ref"], str):
-                raise SchemaError("'$ref' must be a string", f"{path}/$ref", "$ref")
             return self.resolve(schema["$ref"], f"{path}/$ref")
         if "anyOf" in constraints:
             if len(constraints) > 1:
@@ -1185,8 +1215,6 @@ class _Compiler:
                 raise SchemaError(f"'{other}' beside 'anyOf' at {path or '/'} is not supported",
                                   f"{path}/{other}", other)
             options = schema["anyOf"]
-            if not isinstance(options, list) or not options:
-                raise SchemaError("'anyOf' must be a non-empty array", f"{path}/anyOf", "anyOf")
             return self.alternatives([(s, f"{path}/anyOf/{i}") for i, s in enumerate(options)], path)
         if "enum" in constraints or "const" in constraints:
             return self.literal(schema, path)
@@ -1194,11 +1222,7 @@ class _Compiler:
         if types is None:
             types = self.implied_type(constraints)
         if isinstance(types, list):
-            if not types or len(set(types)) != len(types):
-                raise SchemaError("'type' must be a non-empty list of distinct types", f"{path}/type", "type")
             return self.alternatives([({**schema, "type": t}, path) for t in types], path)
-        if types not in TYPES:
-            raise SchemaError(f"unknown type {types!r} at {path or '/'}", f"{path}/type", "type")
         return getattr(self, "t_" + types)(schema, path)
 
     def alternatives(self, schemas: list[tuple], path: str) -> Node:
@@ -1230,25 +1254,26 @@ class _Compiler:
         return "number"  # only numeric bounds are left
 
     def literal(self, schema, path):
-        if "enum" in schema:
-            values = schema["enum"]
-            if not isinstance(values, list) or not values:
-                raise SchemaError("'enum' must be a non-empty array", f"{path}/enum", "enum")
-            if len(values) > MAX_ENUM:
-                raise SchemaError(f"an enum of more than {MAX_ENUM} values at {path or '/'} is not supported",
-                                  f"{path}/enum", "enum")
-        else:
-            values = [schema["const"]]
-        rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
-        if rest:  # (a bare const or enum, the usual one, has no other keyword to check)
-            self.compile(rest, path)  # reject unsupported keywords beside the enum too
-        kept = [v for v in values if validate(v, rest, self.root) is None]
+        """enum or const: the values that the keywords beside it (const beside an enum too)
+        allow. Those are checked by validate(), so none that holds a subschema may be there:
+        what it costs would be one value's size times the schema's, not the value's alone."""
+        kind = "enum" if "enum" in schema else "const"
+        values = schema["enum"] if kind == "enum" else [schema["const"]]
+        if len(values) > MAX_ENUM:
+            raise SchemaError(f"an enum of more than {MAX_ENUM} values at {path or '/'} is not supported",
+                              f"{path}/enum", "enum")
+        beside = sorted(set(schema) & {"properties", "additionalProperties", "items"})
+        if beside:
+            raise SchemaError(f"'{beside[0]}' beside '{kind}' at {path or '/'} is not supported",
+                              f"{path}/{beside[0]}", beside[0])
+        rest = {k: v for k, v in schema.items() if k != kind}
+        kept = [v for v in values if validate(v, rest) is None]
         if not kept:
             raise Unsatisfiable(f"no value of 'enum'/'const' at {path or '/'} satisfies the schema", path, "enum")
         return Literal(_dump(v) for v in kept)
 
     def t_string(self, schema, path):
-        lo, hi = _count(schema, "minLength", path) or 0, _count(schema, "maxLength", path)
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
         if hi is not None and lo > hi:
             raise Unsatisfiable(f"minLength > maxLength at {path or '/'}", f"{path}/minLength", "minLength")
         return String(lo, hi)
@@ -1260,13 +1285,8 @@ class _Compiler:
         return self.number(schema, path, integer=False)
 
     def number(self, schema, path, integer):
-        bounds = []
-        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-            if key in schema:
-                v = schema[key]
-                if not _is_number(v):
-                    raise SchemaError(f"'{key}' at {path or '/'} must be a number", f"{path}/{key}", key)
-                bounds.append((key, Fraction(repr(v)) if isinstance(v, float) else Fraction(v)))
+        bounds = [(key, Fraction(repr(v)) if isinstance(v, float) else Fraction(v))
+                  for key, v in schema.items() if key in BOUNDS]
         # fraction digits: none for an integer, MAX_FRAC_DIGITS for a number, or when no
         # value with those lies between the bounds, as many as MAX_SIGNIFICANT leaves
         between = False
@@ -1296,7 +1316,7 @@ class _Compiler:
         return Literal([b"null"])
 
     def t_array(self, schema, path):
-        lo, hi = _count(schema, "minItems", path) or 0, _count(schema, "maxItems", path)
+        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
         if hi is not None and lo > hi:
             raise Unsatisfiable(f"minItems > maxItems at {path or '/'}", f"{path}/minItems", "minItems")
         try:
@@ -1309,22 +1329,15 @@ class _Compiler:
 
     def t_object(self, schema, path):
         props = schema.get("properties", {})
-        if not isinstance(props, dict):
-            raise SchemaError("'properties' must be an object", f"{path}/properties", "properties")
         if len(props) > MAX_PROPERTIES:
             raise SchemaError(f"more than {MAX_PROPERTIES} properties in one object at {path or '/'} "
                               "are not supported", f"{path}/properties", "properties")
         required = schema.get("required", [])
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise SchemaError("'required' must be an array of strings", f"{path}/required", "required")
         undeclared = [name for name in dict.fromkeys(required) if name not in props]
         if len(props) + len(undeclared) > MAX_PROPERTIES:
             raise SchemaError(f"more than {MAX_PROPERTIES} properties in one object at {path or '/'} "
                               "are not supported", f"{path}/required", "required")
         extra = schema.get("additionalProperties", True)
-        if not isinstance(extra, (bool, dict)):
-            raise SchemaError("'additionalProperties' must be a boolean or a schema",
-                              f"{path}/additionalProperties", "additionalProperties")
         if "properties" in schema or extra is False or undeclared:
             # the properties declared or required only, even where others would be allowed:
             # the schema's author listed the keys that mean something (`"properties": {}` -> `{}`)

@@ -230,6 +230,33 @@ def test_unsatisfiable_or_malformed_schemas_are_rejected(schema):
         compile_schema(schema)
 
 
+@pytest.mark.parametrize("schema, keyword, path", [
+    # the enum's values were checked against keywords no one had checked: a TypeError (500)
+    ({"enum": ["abc"], "properties": {}, "minLength": "2"}, "minLength", "/minLength"),
+    ({"enum": [5], "minItems": 2, "minimum": None}, "minimum", "/minimum"),
+    ({"type": "integer", "maxLength": -1}, "maxLength", "/maxLength"),     # whatever the type reads
+    ({"type": [{}]}, "type", "/type"),
+    ({"type": ["string", ["null"]]}, "type", "/type"),
+    # ... or against a $ref not yet compiled, or whose cost was the value's times the schema's
+    ({"enum": [{"a": 1}], "properties": {"a": {"$ref": "#/$defs/x"}}, "$defs": {"x": 5}}, "properties", "/properties"),
+    ({"enum": [[1]], "items": {"$ref": "#/$defs/x"}, "$defs": {"x": {"anyOf": [{"const": 2}] * 64}}}, "items", "/items"),
+    ({"const": {}, "additionalProperties": False}, "additionalProperties", "/additionalProperties"),
+])
+def test_a_malformed_keyword_or_a_subschema_beside_an_enum_is_refused_by_name(schema, keyword, path):
+    with pytest.raises(SchemaError) as e:
+        compile_schema(schema)
+    assert (e.value.keyword, e.value.path) == (keyword, path)
+
+
+def test_an_enum_keeps_the_values_a_const_beside_it_allows():
+    schema = {"enum": [1, 2, "a"], "const": 1}
+    assert accepts(schema, "1") and not accepts(schema, "2") and not accepts(schema, '"a"')
+    assert accepts({"enum": ["a", "b", 3], "type": "string", "maxLength": 1}, '"b"')
+    assert accepts({"enum": [{"a": 1}, {"b": 1}], "required": ["b"]}, '{"b":1}')
+    with pytest.raises(SchemaError):
+        compile_schema({"const": 3, "enum": [1, 2]})
+
+
 def test_a_reference_loop_is_named_where_it_is_entered():
     """(as every other $ref error is: the client's `param` points at it, not at the root)"""
     loop = {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}},

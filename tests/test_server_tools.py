@@ -262,3 +262,13 @@ async def test_a_reasoning_model_keeps_its_thought_out_of_the_message_with_tools
     response = (await server.responses({"model": model_id, "input": ASK, "temperature": 0, "max_output_tokens": 12,
                                         "tools": [TIME], "tool_choice": "auto"})).json()
     assert [item["type"] for item in response["output"]] == ["reasoning"]
+
+
+async def test_a_malformed_keyword_beside_an_enum_is_named(server):
+    """The enum's values were checked against it before it was: a 500, not a 400."""
+    schema = {"enum": ["a", "b"], "properties": {}, "minLength": "2"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "word", "schema": schema}}
+    reply = await server.responses({"model": TINY_ID, "input": ASK, "response_format": fmt})
+    assert reply.status == 400, reply.body
+    doc = reply.json()
+    assert doc["code"] == "invalid_request" and doc["param"] == "response_format.json_schema.schema.minLength"
