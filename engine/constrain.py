@@ -29,8 +29,9 @@ any string keys; a required key not in `properties` comes after those, its value
 `additionalProperties` says), numbers without exponent with at most 15 integer and 6
 fraction digits (more when the bounds are finer), and 15 digits in all when there is a
 fraction (so that the float a reader parses compares with the bounds as the decimal
-did). Strings are as long as the model makes them unless `maxLength` says otherwise: a
-cut-off document is reported as such (finish reason "length"), never silently shortened.
+did), values inside at most 63 arrays and objects (MAX_DEPTH). Strings are as long as the
+model makes them unless `maxLength` says otherwise: a cut-off document is reported as such
+(finish reason "length"), never silently shortened.
 
 Supported keywords: type (also lists), properties, required, additionalProperties, items,
 enum, const, anyOf, minItems/maxItems, minLength/maxLength, minimum/maximum and
@@ -92,6 +93,12 @@ MAX_FRAC_DIGITS = 6    # fraction digits of a "number" (unless its bounds need m
 # it, 100000000000.000001 reads as 1e11, which an exclusiveMinimum of 1e11 refuses.
 MAX_SIGNIFICANT = 15
 MAX_ANY_DEPTH = 6      # nesting depth of schema-less ("any") values
+# Frames on one stack: a value inside at most 63 arrays and objects (a few less in a tool
+# call). A recursive schema had no other bound: each "[" of `{"items": {"$ref": "#"}}` was
+# one more frame in every state after it, each state held by the caches: 260 MB after
+# 8,000 of them, and each byte slower than the last. Only what can still end within the
+# bound may begin (Node.height), so the bound never leaves the model stuck.
+MAX_DEPTH = 64
 # Bounds on what a client's schema may cost (D9). An object's optional properties cost
 # n at each byte of a key (each is tried): 8,000 of them made a mask take 1.6 s.
 MAX_PROPERTIES = 256   # declared properties of one object
@@ -115,6 +122,10 @@ class Node:
 
     start: object = 0
     nullable = False  # matches the empty string
+    # the fewest frames a document of it needs on the stack, its own included (math.inf:
+    # none is finite). Set by _set_heights for the nodes a grammar reaches; nodes made while
+    # decoding (values of schema-less values) need one frame, their parts being optional.
+    height: float = 1
 
     def expand(self) -> list[tuple[Node, object]]:
         """The frames that begin a value of this node (several for alternatives)."""
@@ -687,6 +698,8 @@ def _feed(stack: tuple, b: int, out: list) -> None:
         else:
             base = below + ((node, action[1]),)
             for frame in action[2].expand():
+                if len(base) + frame[0].height > MAX_DEPTH:
+                    continue  # it could not end within MAX_DEPTH frames
                 if action[0] == PUSH:
                     _feed(base + (frame,), b, out)
                 else:
@@ -741,7 +754,11 @@ class Grammar:
 
     def __init__(self, root: Node, index: TokenIndex):
         self.index = index
-        self.initial = frozenset(_settle((f,)) for f in root.expand())
+        _set_heights(_reached(root))
+        frames = [f for f in root.expand() if f[0].height <= MAX_DEPTH]
+        if not frames:
+            raise SchemaError(f"every document of the schema nests more than {MAX_DEPTH} values deep")
+        self.initial = frozenset(_settle((f,)) for f in frames)
         if len(self.initial) > MAX_CONFIGURATIONS:  # (nested alternatives, before any byte)
             raise SchemaError(f"the schema's alternatives (anyOf, type lists) are more than "
                               f"{MAX_CONFIGURATIONS} ways to read one output", "", "anyOf")
@@ -1166,12 +1183,13 @@ class _Compiler:
         with the error their uses raise: that of a $ref no value satisfies which they cannot do
         without (as inline), if there is one, else that they can only be written by writing
         themselves again."""
-        ending = _finite_documents(nodes)
+        _set_heights(nodes)
+        ending = {id(node) for node in nodes if node.height < math.inf}
         why = {id(self.refs[ref]): e for ref, e in self.unsatisfiable.items()}  # (by node id)
         grew = True
         while grew:
             grew = False
-            for node in reversed(nodes):  # (children first, as in _finite_documents)
+            for node in reversed(nodes):  # (children first, as in _set_heights)
                 if id(node) not in ending and id(node) not in why:
                     because = next((why[id(part)] for part in _needed(node) if id(part) in why), None)
                     if because is not None:
@@ -1374,34 +1392,48 @@ def writes_objects(node: Node) -> bool:
 
 
 def _parts(node: Node) -> list[Node]:
-    """The nodes a compiled schema's node's documents are made of (tools.py wraps such a node
-    in Seq, Repeat and FreeText only after compile_schema: they are never met here)."""
+    """The nodes a node's documents are made of (Seq, Repeat and FreeText: those of tools.py,
+    which wraps compiled schemas in them)."""
     if isinstance(node, Array):
         return [node.items]
     if isinstance(node, Object):
         return node.values
+    if isinstance(node, Seq):
+        return node.children
     if isinstance(node, FreeObject):
         return [node.values]
     if isinstance(node, AnyOf):
         return node.options
+    if isinstance(node, Repeat):
+        return [node.child]
+    if isinstance(node, FreeText):
+        return [node.then] if node.then is not None else []
     return []
 
 
 def _needed(node: Node) -> list[Node]:
-    """The parts a node's documents cannot do without: all of them, or (alternatives) one."""
+    """The parts a node's documents cannot do without: all of them, or (alternatives) one.
+    (A sequence pushes each child, one that may be empty too; free text needs none, but
+    counts what follows its opener, so that a call that could not end is refused at once.)"""
     if isinstance(node, Array):
         return [node.items] if node.min_items else []
     if isinstance(node, Object):
         return node.required_values
-    if isinstance(node, AnyOf):
-        return node.options
+    if isinstance(node, Repeat):
+        return [node.child] if node.lo else []
+    if isinstance(node, (AnyOf, FreeText)):
+        return _parts(node)
+    if isinstance(node, Seq):
+        return node.children
     return []  # literals, strings, numbers, free objects: a short document always exists
 
 
-def _ends_given(node: Node, ending: set[int]) -> bool:
-    """Whether node has a finite document, given the nodes (by id) known to have one."""
-    needed = (id(part) in ending for part in _needed(node))
-    return any(needed) if isinstance(node, AnyOf) else all(needed)
+def _height(node: Node) -> float:
+    """A node's height (Node.height) from those of its parts."""
+    heights = [part.height for part in _needed(node)]
+    if isinstance(node, AnyOf):
+        return min(heights, default=math.inf)
+    return 1 + max(heights, default=0)
 
 
 def _reached(root: Node) -> list[Node]:
@@ -1416,21 +1448,20 @@ def _reached(root: Node) -> list[Node]:
     return nodes
 
 
-def _finite_documents(nodes: list[Node]) -> set[int]:
-    """Those of the nodes a root reaches (_reached) that some finite document matches (by id).
-    Not so when a required property, or an array's required items, can only be written by
-    writing their own object again (`{"properties": {"c": {"$ref": "#"}}, "required": ["c"]}`):
-    the model would write until the token limit. A fixpoint: nodes that can end, until no
-    more are found."""
-    ending: set[int] = set()
-    grew = True
-    while grew:
-        grew = False
+def _set_heights(nodes: list[Node]) -> None:
+    """Node.height of the nodes a root reaches (_reached). It is infinite when a required
+    property, or an array's required items, can only be written by writing their own object
+    again (`{"properties": {"c": {"$ref": "#"}}, "required": ["c"]}`): the model would write
+    until the token limit. A fixpoint: from infinity, heights only go down, until none does."""
+    for node in nodes:
+        node.height = math.inf
+    lowered = True
+    while lowered:
+        lowered = False
         for node in reversed(nodes):  # children before parents: a tree settles in one pass
-            if id(node) not in ending and _ends_given(node, ending):
-                ending.add(id(node))
-                grew = True
-    return ending
+            height = _height(node)
+            if height < node.height:
+                node.height, lowered = height, True
 
 
 def compile_schema(schema) -> Node:

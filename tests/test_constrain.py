@@ -511,6 +511,53 @@ def test_a_schema_compiles_in_memory_in_proportion_to_its_size(value):
     assert peak < 40 * len(json.dumps(schema)), peak
 
 
+def open_all(c, byte):
+    """Advance c by `byte` as long as it is allowed (at most 1,000 times): how many times."""
+    for n in range(1000):
+        if not c.allows(byte):
+            return n
+        c.advance(byte)
+    return n + 1
+
+
+def test_values_nest_at_most_max_depth_deep_and_can_always_end():
+    """D9: a recursive schema had no bound on nesting: each "[" was one more frame in every
+    state after it, kept by the caches (260 MB after 8,000 "[[" tokens, and each slower than
+    the last). Only a value that can still end within MAX_DEPTH frames may begin."""
+    from engine.tools import tool_constraint
+
+    nested = {"$defs": {"n": {"anyOf": [{"type": "null"},
+                                        {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}]}},
+              "$ref": "#/$defs/n"}
+    c = json_constraint(nested, BYTES)
+    depth = open_all(c, ord("["))
+    assert depth == constrain.MAX_DEPTH - 1
+    assert np.flatnonzero(c.mask()).tolist() == [ord("n")]   # the innermost item can only be null
+    assert accepts(nested, "[" * depth + "null" + "]" * depth)
+    assert not accepts(nested, "[" * (depth + 1) + "null" + "]" * (depth + 1))
+    # objects too, and around a tool call's arguments: a required property that may nest
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}},
+                                             "leaf": {"type": "boolean"}}, "required": ["leaf"]}
+    c = tool_constraint([{"name": "t", "parameters": tree}], "required", BYTES)
+    for b in b'<tool_call>{"name":"t","arguments":':
+        c.advance(b)
+    opened = 0
+    while c.allows(ord("{")):
+        for b in b'{"kids":[':
+            c.advance(b)
+        opened += 1
+    assert 0 < opened < constrain.MAX_DEPTH // 2      # two frames a level, and the call's
+    for b in b'],"leaf":true}' * opened + b"}</tool_call>":
+        c.advance(b)
+    assert c.complete()
+    # a schema whose every document nests deeper is refused at once
+    deep = {"type": "boolean"}
+    for _ in range(constrain.MAX_DEPTH):
+        deep = {"type": "array", "items": deep, "minItems": 1}
+    with pytest.raises(SchemaError, match="nests more than"):
+        json_constraint(deep, BYTES)
+
+
 def test_a_long_const_or_enum_costs_memory_in_proportion_to_its_length():
     """D9: a Literal kept every prefix of every value: n^2 bytes, 400 MB for a const of
     20,000 characters (a 60 kB body took more than 2.5 GB, well within the 4 MB limit)."""
