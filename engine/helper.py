@@ -21,16 +21,19 @@ matmul (`Helper.matmul`):
       mins: one product over all columns)         the first one taken back
     takes back tiles from b1 down while the
       helper is behind (_take_back)
-    waits on the answer pipe            <-      writes one byte
+    waits on the answer pipe, briefly   <-      writes one byte
     copies y out of the I/O area                converts ahead the first tiles of the
     runs the ops up to the next matmul          matmul it expects next (_ConvertAhead)
 
 Nothing depends on the helper being there: until it has said it is ready, or once it
-has died or not answered within HELPER_TIMEOUT (then it is killed first, so that it
-cannot write into the I/O area later), the model computes every tile itself, on
-threads, exactly as without a helper (the same kernel on the same tiles: the same
-floats). The helper exits when its command pipe closes: the model was dropped, or
-this process ended, however it ended.
+has died, the model computes every tile itself, on threads, exactly as without a
+helper (the same kernel on the same tiles: the same floats). Nor does the model wait
+for a helper whose core another process took: when the helper's last tile is not
+answered within HELPER_GRACE, the model computes the helper's tiles itself, in its own
+buffer (the helper may still write the I/O area), and computes the next matmuls alone
+until the helper has answered; one that has not answered within HELPER_TIMEOUT is
+killed. The helper exits when its command pipe closes: the model was dropped, or this
+process ended, however it ended.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ import numpy as np
 
 from .quants import DECODE_MAX_ROWS, QuantWeight
 
-HELPER_TIMEOUT = 30.0        # seconds a helper may take for its part of one matmul
+HELPER_TIMEOUT = 30.0        # seconds a helper may owe the answer to a matmul before it is killed
+HELPER_GRACE = 0.0003        # seconds a matmul waits for the helper's last tile (about ten tiles' time)
 HELPER_MIN_VALUES = 1 << 24  # smaller models (tests' tiny ones) are not worth a process
 HELPER_MIN_WORK = 1 << 18    # values of W times rows of x: below this a matmul stays here
 SHARE_STEP = 0.01            # how fast the helper's share of the tiles adapts
@@ -121,6 +125,7 @@ class Helper:
             pass
         self.min_work = HELPER_MIN_WORK
         self.share = 0.5  # of each matrix's tiles, computed by the helper
+        self._owed_since: float | None = None  # when the command it has not answered yet was sent
         self._state = "starting"
         self._lock = threading.Lock()
         for i, w in enumerate(weights):
@@ -134,39 +139,45 @@ class Helper:
             self._state = "ready" if os.read(self._answers, 1) == _READY else "dead"
         return self._state == "ready"
 
-    def matmul(self, w: QuantWeight, x: np.ndarray) -> np.ndarray:
-        """x @ w.T for a few rows of x, the last `share` of w's tiles given to the helper.
+    def matmul(self, w: QuantWeight, x: np.ndarray) -> np.ndarray | None:
+        """x @ w.T for a few rows of x, the last `share` of w's tiles given to the helper;
+        None while the helper owes the answer to an earlier matmul (the caller computes
+        this one alone).
 
         The two cores of a VM need not be equally fast (here one often ran the same
         tiles 1.5x slower than the other), nor equally free, so the share follows
         what happens: when the helper's answer is already there as we finish our
         part, it gets more next time, otherwise less. And rather than wait for a
         helper that is behind, we take back its last tiles until we meet it
-        (`_take_back`).
+        (`_take_back`), and if even its last tile is not answered within HELPER_GRACE
+        (another process holds its core), we do it too.
         """
-        n = x.shape[0]
-        split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - self.share))))
         with self._lock:
+            if not self._idle():
+                return None
+            n = x.shape[0]
+            split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - self.share))))
             xs, ys = _io_views(self.io, self.x_values, w, n)
             xs[...] = x
             self.claims[:] = split, w.n_tiles
+            sent_at = time.perf_counter()
             if not self._send(_COMMAND.pack(w.helper_index, n, split, w.n_tiles)):
-                split = w.n_tiles
+                return None
             w._decode_tiles(xs, ys, 0, split)
             mins_part = w._mins_part(xs)  # meanwhile the helper goes on with its tiles
-            if split < w.n_tiles:
-                early = bool(select.select([self._answers], [], [], 0)[0])
-                self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
-                taken = w.n_tiles if early else self._take_back(w, xs, ys, split)
-                if self._answered():
-                    helper_end = int(self.claims[_HELPER_NEXT])
-                else:  # it is gone: do its part
-                    helper_end = split
-                if helper_end < taken:  # a tile each of us left to the other (see _take_back)
-                    w._decode_tiles(xs, ys, helper_end, taken)
+            early = bool(select.select([self._answers], [], [], 0)[0])
+            self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
+            taken = w.n_tiles if early else self._take_back(w, xs, ys, split)
+            answered = self._answered(sent_at)
+            y = ys.copy()  # a late helper's writes go to the I/O area, not here
+            # answered: the tile each of us may have left to the other (see _take_back);
+            # not answered: all of its tiles
+            missing = int(self.claims[_HELPER_NEXT]) if answered else split
+            if missing < taken:
+                w._decode_tiles(xs, y, missing, taken)
             if mins_part is not None:
-                ys += mins_part
-            return ys[:, : w.shape[0]].copy()
+                y += mins_part
+            return y[:, : w.shape[0]]
 
     def _take_back(self, w: QuantWeight, xs: np.ndarray, ys: np.ndarray, split: int) -> int:
         """Compute the helper's tiles from the end while it is behind; the first tile taken.
@@ -205,9 +216,30 @@ class Helper:
             self._give_up()
             return False
 
-    def _answered(self) -> bool:
-        """Wait for the helper's answer; False (and the helper killed) when none comes."""
-        if _poll(self._answers, SPIN_SECONDS, HELPER_TIMEOUT) and os.read(self._answers, 1) == _DONE:
+    def _idle(self) -> bool:
+        """Whether the helper has answered every command sent (reading a late answer, and
+        killing a helper that has owed one for HELPER_TIMEOUT)."""
+        if self._owed_since is None:
+            return True
+        if select.select([self._answers], [], [], 0)[0]:
+            return self._read_answer()
+        if time.perf_counter() - self._owed_since > HELPER_TIMEOUT:
+            self._give_up()
+        return False
+
+    def _answered(self, sent_at: float) -> bool:
+        """Whether the helper answers the command sent at `sent_at` within HELPER_GRACE;
+        if not, it owes that answer (see _idle)."""
+        if _poll(self._answers, HELPER_GRACE, 0):
+            return self._read_answer()
+        self._owed_since = sent_at
+        return False
+
+    def _read_answer(self) -> bool:
+        """Read the answer waiting on the pipe: True for "done", False (and the helper
+        killed) for the end of the pipe, when it died."""
+        if os.read(self._answers, 1) == _DONE:
+            self._owed_since = None
             return True
         self._give_up()
         return False

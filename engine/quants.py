@@ -263,7 +263,9 @@ class QuantWeight(Weight):
         helper = self.helper
         if (helper is not None and 0 < x.shape[0] <= DECODE_MAX_ROWS and self.n_tiles > 1
                 and n_out * n_in * x.shape[0] >= helper.min_work and helper.alive):
-            return helper.matmul(self, x)
+            y = helper.matmul(self, x)
+            if y is not None:  # else the helper is busy: this one is computed here
+                return y
         y = np.empty((x.shape[0], self.n_tiles * self.tile_rows), np.float32)  # padded
         if x.shape[0] == 0:
             return y[:, :n_out]
