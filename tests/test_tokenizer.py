@@ -208,6 +208,17 @@ def test_other_pre_tokenizers_split_as_llama_cpp():
     assert Tokenizer.from_metadata(silent).encode("x")[0] != 1
 
 
+@pytest.mark.parametrize("pre", ["gpt-4o", "llama4"])
+def test_gpt4o_split_leaves_marks_out_of_words_as_llama_cpp(pre):
+    # The ids are llama.cpp's (llama-cpp-python 0.3.36) for SmolLM2's GGUF with its
+    # tokenizer.ggml.pre set to `pre`: a combining mark is not part of a word there, so
+    # the decomposed "é's" ends the word "Cafe" and "'s" is no contraction.
+    tok = Tokenizer.from_metadata({**_meta("smollm2"), "tokenizer.ggml.pre": pre})
+    text = "Cafe\u0301's menu \u20e3'Su"
+    assert tok.pre_tokenize(text) == ["Cafe", "\u0301'", "s", " menu", " \u20e3'", "Su"]
+    assert tok.encode(text) == [51, 9980, 151, 219, 23, 99, 10592, 4636, 221, 113, 23, 7393]
+
+
 def test_spm_word_cuts_change_nothing(tokenizers):
     """SPM merges each word alone (fast, cacheable); that must equal merging the whole text."""
     import copy
