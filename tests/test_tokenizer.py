@@ -1,7 +1,14 @@
 """The tokenizers against llama.cpp's own output for the two real models.
 
 The tokenizer metadata of both models is in tests/data (gzip JSON), so no model
-download is needed; the expected ids are llama-server's /tokenize output.
+download is needed. The expected ids in tokenizer.*.jsonl are llama.cpp's: the first
+80 rows llama-server's /tokenize output; the rest llama_tokenize's (llama-cpp-python
+0.3.36, the model's GGUF loaded vocab_only), with parse_special as the row says, for
+hard cases picked by hand (whitespace runs, contractions, apostrophes, marks, emoji
+sequences, digits of other scripts, text that looks like special tokens, long runs)
+and a seeded sample of the strings of a differential fuzz against llama.cpp. Those
+strings have no character newer than Unicode 15.1, llama.cpp's tables: a letter or
+digit added in Unicode 16 or 17 is one for the `regex` module, not for llama.cpp.
 """
 
 import gzip
@@ -11,7 +18,7 @@ import pytest
 
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.chat import Literals
-from engine.tokenizer import IncrementalDecoder, Tokenizer
+from engine.tokenizer import IncrementalDecoder, SpmTokenizer, Tokenizer
 
 from conftest import DATA
 
@@ -36,11 +43,11 @@ def tokenizers() -> dict[str, Tokenizer]:
 @pytest.mark.parametrize("name", MODELS)
 def test_identical_to_llama_cpp(tokenizers, name):
     tok = tokenizers[name]
-    mismatches = [
-        (row["text"], row["add_special"], tok.encode(row["text"], add_special=row["add_special"]), row["ids"])
-        for row in _rows(name)
-        if tok.encode(row["text"], add_special=row["add_special"]) != row["ids"]
-    ]
+    mismatches = []
+    for row in _rows(name):
+        ids = tok.encode(row["text"], add_special=row["add_special"], parse_special=row.get("parse_special", False))
+        if ids != row["ids"]:
+            mismatches.append((row["text"], ids, row["ids"]))
     assert mismatches == []
 
 
@@ -61,7 +68,12 @@ def test_prompts_with_special_tokens_identical_to_llama_cpp(tokenizers, name):
 def test_decode_round_trips(tokenizers, name):
     tok = tokenizers[name]
     for row in _rows(name):
-        assert tok.decode(tok.encode(row["text"], add_special=row["add_special"])) == row["text"]
+        special = row.get("parse_special", False)   # then control tokens come back only as text
+        ids = tok.encode(row["text"], add_special=row["add_special"], parse_special=special)
+        text = row["text"]
+        if isinstance(tok, SpmTokenizer):   # its spaces are U+2581: one in the text comes back a space
+            text = text.replace("\u2581", " ")
+        assert tok.decode(ids, special=special) == text
     text = "Ünïcödé\tand\r\n  spaces  <|im_start|> <start_of_turn> 🇫🇷 \U000f0000 𠀋"
     assert tok.decode(tok.encode(text)) == text
 
