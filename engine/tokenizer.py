@@ -49,6 +49,12 @@ Not implemented (llama.cpp sets them from the model name, which the tokenizer
 metadata does not carry): the per-token lstrip/rstrip attributes of a few models
 (phi-3, jina). Other tokenizer models (bert, t5, rwkv, ...) raise
 UnsupportedModelError.
+
+Known difference: the pre-tokenizer regexes know the characters of the `regex`
+module's Unicode version (17.0 in regex 2026.5), llama.cpp's of its own tables
+(15.1). A letter or digit added in Unicode 16 or 17 is unassigned to llama.cpp, a
+character its gpt2 split groups with punctuation, so a BPE text holding one can be
+cut into other words (U+13583 then "'ve": "'ve" is a contraction here, not there).
 """
 
 from __future__ import annotations
