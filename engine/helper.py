@@ -31,13 +31,14 @@ helper (the same kernel on the same tiles: the same floats). Nor does the model 
 for a helper whose core another process took: when the helper's last tile is not
 answered within HELPER_GRACE, the model computes the helper's tiles itself, in its own
 buffer (the helper may still write the I/O area), and computes the next matmuls alone
-until the helper has answered; one that has not answered within HELPER_TIMEOUT is
-killed. The helper exits when its command pipe closes: the model was dropped, or this
+until the helper has answered and rested (`Helper._late`); one that has not answered
+within HELPER_TIMEOUT is killed. The helper exits when its command pipe closes: the model was dropped, or this
 process ended, however it ended.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import pickle
@@ -55,6 +56,8 @@ from .quants import DECODE_MAX_ROWS, QuantWeight
 
 HELPER_TIMEOUT = 30.0        # seconds a helper may owe the answer to a matmul before it is killed
 HELPER_GRACE = 0.0003        # seconds a matmul waits for the helper's last tile (about ten tiles' time)
+HELPER_REST = 0.005          # seconds of matmuls without the helper after it was late (see _late)
+HELPER_REST_MAX = 1.0        # ... at most, doubling while it is late again soon after
 HELPER_MIN_VALUES = 1 << 24  # smaller models (tests' tiny ones) are not worth a process
 HELPER_MIN_WORK = 1 << 18    # values of W times rows of x: below this a matmul stays here
 SHARE_STEP = 0.01            # how fast the helper's share of the tiles adapts
@@ -126,6 +129,8 @@ class Helper:
         self.min_work = HELPER_MIN_WORK
         self.share = 0.5  # of each matrix's tiles, computed by the helper
         self._owed_since: float | None = None  # when the command it has not answered yet was sent
+        self._rest = 0.0         # seconds of matmuls without it after it was last late
+        self._late_at = -math.inf  # when that was
         self._state = "starting"
         self._lock = threading.Lock()
         for i, w in enumerate(weights):
@@ -218,14 +223,16 @@ class Helper:
 
     def _idle(self) -> bool:
         """Whether the helper has answered every command sent (reading a late answer, and
-        killing a helper that has owed one for HELPER_TIMEOUT)."""
-        if self._owed_since is None:
-            return True
-        if select.select([self._answers], [], [], 0)[0]:
-            return self._read_answer()
-        if time.perf_counter() - self._owed_since > HELPER_TIMEOUT:
-            self._give_up()
-        return False
+        killing a helper that has owed one for HELPER_TIMEOUT) and is not resting (see _late)."""
+        now = time.perf_counter()
+        if self._owed_since is not None:
+            if not select.select([self._answers], [], [], 0)[0]:
+                if now - self._owed_since > HELPER_TIMEOUT:
+                    self._give_up()
+                return False
+            if not self._read_answer():
+                return False
+        return now >= self._late_at + self._rest
 
     def _answered(self, sent_at: float) -> bool:
         """Whether the helper answers the command sent at `sent_at` within HELPER_GRACE;
@@ -233,7 +240,24 @@ class Helper:
         if _poll(self._answers, HELPER_GRACE, 0):
             return self._read_answer()
         self._owed_since = sent_at
+        self._late()
         return False
+
+    def _late(self) -> None:
+        """The helper was late: compute without it for a while.
+
+        Its core is held by another process, which may go on holding it: trying the
+        helper at every matmul would then cost a grace and a redone share each time it is
+        descheduled (SmolLM2 beside a process holding a whole core: 98-102 ms a step,
+        against 61-65 without a helper). So the model rests from it for HELPER_REST,
+        twice as long each time it is late again within a rest's length after its last
+        rest, up to HELPER_REST_MAX; on a quiet machine a late answer is rare (8 in 24,000
+        matmuls) and each costs a few ms without the helper.
+        """
+        now = time.perf_counter()
+        again = now - self._late_at < 2 * self._rest
+        self._rest = min(HELPER_REST_MAX, 2 * self._rest) if again else HELPER_REST
+        self._late_at = now
 
     def _read_answer(self) -> bool:
         """Read the answer waiting on the pipe: True for "done", False (and the helper

@@ -144,6 +144,40 @@ def test_tiles_a_stopped_helper_holds_are_computed_in_a_buffer_of_our_own(model_
     np.testing.assert_array_equal(helper.matmul(w, x), alone)
 
 
+def test_after_a_late_answer_the_model_rests_from_the_helper(model_with_helper, monkeypatch):
+    """A helper late once is left alone for HELPER_REST, twice as long when it is late again
+    soon after: the process that holds its core may go on holding it."""
+    monkeypatch.setattr(helper_module, "HELPER_REST", 0.5)
+    helper = model_with_helper.helper
+    w = max(quantized_matrices(model_with_helper.weights), key=lambda w: w.n_tiles)
+    x = np.random.default_rng(2).random((1, w.shape[1])).astype(np.float32)
+    helper.min_work = 1 << 62
+    alone = w.matmul(x)
+    helper.min_work = 0
+
+    def late_once():
+        os.kill(helper.process.pid, signal.SIGSTOP)
+        try:
+            np.testing.assert_array_equal(helper.matmul(w, x), alone)  # the helper late
+        finally:
+            os.kill(helper.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while helper._owed_since is not None:  # its late answer read
+            assert time.monotonic() < deadline, "the helper did not answer"
+            helper._idle()
+            time.sleep(0.01)
+
+    late_once()
+    assert helper.matmul(w, x) is None  # answered, but resting: computed alone
+    time.sleep(0.55)
+    late_once()  # late again soon after its rest
+    assert helper.matmul(w, x) is None
+    time.sleep(0.55)
+    assert helper.matmul(w, x) is None  # twice as long this time
+    time.sleep(0.5)
+    np.testing.assert_array_equal(helper.matmul(w, x), alone)  # it helps again
+
+
 def test_tiles_refused_by_the_claim_are_left_alone(monkeypatch):
     monkeypatch.setattr(quants, "TILE_VALUES", 1024)
     rng = np.random.default_rng(0)
