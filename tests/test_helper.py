@@ -73,6 +73,17 @@ def test_the_same_floats_with_and_without_the_helper(model_with_helper, monkeypa
         np.testing.assert_array_equal(a, b)
 
 
+def widest_matmul_alone(model, rows: int, seed: int):
+    """The matrix of the most tiles, an x, and x @ W.T computed without the helper."""
+    helper = model.helper
+    w = max(quantized_matrices(model.weights), key=lambda w: w.n_tiles)
+    x = np.random.default_rng(seed).random((rows, w.shape[1])).astype(np.float32)
+    helper.min_work = 1 << 62
+    alone = w.matmul(x)
+    helper.min_work = 0
+    return w, x, alone
+
+
 def wait_until_idle(helper) -> None:
     deadline = time.monotonic() + 10
     while not helper._idle():
@@ -84,14 +95,9 @@ def test_a_helper_that_is_behind_costs_no_wait(model_with_helper):
     """A helper that does not run (stopped here, as another process on its core would
     delay it) costs no wait: its tiles are taken back, the next matmuls are computed
     without it until it answers, and its late answer claims none of the tiles."""
-    model = model_with_helper
-    helper = model.helper
-    w = max(quantized_matrices(model.weights), key=lambda w: w.n_tiles)
+    helper = model_with_helper.helper
+    w, x, alone = widest_matmul_alone(model_with_helper, 2, seed=0)
     assert w.n_tiles >= 4
-    x = np.random.default_rng(0).random((2, w.shape[1])).astype(np.float32)
-    helper.min_work = 1 << 62
-    alone = w.matmul(x)
-    helper.min_work = 0
     split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - helper.share))))  # as matmul cuts it
     os.kill(helper.process.pid, signal.SIGSTOP)
     try:
@@ -114,13 +120,8 @@ def test_tiles_a_stopped_helper_holds_are_computed_in_a_buffer_of_our_own(model_
     """The tiles a helper claimed and did not answer for within the grace are computed
     by the model's process, into its own buffer: the helper writes them into the shared
     one when it runs again, which must change nothing the model returned."""
-    model = model_with_helper
-    helper = model.helper
-    w = max(quantized_matrices(model.weights), key=lambda w: w.n_tiles)
-    x = np.random.default_rng(1).random((2, w.shape[1])).astype(np.float32)
-    helper.min_work = 1 << 62
-    alone = w.matmul(x)
-    helper.min_work = 0
+    helper = model_with_helper.helper
+    w, x, alone = widest_matmul_alone(model_with_helper, 2, seed=1)
     helper.share = 0.9
     split = min(w.n_tiles - 1, max(1, round(w.n_tiles * 0.1)))  # as matmul cuts it
     take_back = helper_module.Helper._take_back
@@ -149,11 +150,7 @@ def test_after_a_late_answer_the_model_rests_from_the_helper(model_with_helper, 
     soon after: the process that holds its core may go on holding it."""
     monkeypatch.setattr(helper_module, "HELPER_REST", 0.5)
     helper = model_with_helper.helper
-    w = max(quantized_matrices(model_with_helper.weights), key=lambda w: w.n_tiles)
-    x = np.random.default_rng(2).random((1, w.shape[1])).astype(np.float32)
-    helper.min_work = 1 << 62
-    alone = w.matmul(x)
-    helper.min_work = 0
+    w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=2)
 
     def late_once():
         os.kill(helper.process.pid, signal.SIGSTOP)
