@@ -32,8 +32,8 @@ for a helper whose core another process took: when the helper's last tile is not
 answered within HELPER_GRACE, the model computes the helper's tiles itself, in its own
 buffer (the helper may still write the I/O area), and computes the next matmuls alone
 until the helper has answered and rested (`Helper._late`); one that has not answered
-within HELPER_TIMEOUT is killed. The helper exits when its command pipe closes: the model was dropped, or this
-process ended, however it ended.
+within HELPER_TIMEOUT is killed. The helper exits when its command pipe closes: the
+model was dropped, or this process ended, however it ended.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ import errno
 import os
 import signal
 import sys
-import threading
 import time
 
 import numpy as np
