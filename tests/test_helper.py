@@ -213,7 +213,8 @@ def test_tiles_converted_ahead_give_the_same_floats(monkeypatch):
     assert np.isnan(got[:, 3 * rows:]).all() and not np.isnan(got[:, : 3 * rows]).any()
 
 
-def test_the_helper_converts_ahead_the_tiles_of_the_matmul_that_came_next_last_time():
+def test_the_helper_converts_ahead_the_tiles_of_the_matmul_that_came_next_last_time(monkeypatch):
+    monkeypatch.setattr(quants, "TILE_VALUES", 1 << 17)  # tiles of 2048 rows for 64 inputs
     rng = np.random.default_rng(0)
     weights = [quants.QuantWeight.from_rows(rng.integers(-8, 8, (n, 64)).astype(np.int8),
                                             rng.random((2, n)).astype(np.float32), None) for n in (4000, 6000)]

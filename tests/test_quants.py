@@ -210,11 +210,12 @@ def test_single_thread_gives_the_same_result(two_threads):
     np.testing.assert_array_equal(weight.matmul(x), y)
 
 
-def test_decode_floats_do_not_depend_on_how_the_tiles_are_shared():
+def test_decode_floats_do_not_depend_on_how_the_tiles_are_shared(monkeypatch):
     """Threads, and the helper process with the tiles it gives back as it goes, share a
     decode matmul's tiles out differently from call to call: every way gives the same
     floats (the mins' part too, which BLAS may sum differently by where a column falls
     in a product: it is added once, over every column)."""
+    monkeypatch.setattr(quants, "TILE_VALUES", 1 << 17)
     weight, _ = weight_and_reference(T.Q4_1, n_out=576, n_in=1536)
     assert (weight.n_tiles, weight.tile_rows) == (8, 72)  # tiles that do not start at multiples of 16
     x = np.random.default_rng(6).standard_normal((3, 1536)).astype(np.float32)
