@@ -336,9 +336,9 @@ class QuantWeight(Weight):
                 np.matmul(xg, tile, out=p[j])  # p[j, k, :, r] = x[:, group k] . codes[group k, r]
             r0, r1 = s0 * rows, (s0 + m) * rows
             scales = self.scales[:, r0:r1].reshape(n_groups, m, rows).transpose(1, 0, 2)  # (m, groups, rows)
-            np.multiply(p[:m], scales[:, :, None, :], out=p[:m])
-            # y[:, r] = sum_k scales[k, r] * p[k, :, r]
-            np.add.reduce(p[:m], axis=1, out=y[:, r0:r1].reshape(n, m, rows).transpose(1, 0, 2))
+            # y[:, r] = sum_k scales[k, r] * p[k, :, r], in one pass over p
+            np.einsum("mknr,mkr->mnr", p[:m], scales,
+                      out=y[:, r0:r1].reshape(n, m, rows).transpose(1, 0, 2))
             if end < b1:
                 break
         return end
