@@ -221,12 +221,16 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
 
     # the queries attended: every token's, or each sequence's last one
     queries = batch.spans if all_rows else [slice(row, row + 1) for row in batch.last_rows]
-    out = []
-    for seq, span, start, rows in zip(batch.sequences, batch.spans, batch.starts, queries):
+    caches = []
+    for seq, span, start in zip(batch.sequences, batch.spans, batch.starts):
         seq.cache.store(layer, start, k[span], v[span])
-        keys, values = seq.cache.view(layer, span.stop - span.start + start)  # (n_head_kv, L, hd)
-        out.append(attend(q[rows], keys, values, batch.positions[rows], window, hp.attention_scale))
-    out = out[0] if len(out) == 1 else np.concatenate(out)     # (m, n_head*hd_v)
+        caches.append(seq.cache.view(layer, span.stop - span.start + start))  # (n_head_kv, L, hd) each
+    if len(queries) > 1 and all(rows.stop - rows.start == 1 for rows in queries):  # decoding a batch
+        rows = [rows.start for rows in queries]
+        out = attend_one_each(q[rows], caches, batch.positions[rows], window, hp.attention_scale)
+    else:
+        out = np.concatenate([attend(q[rows], keys, values, batch.positions[rows], window, hp.attention_scale)
+                              for rows, (keys, values) in zip(queries, caches)])  # (m, n_head*hd_v)
     return blk.attn_output.matmul(out)                         # (m, d)
 
 
@@ -296,6 +300,43 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     out = weights.reshape(n_kv, group * T, -1) @ values        # (n_kv, group*T, hd_v)
     out /= total
     return out.reshape(n_head, T, hd_v).transpose(1, 0, 2).reshape(T, n_head * hd_v)  # (T, n_head*hd_v)
+
+
+def attend_one_each(q: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray]], positions: np.ndarray,
+                    window: int, scale: float) -> np.ndarray:
+    """Softmax attention of one query per sequence (a decode step of a batch), each over its own cache.
+
+    The same floats as `attend` one sequence at a time, in fewer numpy calls: only the
+    two products and the sum run per sequence; the softmax runs once over all the
+    scores, padded with -inf to the longest (exp(-inf) = 0 and max ignores it).
+    q: (S, n_head, hd); caches[i]: keys (n_kv, L_i, hd), values (n_kv, L_i, hd_v).
+    """
+    S, n_head, hd = q.shape
+    n_kv, _, hd_v = caches[0][1].shape
+    group = n_head // n_kv
+    seen = []  # per sequence, its keys and values from the first position its query sees
+    for (keys, values), p in zip(caches, positions):
+        first = max(0, int(p) - window + 1) if window else 0
+        seen.append((keys[:, first: int(p) + 1], values[:, first: int(p) + 1]))  # (n_kv, L', hd)
+    scores = np.full((S, n_kv, group, max(keys.shape[1] for keys, _ in seen)), -np.inf, np.float32)
+    q = q * np.float32(scale)                                  # (S, n_head, hd)
+    for i, (keys, _) in enumerate(seen):
+        L = keys.shape[1]
+        if L >= KEYS_FIRST_MIN_KEYS:  # as in attend: keys @ q.T for a long cache
+            q_t = np.ascontiguousarray(q[i].reshape(n_kv, group, hd).transpose(0, 2, 1))  # (n_kv, hd, group)
+            scores[i, :, :, :L] = (keys @ q_t).transpose(0, 2, 1)
+        else:
+            scores[i, :, :, :L] = q[i].reshape(n_kv, group, hd) @ keys.transpose(0, 2, 1)  # (n_kv, group, L)
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores, out=scores)                       # (S, n_kv, group, L_max), unnormalized
+    out = np.empty((S, n_kv, group, hd_v), np.float32)
+    totals = np.empty((S, n_kv, group, 1), np.float32)
+    for i, (_, values) in enumerate(seen):
+        w = weights[i, :, :, : values.shape[1]]                # (n_kv, group, L')
+        totals[i] = w.sum(axis=-1, keepdims=True)
+        np.matmul(w, values, out=out[i])                       # (n_kv, group, hd_v)
+    out /= totals
+    return out.reshape(S, n_head * hd_v)                       # (S, n_head*hd_v)
 
 
 POSITION_WISE_MIN_VALUES = 1 << 18  # below this (decode) a position-wise op runs on the calling thread

@@ -11,7 +11,7 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize
 
 from engine import ModelFileError, ModelInfo, SamplingParams, UnsupportedModelError, load_model
-from engine.architectures import (attend, geglu, neox_pairs_order, rms_norm, rope_angles, rope_pairs,
+from engine.architectures import (attend, attend_one_each, geglu, neox_pairs_order, rms_norm, rope_angles, rope_pairs,
                                   swiglu)
 from engine.sampling import Sampler
 from tiny import ARCHITECTURES, write_tiny_model
@@ -258,6 +258,24 @@ def test_attend_matches_a_loop(window, block, T, keys_first_min_keys, monkeypatc
             w = np.exp(s - s.max())
             w /= w.sum()
             np.testing.assert_allclose(out[t, h], w @ values[kv, seen], atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("keys_first_min_keys", [4, 10**9])  # some or no sequence's scores as keys @ q.T
+def test_one_query_each_gives_the_floats_of_one_sequence_at_a_time(window, keys_first_min_keys, monkeypatch):
+    """A decode step of a batch attends every sequence at once: the same floats as alone."""
+    monkeypatch.setattr("engine.architectures.KEYS_FIRST_MIN_KEYS", keys_first_min_keys)
+    rng = np.random.default_rng(2)
+    n_head, n_kv, hd = 6, 2, 8
+    lengths = [1, 7, 2, 12]
+    q = rng.standard_normal((len(lengths), n_head, hd)).astype(np.float32)
+    caches = [(rng.standard_normal((n_kv, 16, hd)).astype(np.float32)[:, :L],
+               rng.standard_normal((n_kv, 16, hd)).astype(np.float32)[:, :L]) for L in lengths]
+    positions = np.array(lengths) - 1
+    out = attend_one_each(q, caches, positions, window, 0.3)
+    for i, (keys, values) in enumerate(caches):
+        np.testing.assert_array_equal(out[i: i + 1], attend(q[i: i + 1], keys, values, positions[i: i + 1],
+                                                            window, 0.3))
 
 
 def test_rope_angles_scaling_and_frequency_factors():
