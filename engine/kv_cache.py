@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+INITIAL_CAPACITY = 256  # positions a new sequence's cache has room for, unless its prompt is longer
+
 
 class KVCache:
     """Keys (n_layer × (n_head_kv, capacity, head_dim_k)) and values, positions [0, length) valid."""
@@ -32,13 +34,17 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[1]
 
+    def capacity_for(self, n: int) -> int:
+        """The capacity `reserve(n)` leaves: the same, or doubled (at least n, at most max_length)."""
+        return self.capacity if n <= self.capacity else min(self.max_length, max(n, 2 * self.capacity))
+
     def reserve(self, n: int) -> None:
         """Make room for positions [0, n), doubling the storage when it must grow."""
         if n > self.max_length:
             raise ValueError(f"{n} positions do not fit a cache of {self.max_length}")
         if n <= self.capacity:
             return
-        capacity = min(self.max_length, max(n, 2 * self.capacity))
+        capacity = self.capacity_for(n)
         for store in (self.keys, self.values):
             for i, old in enumerate(store):
                 new = np.zeros((old.shape[0], capacity, old.shape[2]), np.float32)
@@ -73,6 +79,10 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    @property
+    def bytes_per_position(self) -> int:
+        return self.n_layer * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * 4
 
 
 class Sequence:

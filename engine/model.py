@@ -26,7 +26,7 @@ from .chat_template import ChatTemplate
 from .constrain import can_constrain
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
-from .kv_cache import KVCache, Sequence
+from .kv_cache import INITIAL_CAPACITY, KVCache, Sequence
 from .helper import Helper, start as start_helper
 from .quants import QuantWeight, StackedWeight, concat_weights, load_weight, reorder_rows
 from .scheduler import PREFILL_CHUNK, Scheduler
@@ -50,14 +50,17 @@ class ModelInfo:
     capabilities: tuple[str, ...]  # among "tools", "structured_output", "reasoning"
 
 
-def load_model(path: str | Path, n_ctx: int | None = None) -> Model:
-    """Open a GGUF model. `n_ctx` caps the context window (default: the trained length)."""
+def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int | None = None) -> Model:
+    """Open a GGUF model. `n_ctx` caps the context window (default: the trained length);
+    `kv_cache_bytes` bounds the KV caches of its scheduler's running requests together
+    (see engine.scheduler; default: no bound)."""
     file = GGUFFile(path)
     hp = read_hyperparameters(file)
     weights = load_weights(file, hp)
     helper = start_helper(quantized_matrices(weights), num_threads())
     tokenizer = Tokenizer.from_metadata(file.metadata)  # while the helper process starts
     model = Model(file, hp, weights, tokenizer, n_ctx)
+    model.scheduler.kv_cache_bytes = kv_cache_bytes
     model.helper = helper
     release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd
     return model
@@ -131,12 +134,18 @@ class Model:
 
     # --- what generation builds on -------------------------------------------------------
 
-    def new_sequence(self, tokens: list[int], capacity: int = 256) -> Sequence:
+    def new_sequence(self, tokens: list[int], capacity: int = INITIAL_CAPACITY) -> Sequence:
         """A sequence with an empty cache; its tokens are pending until stepped."""
         hp = self.hp
         cache = KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.n_ctx,
                         capacity=max(capacity, min(len(tokens), self.n_ctx)))
         return Sequence(tokens, cache)
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """The bytes of keys and values a sequence's cache holds for each position (float32)."""
+        hp = self.hp
+        return hp.n_layer * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 4
 
     def step(self, sequences: list[Sequence], all_logits: bool = False,
              chunk: int = PREFILL_CHUNK) -> list[np.ndarray]:

@@ -12,6 +12,12 @@ of them through `model.step` together:
   prompt does not freeze the streams already running;
 - new requests join between steps (up to `max_batch` active), others wait in a
   bounded queue, and past `max_queue` waiting ones `submit` raises `QueueFull`;
+- with `kv_cache_bytes`, the active requests' KV caches stay within that many
+  bytes together: a request joins only when its cache fits, and when the growing
+  caches of a step would not fit, the newest request leaves the batch and waits at
+  the front of the queue, to resume from its tokens so far (the prefix cache
+  usually still holds what it computed). One request alone may exceed the bound
+  (its context window bounds it), or it could never run;
 - a cancelled request leaves at the next step.
 
 A prompt starts from the longest prefix of it that an earlier sequence already
@@ -36,7 +42,7 @@ import numpy as np
 import trio
 
 from .errors import QueueFull
-from .kv_cache import Sequence
+from .kv_cache import INITIAL_CAPACITY, Sequence
 from .prefix_cache import PrefixCache
 
 PREFILL_CHUNK = 512  # prompt tokens per forward step while prefilling (Model.step's default too)
@@ -57,7 +63,7 @@ class Request:
     def __init__(self, prompt: list[int], pick: Pick, max_tokens: int, stop_ids: frozenset[int],
                  stop_when: Callable[[], bool] | None, send: trio.MemorySendChannel,
                  trio_token: trio.lowlevel.TrioToken):
-        self.prompt = prompt
+        self.tokens = prompt               # the prompt, and after a preemption what it generated too
         self.pick = pick
         self.max_tokens = max_tokens
         self.stop_ids = stop_ids
@@ -69,6 +75,7 @@ class Request:
         self.generated = 0
         self.finish_reason: str | None = None  # "stop" (a stop id) or "length" once finished here
         self.cancelled = False
+        self.preempted = 0                 # times it left the batch to make room in the KV budget
 
 
 class StepStream:
@@ -120,10 +127,12 @@ class Scheduler:
     """Continuous batching over one model's `step` (see the module docstring)."""
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 32, prefill_chunk: int = PREFILL_CHUNK,
-                 interleave_chunk: int = 64, prefix_cache_bytes: int = 256 << 20):
+                 interleave_chunk: int = 64, prefix_cache_bytes: int = 256 << 20,
+                 kv_cache_bytes: int | None = None):
         self.model = model
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.kv_cache_bytes = kv_cache_bytes  # the active requests' KV caches together (None: no bound)
         self.prefill_chunk = prefill_chunk
         self.interleave_chunk = interleave_chunk
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -172,23 +181,33 @@ class Scheduler:
         active: list[Request] = []
         try:
             while True:
+                kv_bytes = sum(self._kv_bytes(r) for r in active if not r.cancelled)
                 with self._lock:
                     joining = []
                     while self._waiting and len(active) + len(joining) < self.max_batch:
+                        need = self._joining_bytes(self._waiting[0])
+                        if (self.kv_cache_bytes is not None and active + joining
+                                and kv_bytes + need > self.kv_cache_bytes):
+                            break              # first come, first served: nobody overtakes it
+                        kv_bytes += need
                         joining.append(self._waiting.popleft())
                     if not active and not joining:
                         self._worker = None
                         return
                 for request in joining:
                     try:
-                        request.seq, request.cached_tokens = self.prefix_cache.start(
-                            request.prompt, self.model.new_sequence)
+                        request.seq, cached = self.prefix_cache.start(request.tokens, self.model.new_sequence)
                     except Exception as exc:   # its cache could not be made (MemoryError): it alone fails
                         _fail(request, exc)
                         continue
+                    if not request.preempted:  # (after a preemption, its own tokens are what is cached)
+                        request.cached_tokens = cached
                     active.append(request)
                 for request in [r for r in active if r.cancelled]:
                     self._retire(request, active)
+                while (self.kv_cache_bytes is not None and len(active) > 1
+                       and sum(self._kv_bytes(r) for r in active) > self.kv_cache_bytes):
+                    self._preempt(active[-1], active)
                 if active:
                     self._step(active)
         except BaseException as exc:  # a bug here must not leave readers waiting forever
@@ -199,6 +218,32 @@ class Scheduler:
             for request in stranded:
                 _fail(request, exc)
             raise
+
+    def _kv_bytes(self, request: Request) -> int:
+        """The bytes of an active request's KV cache after the next step, at most: grown for
+        as many of its pending tokens as a step can take."""
+        cache = request.seq.cache
+        n = min(cache.max_length, cache.length + min(request.seq.n_pending, self.prefill_chunk))
+        return cache.capacity_for(n) * cache.bytes_per_position
+
+    def _joining_bytes(self, request: Request) -> int:
+        """What a waiting request's KV cache may hold once it has run a while: room for its
+        tokens (a new cache's at least), doubled once. Counting its first growth keeps it
+        from being preempted at that growth, which could make a request leave and rejoin
+        at every step."""
+        positions = min(self.model.n_ctx, 2 * max(INITIAL_CAPACITY, len(request.tokens)))
+        return positions * self.model.kv_bytes_per_position
+
+    def _preempt(self, request: Request, active: list[Request]) -> None:
+        """Make room in the KV budget: the request leaves the batch and waits at the front
+        of the queue; the prefix cache takes its cache, to resume from."""
+        active.remove(request)
+        request.tokens = request.seq.tokens
+        self.prefix_cache.store(request.seq)
+        request.seq = None
+        request.preempted += 1
+        with self._lock:
+            self._waiting.appendleft(request)
 
     def _step(self, active: list[Request]) -> None:
         """One forward step: every decoding request's token, plus prompt chunks within the budget."""

@@ -351,6 +351,9 @@ def add_serve_parser(commands) -> None:
                         "limit would refuse all but the shortest requests")
     p.add_argument("--ctx", type=_number(int, 1), default=None, metavar="N",
                    help="cap every model's context window at N tokens (default: each model's trained length)")
+    p.add_argument("--kv-cache-mib", type=_number(int, 1), default=1024, metavar="N",
+                   help="the KV caches of a model's running requests together, in MiB (default 1024): past it, "
+                        "requests wait their turn; one request alone may exceed it, up to its context window")
     p.set_defaults(func=cmd_serve)
 
 
@@ -369,6 +372,7 @@ def cmd_serve(args) -> int:
         event_retention=args.event_retention,
         limits=Limits(max_body_bytes=args.max_body_bytes),
         context_cap=args.ctx,
+        kv_cache_bytes=args.kv_cache_mib << 20,
     )
     try:
         run(config, args.host, args.port)

@@ -23,6 +23,7 @@ id, the first one found wins (the `--model` paths, then the models directory
 in name order) and the other is reported at start-up.
 """
 
+import functools
 import mmap
 import re
 import struct
@@ -200,13 +201,15 @@ class ModelEntry:
     parameters: int
     capabilities: tuple[str, ...]  # the engine's: among tools, structured_output, reasoning
     context_cap: int | None = None  # `serve --ctx`: the window is at most this (D4)
+    kv_cache_bytes: int | None = None  # `serve --kv-cache-mib`: its running requests' KV caches together
     model: object | None = None
     admitted: int = 0  # requests of this model admitted (`admit`) and not yet counted out
     _load_lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
     _admit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def from_file(cls, path: Path, context_cap: int | None = None) -> "ModelEntry":
+    def from_file(cls, path: Path, context_cap: int | None = None,
+                  kv_cache_bytes: int | None = None) -> "ModelEntry":
         header = read_gguf_header(path)
         meta = header.metadata
         architecture = meta.get("general.architecture")
@@ -229,6 +232,7 @@ class ModelEntry:
             parameters=header.n_parameters,
             capabilities=capabilities,
             context_cap=context_cap,
+            kv_cache_bytes=kv_cache_bytes,
         )
 
     def model_object(self, service_capabilities: tuple[str, ...]) -> dict:
@@ -257,7 +261,8 @@ class ModelEntry:
 
                 started = time.perf_counter()
                 try:
-                    model = await trio.to_thread.run_sync(engine.load_model, self.path, self.context_cap)
+                    model = await trio.to_thread.run_sync(functools.partial(
+                        engine.load_model, self.path, self.context_cap, kv_cache_bytes=self.kv_cache_bytes))
                 except Exception as exc:
                     if log is not None:
                         log(f"error: model {self.id} failed to load: {type(exc).__name__}: {exc}")
@@ -311,23 +316,24 @@ class Registry:
     """
 
     def __init__(self, entries: list[ModelEntry], models_dir: Path | None = None, log=None,
-                 context_cap: int | None = None):
+                 context_cap: int | None = None, kv_cache_bytes: int | None = None):
         self._entries = {entry.id: entry for entry in entries}
         self.models_dir = models_dir
         self.context_cap = context_cap  # caps the context window of every model found (D4)
+        self.kv_cache_bytes = kv_cache_bytes  # bounds each model's running KV caches together
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._known = {entry.path.resolve() for entry in entries}  # files read, served or not
 
     @classmethod
     async def scan(cls, paths: list[Path], models_dir: Path | None, log=None,
-                   context_cap: int | None = None) -> "Registry":
+                   context_cap: int | None = None, kv_cache_bytes: int | None = None) -> "Registry":
         """Read the headers of every `--model` path and every .gguf in `models_dir`.
 
         A `--model` that cannot be read is an error (raised as ValueError with a
         message for the command line); an unreadable file in the models
         directory is reported and skipped.
         """
-        registry = cls([], models_dir, log, context_cap)
+        registry = cls([], models_dir, log, context_cap, kv_cache_bytes)
         await registry._add([Path(path) for path in paths], _gguf_files(models_dir))
         return registry
 
@@ -360,7 +366,7 @@ class Registry:
         read = []
         for path in paths:
             try:
-                read.append((path, ModelEntry.from_file(path, self.context_cap)))
+                read.append((path, ModelEntry.from_file(path, self.context_cap, self.kv_cache_bytes)))
             except (OSError, GGUFHeaderError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 if path in explicit:

@@ -56,6 +56,7 @@ class ServiceConfig:
     limits: Limits = field(default_factory=Limits)
     access_log: bool = True  # one line per request on stderr
     context_cap: int | None = None  # --ctx: every model's context window is at most this (D4)
+    kv_cache_bytes: int | None = None  # --kv-cache-mib: each model's running requests' KV caches together
 
 
 class Service:
@@ -83,7 +84,8 @@ class Service:
     @classmethod
     async def open(cls, config: ServiceConfig, log=stderr_log) -> "Service":
         """Read the model headers and the tokens file (ValueError: a message for the user)."""
-        registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap)
+        registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap,
+                                       config.kv_cache_bytes)
         auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
         store = await Store.open((config.data_dir or paths.data_dir()) if config.store else None)
         service = cls(registry, auth=auth, store=store, config=config, log=log)

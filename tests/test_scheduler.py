@@ -15,7 +15,7 @@ import trio
 
 from engine.errors import QueueFull
 from engine.kv_cache import KVCache, Sequence
-from engine.model import load_model
+from engine.model import Model, load_model
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from tiny import write_tiny_model
@@ -98,6 +98,58 @@ async def test_prefix_cache_gives_the_same_tokens(model):
     third, cached = await generate(scheduler, third_prompt, 10)
     assert cached == 30
     assert_same_greedy(model, third_prompt, (await generate(alone(model), third_prompt, 10))[0], third)
+
+
+@pytest.mark.parametrize("prefix_cache_bytes", [256 << 20, 0])  # resumed from the prefix cache, or recomputed
+async def test_kv_budget_preempts_the_newest_and_changes_no_output(model, monkeypatch, prefix_cache_bytes):
+    """Two requests fit the KV budget when they join, not once their caches grow: the newer
+    one leaves the batch, waits, and resumes where it was, with the tokens it gives alone."""
+    per_position = model.kv_bytes_per_position
+    budget = 900 * per_position  # both at 256 positions, one at 512 beside one at 256; not both at 512
+    scheduler = Scheduler(model, kv_cache_bytes=budget, prefix_cache_bytes=prefix_cache_bytes)
+    prompts = [prompt(100, 21), prompt(100, 22)]
+    expected = [(await generate(alone(model), p, 300))[0] for p in prompts]
+    together = []
+
+    def step(sequences, **kwargs):
+        if len(sequences) > 1:
+            together.append(sum(seq.cache.nbytes for seq in sequences))
+        return Model.step(model, sequences, **kwargs)
+
+    monkeypatch.setattr(model, "step", step)
+    generations, got = [], [None, None]
+
+    async def run(i: int) -> None:
+        await trio.sleep(0.05 * i)  # the second joins while the first decodes
+        with scheduler.submit(prompts[i], pick=greedy, max_tokens=300) as generation:
+            generations.append(generation)
+            got[i] = [s.token async for s in generation]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(run, i)
+    for p, want, tokens in zip(prompts, expected, got):
+        assert_same_greedy(model, p, want, tokens)
+    assert together and max(together) <= budget   # they did share steps, within the budget
+    assert [g._request.preempted for g in generations] == [0, 1]
+    assert [g.cached_tokens for g in generations] == [0, 0]  # its own tokens are not "cached" prompt
+
+
+async def test_a_request_over_the_kv_budget_runs_alone(model):
+    scheduler = Scheduler(model, kv_cache_bytes=10 * model.kv_bytes_per_position, prefix_cache_bytes=0)
+    prompts = [prompt(20, 23), prompt(30, 24)]
+    expected = [(await generate(alone(model), p, 8))[0] for p in prompts]
+    steps = model.steps
+    got = [None, None]
+
+    async def run(i: int) -> None:
+        got[i] = (await generate(scheduler, prompts[i], 8))[0]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(run, i)
+    assert got == expected
+    assert model.steps - steps == 2 * 8  # one after the other: a prefill and 7 decode steps each
 
 
 async def test_queue_full_raises_and_frees_on_cancel(model):

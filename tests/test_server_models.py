@@ -125,7 +125,7 @@ async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
             capabilities = ("tools",)
             context_length = 256
 
-    def slow_load(path, n_ctx=None):
+    def slow_load(path, n_ctx=None, kv_cache_bytes=None):
         calls.append(path)
         import time
 
@@ -225,3 +225,22 @@ def test_serve_passes_ctx_on(monkeypatch, tiny_path):
     assert configs[0].context_cap == 64
     cli.main(["serve", "--model", str(tiny_path)])
     assert configs[1].context_cap is None  # each model's own window
+
+
+def test_serve_passes_the_kv_cache_bound_on(monkeypatch, tiny_path):
+    from lmsp_min import cli, service
+
+    configs = []
+    monkeypatch.setattr(service, "run", lambda config, host, port: configs.append(config))
+    assert cli.main(["serve", "--model", str(tiny_path), "--kv-cache-mib", "3"]) == 0
+    assert cli.main(["serve", "--model", str(tiny_path)]) == 0
+    assert [config.kv_cache_bytes for config in configs] == [3 << 20, 1024 << 20]
+
+
+async def test_the_kv_cache_bound_reaches_the_loaded_models_scheduler(nursery, tiny_path):
+    service = await Service.open(ServiceConfig(model_paths=[tiny_path], store=False, kv_cache_bytes=3 << 20),
+                                 log=lambda line: None)
+    server = await start_server(nursery, service)
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "Hello there!"}], "max_output_tokens": 2}
+    assert (await server.responses(body)).status == 200
+    assert service.registry.get(TINY_ID).model.scheduler.kv_cache_bytes == 3 << 20
