@@ -238,7 +238,7 @@ class Scheduler:
         """Make room in the KV budget: the request leaves the batch and waits at the front
         of the queue; the prefix cache takes its cache, to resume from."""
         active.remove(request)
-        request.tokens = request.seq.tokens
+        request.tokens = list(request.seq.tokens)
         self.prefix_cache.store(request.seq)
         request.seq = None
         request.preempted += 1
