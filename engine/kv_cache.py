@@ -80,10 +80,6 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
-    @property
-    def bytes_per_position(self) -> int:
-        return self.n_layer * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * 4
-
 
 class Sequence:
     """A token sequence being run through the model: its tokens and the cache of those already run.

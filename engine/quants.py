@@ -62,9 +62,9 @@ from engine.threads import parallel_for, scratch
 TILE_VALUES = 1 << 19
 # The decode kernel scales and sums the partial sums of a span of tiles at once: as many
 # tiles as keep them within this many values (256 KiB), or one. Small enough to stay in
-# L2 between the matmuls that write them and the einsum that reads them. A step of 8 sequences took 3-20% less than with
-# spans as big as a tile (SmolLM2 40.0-42.7 against 43.8-50.7 ms, three pairs of runs);
-# one sequence's step, the same.
+# L2 between the matmuls that write them and the einsum that reads them: a step of 8
+# sequences took 3-20% less than with spans as big as a tile (SmolLM2 40.0-42.7 against
+# 43.8-50.7 ms, three pairs of runs); one sequence's step, the same.
 PARTIAL_VALUES = 1 << 16
 # Prefill dequantizes up to this many values for one GEMM: BLAS blocks a GEMM for the
 # caches itself.

@@ -224,7 +224,7 @@ class Scheduler:
         as many of its pending tokens as a step can take."""
         cache = request.seq.cache
         n = min(cache.max_length, cache.length + min(request.seq.n_pending, self.prefill_chunk))
-        return cache.capacity_for(n) * cache.bytes_per_position
+        return cache.capacity_for(n) * self.model.kv_bytes_per_position
 
     def _joining_bytes(self, request: Request) -> int:
         """What a waiting request's KV cache may hold once it has run a while: room for its
