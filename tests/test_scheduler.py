@@ -135,6 +135,22 @@ async def test_kv_budget_preempts_the_newest_and_changes_no_output(model, monkey
     assert [g.cached_tokens for g in generations] == [0, 0]  # its own tokens are not "cached" prompt
 
 
+async def test_a_preempted_request_cancelled_while_it_waits_is_gone(model):
+    scheduler = Scheduler(model, kv_cache_bytes=900 * model.kv_bytes_per_position)
+    first = scheduler.submit(prompt(100, 25), pick=greedy, max_tokens=300)
+    await trio.sleep(0.05)
+    with scheduler.submit(prompt(100, 26), pick=greedy, max_tokens=300) as second:
+        with trio.fail_after(30):
+            while not second._request.preempted:  # it waits at the head of the queue
+                await trio.sleep(0.01)
+    # cancelled while it waits: the first runs to its end, and the worker stops
+    assert len([s async for s in first]) == 300
+    with trio.fail_after(10):
+        while scheduler._worker is not None:
+            await trio.sleep(0.01)
+    assert not scheduler._waiting
+
+
 async def test_a_request_over_the_kv_budget_runs_alone(model):
     scheduler = Scheduler(model, kv_cache_bytes=10 * model.kv_bytes_per_position, prefix_cache_bytes=0)
     prompts = [prompt(20, 23), prompt(30, 24)]
