@@ -56,7 +56,8 @@ class ServiceConfig:
     limits: Limits = field(default_factory=Limits)
     access_log: bool = True  # one line per request on stderr
     context_cap: int | None = None  # --ctx: every model's context window is at most this (D4)
-    kv_cache_bytes: int | None = None  # --kv-cache-mib: each model's running requests' KV caches together
+    kv_cache_bytes: int | None = 1024 << 20  # --kv-cache-mib: each model's running requests' KV caches
+                                             # together (None: no bound)
 
 
 class Service:

@@ -235,6 +235,7 @@ def test_serve_passes_the_kv_cache_bound_on(monkeypatch, tiny_path):
     assert cli.main(["serve", "--model", str(tiny_path), "--kv-cache-mib", "3"]) == 0
     assert cli.main(["serve", "--model", str(tiny_path)]) == 0
     assert [config.kv_cache_bytes for config in configs] == [3 << 20, 1024 << 20]
+    assert service.ServiceConfig().kv_cache_bytes == 1024 << 20  # the same default in a program of one's own
 
 
 async def test_the_kv_cache_bound_reaches_the_loaded_models_scheduler(nursery, tiny_path):
