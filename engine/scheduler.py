@@ -243,7 +243,10 @@ class Scheduler:
         request.seq = None
         request.preempted += 1
         with self._lock:
-            self._waiting.appendleft(request)
+            if not request.cancelled:  # (a cancel since the batch's were retired found it in no queue)
+                self._waiting.appendleft(request)
+                return
+        _deliver(request, None)
 
     def _step(self, active: list[Request]) -> None:
         """One forward step: every decoding request's token, plus prompt chunks within the budget."""

@@ -151,6 +151,34 @@ async def test_a_preempted_request_cancelled_while_it_waits_is_gone(model):
     assert not scheduler._waiting
 
 
+async def test_a_request_cancelled_while_it_is_preempted_does_not_go_back_to_the_queue(model, monkeypatch):
+    """A cancel that comes while the worker preempts the request (storing its cache, before
+    it is queued again) found it in no queue: it must not be queued all the same, where it
+    would hold a place in `max_queue`, and the head of the queue, for nobody."""
+    scheduler = Scheduler(model, kv_cache_bytes=900 * model.kv_bytes_per_position)
+    first = scheduler.submit(prompt(100, 27), pick=greedy, max_tokens=300)
+    await trio.sleep(0.05)
+    second = scheduler.submit(prompt(100, 28), pick=greedy, max_tokens=300)
+    store, step, stale = scheduler.prefix_cache.store, scheduler._step, []
+
+    def store_and_cancel(seq):        # (in the worker thread, halfway through the preemption)
+        if seq is second._request.seq:
+            scheduler._cancel(second._request)
+        store(seq)
+
+    def step_and_look(active):
+        stale.extend(r for r in scheduler._waiting if r.cancelled)
+        step(active)
+
+    monkeypatch.setattr(scheduler.prefix_cache, "store", store_and_cancel)
+    monkeypatch.setattr(scheduler, "_step", step_and_look)
+    with trio.fail_after(30):
+        async for _ in second:         # its stream ends: nothing more will come
+            pass
+        assert len([s async for s in first]) == 300
+    assert second._request.preempted == 1 and not stale
+
+
 async def test_a_request_over_the_kv_budget_runs_alone(model):
     scheduler = Scheduler(model, kv_cache_bytes=10 * model.kv_bytes_per_position, prefix_cache_bytes=0)
     prompts = [prompt(20, 23), prompt(30, 24)]
