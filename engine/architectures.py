@@ -280,11 +280,10 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     first = max(0, int(positions[0]) - window + 1) if window else 0  # no query sees keys before this
     last = int(positions[-1]) + 1                                    # nor keys after the last query
     keys, values = keys[:, first:last], values[:, first:last]  # (n_kv, L', hd), (n_kv, L', hd_v)
-    if T == 1 and keys.shape[1] >= KEYS_FIRST_MIN_KEYS:  # one query, a long cache: keys @ q.T
-        q_t = np.multiply(q.reshape(n_kv, group, hd).transpose(0, 2, 1), np.float32(scale), order="C")  # (n_kv, hd, group)
-        scores = np.ascontiguousarray((keys @ q_t).transpose(0, 2, 1)).reshape(n_kv, group, 1, -1)  # (n_kv, group, 1, L')
+    q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)
+    if T == 1:
+        scores = np.ascontiguousarray(one_query_scores(q, keys)).reshape(n_kv, group, 1, -1)  # (n_kv, group, 1, L')
     else:
-        q = (q * np.float32(scale)).transpose(1, 0, 2).reshape(n_kv, group * T, hd)  # (n_kv, group*T, hd)
         scores = (q @ keys.transpose(0, 2, 1)).reshape(n_kv, group, T, -1)  # (n_kv, group, T, L')
     # one query (decoding) sees every key from `first` to itself: nothing to mask
     if T > 1 and window and int(positions[-1]) - window + 1 > first:  # the window hides keys too
@@ -300,6 +299,14 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     out = weights.reshape(n_kv, group * T, -1) @ values        # (n_kv, group*T, hd_v)
     out /= total
     return out.reshape(n_head, T, hd_v).transpose(1, 0, 2).reshape(T, n_head * hd_v)  # (T, n_head*hd_v)
+
+
+def one_query_scores(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """One query's scaled scores (n_kv, group, L) from q (n_kv, group, hd), keys (n_kv, L, hd):
+    from KEYS_FIRST_MIN_KEYS keys on as keys @ q.T, which OpenBLAS computes faster then."""
+    if keys.shape[1] >= KEYS_FIRST_MIN_KEYS:
+        return (keys @ np.ascontiguousarray(q.transpose(0, 2, 1))).transpose(0, 2, 1)
+    return q @ keys.transpose(0, 2, 1)
 
 
 def attend_one_each(q: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray]], positions: np.ndarray,
@@ -321,12 +328,7 @@ def attend_one_each(q: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray]], 
     scores = np.full((S, n_kv, group, max(keys.shape[1] for keys, _ in seen)), -np.inf, np.float32)
     q = q * np.float32(scale)                                  # (S, n_head, hd)
     for i, (keys, _) in enumerate(seen):
-        L = keys.shape[1]
-        if L >= KEYS_FIRST_MIN_KEYS:  # as in attend: keys @ q.T for a long cache
-            q_t = np.ascontiguousarray(q[i].reshape(n_kv, group, hd).transpose(0, 2, 1))  # (n_kv, hd, group)
-            scores[i, :, :, :L] = (keys @ q_t).transpose(0, 2, 1)
-        else:
-            scores[i, :, :, :L] = q[i].reshape(n_kv, group, hd) @ keys.transpose(0, 2, 1)  # (n_kv, group, L)
+        scores[i, :, :, : keys.shape[1]] = one_query_scores(q[i].reshape(n_kv, group, hd), keys)
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores, out=scores)                       # (S, n_kv, group, L_max), unnormalized
     out = np.empty((S, n_kv, group, hd_v), np.float32)

@@ -181,13 +181,13 @@ class Scheduler:
         active: list[Request] = []
         try:
             while True:
-                kv_bytes = sum(self._kv_bytes(r) for r in active if not r.cancelled)
+                bounded = self.kv_cache_bytes is not None
+                kv_bytes = sum(self._kv_bytes(r) for r in active if not r.cancelled) if bounded else 0
                 with self._lock:
                     joining = []
                     while self._waiting and len(active) + len(joining) < self.max_batch:
                         need = self._joining_bytes(self._waiting[0])
-                        if (self.kv_cache_bytes is not None and active + joining
-                                and kv_bytes + need > self.kv_cache_bytes):
+                        if bounded and active + joining and kv_bytes + need > self.kv_cache_bytes:
                             break              # first come, first served: nobody overtakes it
                         kv_bytes += need
                         joining.append(self._waiting.popleft())
@@ -205,8 +205,7 @@ class Scheduler:
                     active.append(request)
                 for request in [r for r in active if r.cancelled]:
                     self._retire(request, active)
-                while (self.kv_cache_bytes is not None and len(active) > 1
-                       and sum(self._kv_bytes(r) for r in active) > self.kv_cache_bytes):
+                while bounded and len(active) > 1 and sum(self._kv_bytes(r) for r in active) > self.kv_cache_bytes:
                     self._preempt(active[-1], active)
                 if active:
                     self._step(active)
