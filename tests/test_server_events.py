@@ -206,6 +206,43 @@ async def test_an_engine_failure_reports_the_tokens_counted_until_then():
     assert response.response_object()["usage"]["input_tokens"] == 5
 
 
+# 6.3's table: the data fields of each event (the final ones' `usage` and `error` as in 6.2)
+EVENT_DATA_FIELDS = {
+    "response.created": {"response_id", "status"},
+    "response.output_item.added": {"response_id", "output_index", "item"},
+    "response.output_text.delta": {"response_id", "item_id", "delta"},
+    "response.output_item.done": {"response_id", "output_index", "item"},
+    "response.completed": {"response_id", "status", "usage"},
+    "response.incomplete": {"response_id", "status", "incomplete_details", "usage"},
+    "response.failed": {"response_id", "status", "error"},
+    "response.cancelled": {"response_id", "status"},
+    "error": {"error"},
+}
+
+
+async def test_each_event_carries_the_data_fields_of_its_row():
+    """6.3: every event of the table carries its row's data fields, with the status its
+    name says (`in_progress` for response.created)."""
+    from engine.chat import TokenCounts
+
+    seen = []
+    for reason in ("stop", "length"):
+        _, events = await run(TextDelta("Hi"), Finished(reason, 5, 1, 0))
+        seen += events
+    _, events = await run(TextDelta("Hi"), fail=RuntimeError("boom"))
+    seen += events
+    ended_early = ResponseRun("m:1", counts=TokenCounts(5))
+    seen += [ended_early.cancelled(), ended_early.error_event(Problem("internal_error", "a bug"))]
+    assert {e.name for e in seen} == set(EVENT_DATA_FIELDS)
+    for event in seen:
+        assert set(event.data) == EVENT_DATA_FIELDS[event.name], event
+        if event.name.startswith("response.") and "status" in event.data:
+            expected = "in_progress" if event.name == "response.created" else event.name.split(".")[1]
+            assert event.data["status"] == expected
+        if "error" in event.data:
+            assert {"type", "title", "status", "detail", "code"} <= set(event.data["error"])
+
+
 def test_sse_encoding():
     event = Event(3, "response.output_text.delta", {"response_id": "resp_1", "delta": "a\nb \u2028é"})
     text = event.sse().decode("utf-8")

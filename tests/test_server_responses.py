@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 from contextlib import aclosing
 
 import pytest
@@ -72,6 +73,7 @@ async def test_sync_response_object(server):
                              "incomplete_details"}
     assert response["id"].startswith("resp_") and response["object"] == "response"
     assert response["model"] == TINY_ID and isinstance(response["created_at"], int)
+    assert abs(response["created_at"] - time.time()) < 60  # seconds since the epoch (not milliseconds)
     assert response["status"] in ("completed", "incomplete") and response["error"] is None
     (item,) = response["output"]
     assert set(item) == {"id", "type", "role", "content"} and item["id"].startswith("msg_")
