@@ -220,11 +220,17 @@ async def test_unknown_route(server, path):
     ("POST", "/lmsp/v1/models/tiny:chat-q8_0", "GET"),
     ("GET", "/lmsp/v1/responses", "POST"),
     ("PUT", "/lmsp/v1/responses", "POST"),
+    # the routes of tasks and stored responses (D3, D6)
+    ("GET", "/lmsp/v1/tasks", "POST"),
+    ("DELETE", "/lmsp/v1/tasks/task_x", "GET, HEAD"),
+    ("POST", "/lmsp/v1/tasks/task_x/events", "GET, HEAD"),
+    ("GET", "/lmsp/v1/tasks/task_x/cancel", "POST"),
+    ("POST", "/lmsp/v1/responses/resp_x", "DELETE, GET, HEAD"),
 ])
 async def test_wrong_method_is_405_with_allow(server, method, path, allow):
     reply = await server.request(method, path)
     assert_problem(reply, 405, "method_not_allowed")
-    assert allow in reply.headers["allow"]
+    assert allow in reply.headers["allow"] and method not in reply.headers["allow"].split(", ")
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])

@@ -3,6 +3,7 @@
 import json
 import random
 import sqlite3
+import time
 from contextlib import aclosing
 
 import pytest
@@ -94,6 +95,7 @@ async def test_a_task_runs_in_the_background_and_its_events_replay(server):
     task = await create(server, task_body(stream=True))  # `stream` is ignored
     assert task["object"] == "task" and task["status"] in ("queued", "in_progress")
     assert task["response"] is None and task["response_id"].startswith("resp_")
+    assert abs(task["created_at"] - time.time()) < 60  # seconds since the epoch
     events = await all_events(server, task["id"])
     assert [e.id for e in events] == list(range(1, len(events) + 1))
     assert events[0].event == "response.created" and events[-1].event in FINAL
@@ -118,6 +120,9 @@ async def test_resume_point_after_beats_last_event_id(server):
     assert [e.id for e in by_query] == list(range(5, n + 1))
     both = await all_events(server, task["id"], query="?after=1", headers={"Last-Event-ID": "3"})
     assert [e.id for e in both] == list(range(2, n + 1))
+    # `after` wins: a Last-Event-ID beside it is not even read
+    beside_junk = await all_events(server, task["id"], query="?after=1", headers={"Last-Event-ID": "x"})
+    assert [e.id for e in beside_junk] == list(range(2, n + 1))
     assert await all_events(server, task["id"], query=f"?after={n}") == []
     # any non-negative integer is a resume point: leading zeros, and past any event id there is
     assert [e.id for e in await all_events(server, task["id"], query="?after=0004")] == list(range(5, n + 1))
@@ -149,6 +154,13 @@ async def test_invalid_task_request_is_refused_before_any_task(server):
     assert reply.status == 400 and reply.json()["param"] == "max_tokens"
     reply = await server.request("POST", TASKS, json_body=task_body(model="nope"))
     assert reply.status == 404 and reply.json()["code"] == "model_not_found"
+    # 6.1's refusals hold for a task as for a direct request: before any task exists
+    reply = await server.request("POST", TASKS, json_body=task_body(max_output_tokens=100_000))
+    assert reply.status == 400 and reply.json()["code"] == "context_length_exceeded"
+    reply = await server.request("POST", TASKS, json_body=task_body(previous_response_id="resp_nope"))
+    assert reply.status == 404 and reply.json()["code"] == "response_not_found"
+    count = await server.service.store._read(lambda conn: conn.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
+    assert count == 0
 
 
 @pytest.mark.parametrize("depth", [65, 940])  # 940: about as deep as json.loads reads
