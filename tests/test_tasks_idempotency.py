@@ -224,3 +224,23 @@ async def test_a_key_whose_result_cannot_be_recorded_is_released(server, monkeyp
     await server.service.tasks.recover()  # (what Tasks.run does every RECOVER_INTERVAL)
     again = await server.responses(BODY, headers=key("k1"))
     assert again.status == 200 and "idempotent-replayed" not in again.headers
+
+
+async def test_keys_are_remembered_for_24_hours(server, monkeypatch):
+    """D8: the service's own periodic purge keeps a key's result for at least 24 hours."""
+    import time
+
+    first = await server.responses(BODY, headers=key("a-day"))
+    now = time.time()
+
+    async def purge_at(moment: float) -> None:
+        with monkeypatch.context() as clock:
+            clock.setattr(time, "time", lambda: moment)
+            await server.service.tasks.purge()
+
+    await purge_at(now + 24 * 3600 - 60)
+    again = await server.responses(BODY, headers=key("a-day"))
+    assert again.headers["idempotent-replayed"] == "true" and again.body == first.body
+    await purge_at(now + 24 * 3600 + 60)  # (then it may go: the purge above did run)
+    later = await server.responses(BODY, headers=key("a-day"))
+    assert "idempotent-replayed" not in later.headers and later.json()["id"] != first.json()["id"]
