@@ -213,6 +213,20 @@ async def test_keepalive_comments_while_idle(nursery, tiny_path, tmp_path, monke
     assert seen.count(None) >= 4 and seen[-1].event in FINAL
 
 
+def test_by_default_events_are_kept_an_hour_and_idle_streams_commented_within_15_seconds(monkeypatch, tiny_path):
+    """D3's defaults: events retained one hour (in a program of one's own as with `serve`),
+    and a keep-alive comment at least every 15 s in an idle task stream or direct stream."""
+    from lmsp_min import cli, service
+    from lmsp_min.http import Limits
+
+    assert tasks.KEEPALIVE_INTERVAL <= 15 and Limits().stream_keepalive <= 15
+    assert service.ServiceConfig().event_retention == 3600
+    configs = []
+    monkeypatch.setattr(service, "run", lambda config, host, port: configs.append(config))
+    assert cli.main(["serve", "--model", str(tiny_path)]) == 0
+    assert configs[0].event_retention == 3600 and configs[0].limits.stream_keepalive <= 15
+
+
 async def test_events_expire_after_the_retention_period(nursery, tiny_path, tmp_path):
     service = await make_service([tiny_path], data_dir=tmp_path, event_retention=0.2)
     server = await start_server(nursery, service)
