@@ -166,3 +166,27 @@ async def test_without_storage_conversations_are_off(nursery, tiny_path):
     reply = await server.responses({**body(), "previous_response_id": reply.json()["id"]})
     assert reply.status == 400 and reply.json()["code"] == "unsupported_capability"
     assert reply.json()["param"] == "previous_response_id"
+
+
+async def test_a_stored_response_survives_a_restart_of_the_service(tiny_path, tmp_path):
+    """D6: `store: true` is durable: a new service on the same data directory serves the
+    response as it was, and continues the conversation from it."""
+    import trio
+
+    from server_harness import start_server as start
+
+    data_dir = tmp_path / "data"
+    async with trio.open_nursery() as nursery:  # the first service, stopped at the end of the block
+        first = await start(nursery, await make_service([tiny_path], data_dir=data_dir))
+        reply = await first.responses(body("Remember me.", store=True))
+        assert reply.status == 200
+        nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        second = await start(nursery, await make_service([tiny_path], data_dir=data_dir))
+        stored = await second.request("GET", f"{RESPONSES}/{reply.json()['id']}")
+        assert stored.status == 200 and stored.body == reply.body
+        follow_up = await second.responses({**body("And now?"), "previous_response_id": reply.json()["id"]})
+        assert follow_up.status == 200, follow_up.body
+        alone = (await second.responses(body("And now?"))).json()
+        assert follow_up.json()["usage"]["input_tokens"] > alone["usage"]["input_tokens"]  # the first turn came too
+        nursery.cancel_scope.cancel()
