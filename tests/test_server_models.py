@@ -11,7 +11,7 @@ import trio
 
 from lmsp_min.registry import ModelEntry, Registry, model_id_for, read_gguf_header
 from lmsp_min.service import Service, ServiceConfig
-from server_harness import server, start_server, tiny_path  # noqa: F401
+from server_harness import make_service, server, start_server, tiny_path  # noqa: F401
 
 TINY_ID = "tiny:chat-q8_0"
 MODEL_FIELDS = {"id", "object", "created_at", "owned_by", "capabilities", "context_window",
@@ -245,3 +245,16 @@ async def test_the_kv_cache_bound_reaches_the_loaded_models_scheduler(nursery, t
     body = {"model": TINY_ID, "input": [{"role": "user", "content": "Hello there!"}], "max_output_tokens": 2}
     assert (await server.responses(body)).status == 200
     assert service.registry.get(TINY_ID).model.scheduler.kv_cache_bytes == 3 << 20
+
+
+async def test_a_model_id_with_a_dot_and_a_colon_is_served(nursery, tiny_path, tmp_path):
+    """D2: model ids may contain `:` and `.` (llama3.2:1b...): listed, fetched and used by that id."""
+    dotted = tmp_path / "Tiny2.5-chat-q8_0.gguf"
+    shutil.copy(tiny_path, dotted)
+    server = await start_server(nursery, await make_service([dotted]))
+    (model,) = (await server.request("GET", "/lmsp/v1/models")).json()["data"]
+    assert model["id"] == "tiny2.5:chat-q8_0"
+    assert (await server.request("GET", "/lmsp/v1/models/tiny2.5:chat-q8_0")).json() == model
+    reply = await server.responses({"model": model["id"], "input": [{"role": "user", "content": "Hi."}],
+                                   "max_output_tokens": 2})
+    assert reply.status == 200 and reply.json()["model"] == model["id"], reply.body
