@@ -475,6 +475,21 @@ def test_a_cut_event_stream_is_stream_interrupted(raw_server, reply, cause):
     assert [event.id for event in events] == [1, 2, 3]
 
 
+def test_event_types_the_client_does_not_know_do_not_stop_a_stream(raw_server):
+    """6.3: clients MUST ignore event types they do not know (a service MAY send extra
+    events): such an event, even one whose data is not JSON, neither ends nor breaks the
+    stream; the known events around it arrive as they are, up to the final one."""
+    extra = [b"id: 3\nevent: response.function_call_arguments.delta\ndata: {\"delta\": \"{\"}\n\n",
+             b"id: 4\nevent: x-vendor.progress\nretry: 10\ndata: 42%\n\n"]
+    known = [sse(i + 2 if i > 2 else i, n, d) for i, (n, d) in enumerate(stream_events("resp_1"), 1)]
+    server = raw_server(event_stream(b"".join(known[:2] + extra + known[2:])))
+    events = list(Client(server.url).stream_response("fake:1m", "hi"))
+    assert [e.id for e in events] == list(range(1, len(known) + 3))
+    assert [e.event for e in events][2:4] == ["response.function_call_arguments.delta", "x-vendor.progress"]
+    assert events[3].data == "42%" and events[-1].event == "response.completed"
+    assert "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta") == "".join(TEXT)
+
+
 def test_follow_task_retries_every_transport_failure(raw_server, monkeypatch):
     monkeypatch.setattr("lmsp_min.client.time.sleep", lambda s: None)
     server = raw_server(
