@@ -135,6 +135,7 @@ async def test_malformed_request_gets_400_and_close(server):
         await client.stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
         data = await client.read_until_closed()
     assert data.startswith(b"HTTP/1.1 400 ")
+    assert b"\r\nlmsp-version: 1.0\r\n" in data.lower()  # D1: every response, even to no request at all
     body = json.loads(data.partition(b"\r\n\r\n")[2])
     assert body["code"] == "invalid_request" and body["status"] == 400
 
@@ -202,7 +203,7 @@ async def test_oversized_headers_get_431_and_close(server, kib):
         await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: "
                                      + b"a" * (kib * 1024) + b"\r\n\r\n")
         data = await client.read_until_closed()
-    assert data.startswith(b"HTTP/1.1 431 ")
+    assert data.startswith(b"HTTP/1.1 431 ") and b"\r\nlmsp-version: 1.0\r\n" in data.lower()
     assert json.loads(data.partition(b"\r\n\r\n")[2])["code"] == "request_too_large"
 
 
@@ -213,7 +214,7 @@ async def test_slow_headers_time_out_with_408(nursery, tiny_path):
         await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHo")
         with trio.fail_after(3):
             data = await client.read_until_closed()
-    assert data.startswith(b"HTTP/1.1 408 ")
+    assert data.startswith(b"HTTP/1.1 408 ") and b"\r\nlmsp-version: 1.0\r\n" in data.lower()
 
 
 async def test_idle_keep_alive_connection_is_closed(nursery, tiny_path):
@@ -247,7 +248,7 @@ async def test_slow_body_times_out_with_408(nursery, tiny_path):
                                      b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
         with trio.fail_after(3):
             data = await client.read_until_closed()
-    assert data.startswith(b"HTTP/1.1 408 ")
+    assert data.startswith(b"HTTP/1.1 408 ") and b"\r\nlmsp-version: 1.0\r\n" in data.lower()
 
 
 async def test_connections_over_the_limit_get_429(nursery, tiny_path):
@@ -259,6 +260,7 @@ async def test_connections_over_the_limit_get_429(nursery, tiny_path):
         async with server.connection() as third:
             data = await third.read_until_closed()
         assert data.startswith(b"HTTP/1.1 429 ") and b"retry-after: 1" in data.lower()
+        assert b"\r\nlmsp-version: 1.0\r\n" in data.lower()
     with trio.fail_after(10):  # once the server has seen the others go, there is room again
         while (reply := await server.request("GET", MODELS)).status == 429:
             await trio.sleep(0.01)

@@ -53,6 +53,7 @@ async def follow(client, task_id: str, headers=None, query: str = ""):
     await client.send("GET", f"{TASKS}/{task_id}/events{query}", headers=headers)
     head = await client.read_head()
     assert head.status == 200 and head.headers["content-type"] == "text/event-stream"
+    assert head.headers["lmsp-version"] == "1.0"  # D1: event streams too
     buffer = b""
     async for chunk in client.read_chunks():
         buffer += chunk
