@@ -32,6 +32,11 @@ minutes apart. Each figure is printed with its ratio to llama.cpp's and the targ
 of issue 7; the run is written as JSON to benchmarks/results/perf-<time>.json, every
 round's figures included (and a PNG chart of the ratios when matplotlib is
 installed). Compare the ratios of one run, not figures across runs.
+
+The prefill is mostly float32 GEMM in numpy's OpenBLAS, whose speed depends on the
+CPU kernels it runs: the run prints which ran, and says so when OPENBLAS_CORETYPE or
+OPENBLAS_L2_SIZE chose them (some machines set both for old OpenBLAS builds; on a
+Zen 5 that forced Haswell kernels, 1.8x slower than the SkylakeX ones OpenBLAS picks).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from benchmarks import llamacpp, prompts, worker
 RESULTS = Path(__file__).parent / "results"
 STREAMS = (1, 4, 8)
 STREAM_TOKENS = 64  # max_output_tokens of each concurrent stream
+OPENBLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")  # variables that choose OpenBLAS's kernels
 
 
 # --- the engine, in a child process ----------------------------------------------------
@@ -91,6 +97,7 @@ def engine_worker(name: str) -> None:
     from engine import load_model
     from engine.chat import ChatRequest
     from engine.sampling import SamplingParams
+    from engine.threads import blas_kernel
 
     reply = worker.take_stdout()
     path = prompts.model_path(name)
@@ -153,7 +160,8 @@ def engine_worker(name: str) -> None:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
 
-    reply({"engine": "lmsp-min", "load_s": load_s, "prefill_ids": prefill_ids, "short_ids": short_ids})
+    reply({"engine": "lmsp-min", "blas_kernel": blas_kernel(), "load_s": load_s,
+           "prefill_ids": prefill_ids, "short_ids": short_ids})
     worker.serve({"prefill": prefill, "decode": lambda: trio.run(decode), "finish": finish}, reply)
 
 
@@ -439,6 +447,15 @@ def main(argv: list[str] | None = None) -> None:
     results = {name: measure_model(name, args.rounds, not args.no_server, with_llama) for name in args.models}
     load_after = os.getloadavg()[0]
     print(table(results))
+    kernels = {r["engine"].get("blas_kernel") for r in results.values() if "engine" in r}
+    print(f"numpy's OpenBLAS ran its {', '.join(map(str, sorted(kernels, key=str)))} kernels", end="")
+    forced = {k: os.environ[k] for k in OPENBLAS_ENV if k in os.environ}
+    if forced:
+        print(f", as {' and '.join(f'{k}={v}' for k, v in forced.items())} ask: older kernels than this CPU "
+              "may run (a slower prefill). Unset both for this command alone to measure the ones OpenBLAS "
+              "picks itself: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.perf")
+    else:
+        print(" (its own pick for this CPU)")
     print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cores: "
           "other processes compete for the cores, and llama.cpp's spinning threads suffer more from that than ours")
     if not with_llama:
@@ -448,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     out = RESULTS / f"perf-{stamp}.json"
     out.write_text(json.dumps({"command": " ".join(["python -m benchmarks.perf", *(argv or sys.argv[1:])]),
                                "cpu_count": os.cpu_count(), "load_average": [load_before, load_after],
+                               "openblas_env": {k: os.environ.get(k) for k in OPENBLAS_ENV},
                                "results": results}, indent=2))
     print(f"wrote {out}")
     if chart(results, RESULTS / f"perf-{stamp}.png"):

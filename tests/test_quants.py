@@ -210,6 +210,15 @@ def test_single_thread_gives_the_same_result(two_threads):
     np.testing.assert_array_equal(weight.matmul(x), y)
 
 
+def test_blas_kernel_names_the_kernels_openblas_runs():
+    """numpy's wheels bring OpenBLAS: its kernels have a name, the one OPENBLAS_CORETYPE
+    asks for when that is set (some machines set it; see benchmarks/perf.py)."""
+    kernel = threads.blas_kernel()
+    assert isinstance(kernel, str) and kernel
+    if os.environ.get("OPENBLAS_CORETYPE"):
+        assert kernel.lower() == os.environ["OPENBLAS_CORETYPE"].lower()
+
+
 def test_decode_floats_do_not_depend_on_how_the_tiles_are_shared(monkeypatch):
     """Threads, and the helper process with the tiles it gives back as it goes, share a
     decode matmul's tiles out differently from call to call: every way gives the same
