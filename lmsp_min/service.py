@@ -12,6 +12,7 @@ SHUTDOWN_GRACE seconds to finish (`Service.drain`), then those still generating
 ended `failed` (model_unavailable), and everything cancelled.
 """
 
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -267,3 +268,16 @@ def _banner(service: Service, addresses) -> None:
     else:
         stderr_log("  auth: none (loopback only, principal 'local')")
     stderr_log(f"  storage: {'on' if service.stores_responses else 'off'}")
+    stderr_log(f"  compute: {_compute()}")
+
+
+def _compute() -> str:
+    """The engine's threads and the BLAS kernels behind its prefill, which an environment
+    variable can make older than the CPU's (the README's Benchmarks say how much slower)."""
+    from engine.threads import blas_kernel, num_threads
+
+    kernel = blas_kernel()
+    blas = f"OpenBLAS with its {kernel} kernels" if kernel else "not OpenBLAS"
+    if kernel and os.environ.get("OPENBLAS_CORETYPE"):
+        blas += f", as OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']} asks"
+    return f"{num_threads()} threads; numpy's BLAS: {blas}"
