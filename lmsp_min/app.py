@@ -277,8 +277,9 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
             prepared = model.prepare_chat(chat_request)
         else:
             prepared = await trio.to_thread.run_sync(model.prepare_chat, chat_request)
-    except ContextLengthExceeded as exc:
-        raise Problem("context_length_exceeded", str(exc), param="input") from None
+    except ContextLengthExceeded as exc:  # param: what to change, the input only when it alone fills the window
+        param = "input" if exc.n_prompt >= exc.n_ctx else "max_output_tokens"
+        raise Problem("context_length_exceeded", str(exc), param=param) from None
     except SchemaError as exc:
         raise _schema_problem(exc, request) from None
     except ChatTemplateError as exc:

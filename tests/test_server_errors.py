@@ -184,9 +184,11 @@ async def test_context_length_exceeded_before_any_generation(server):
     steps = model.steps
     too_long = await server.responses(body(max_output_tokens=100_000))
     assert_problem(too_long, 400, "context_length_exceeded")
+    assert too_long.json()["param"] == "max_output_tokens"  # the input fits: the bound is what to change
     huge_input = [{"role": "user", "content": "lorem ipsum " * 600}]  # > 512 tokens
-    assert_problem(await server.responses(body(input=huge_input, max_output_tokens=None)), 400,
-                   "context_length_exceeded")
+    too_much = await server.responses(body(input=huge_input, max_output_tokens=None))
+    assert_problem(too_much, 400, "context_length_exceeded")
+    assert too_much.json()["param"] == "input"
     streamed = await server.responses(body(max_output_tokens=100_000, stream=True))
     assert_problem(streamed, 400, "context_length_exceeded")  # a problem, not an event stream
     assert model.steps == steps
