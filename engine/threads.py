@@ -26,10 +26,19 @@ CHUNK_VALUES = 1 << 20
 MIN_SCRATCH_VALUES = 1 << 17
 
 
-def _openblas() -> list[ctypes.CDLL]:
-    """numpy's OpenBLAS libraries (none when numpy was built with another BLAS)."""
-    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")
-    return [ctypes.CDLL(path) for path in glob.glob(libs)]
+def _openblas_functions(name: str) -> list:
+    """`openblas_<name>` of each OpenBLAS library numpy loaded (none when numpy was built with
+    another BLAS), under the name its build exports: scipy-openblas prefixes `scipy_`,
+    builds with 64-bit integers end in `64_`."""
+    found = []
+    for path in glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")):
+        lib = ctypes.CDLL(path)
+        for prefix, suffix in (("scipy_", "64_"), ("scipy_", ""), ("", "64_"), ("", "")):
+            function = getattr(lib, f"{prefix}openblas_{name}{suffix}", None)
+            if function is not None:
+                found.append(function)
+                break
+    return found
 
 
 def _single_threaded_blas() -> None:
@@ -41,12 +50,8 @@ def _single_threaded_blas() -> None:
     slower with 2 OpenBLAS threads than with 1, 12 processes on 2 cores), and our
     threads times its threads would oversubscribe the cores anyway.
     """
-    for lib in _openblas():
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            if hasattr(lib, name):
-                getattr(lib, name)(1)
-                break
+    for set_num_threads in _openblas_functions("set_num_threads"):
+        set_num_threads(1)
 
 
 def blas_kernel() -> str | None:
@@ -56,13 +61,9 @@ def blas_kernel() -> str | None:
     others. Prefill is mostly float32 GEMM, so this decides its speed: on a Zen 5 the
     SkylakeX (AVX-512) kernels ran Gemma 3's prefill matmuls 1.8x faster than Haswell's.
     """
-    for lib in _openblas():
-        for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename",
-                     "openblas_get_corename64_", "openblas_get_corename"):
-            if hasattr(lib, name):
-                corename = getattr(lib, name)
-                corename.restype = ctypes.c_char_p
-                return corename().decode()
+    for get_corename in _openblas_functions("get_corename"):
+        get_corename.restype = ctypes.c_char_p
+        return get_corename().decode()
     return None
 
 

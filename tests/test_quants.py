@@ -210,6 +210,12 @@ def test_single_thread_gives_the_same_result(two_threads):
     np.testing.assert_array_equal(weight.matmul(x), y)
 
 
+def test_openblas_runs_on_the_calling_thread_alone():
+    """We split matmuls over our threads ourselves (engine/threads.py says why)."""
+    (get_num_threads,) = threads._openblas_functions("get_num_threads")
+    assert get_num_threads() == 1
+
+
 def test_blas_kernel_names_the_kernels_openblas_runs():
     """numpy's wheels bring OpenBLAS: its kernels have a name, the one OPENBLAS_CORETYPE
     asks for when that is set (some machines set it; see benchmarks/perf.py)."""
