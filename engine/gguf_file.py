@@ -102,6 +102,8 @@ def _read_value(buf: memoryview, offs: int, vtype: int) -> tuple[Any, int]:
             if end > len(buf):
                 raise ValueError("a metadata array runs past the end of the file")
             return np.frombuffer(buf, dtype, n, offs).tolist(), end
+        if item_type == GGUFValueType.STRING:  # a vocabulary: the one loop worth writing out
+            return _read_strings(buf, offs, n)
         items = []
         for _ in range(n):
             item, offs = _read_value(buf, offs, item_type)
@@ -113,6 +115,18 @@ def _read_value(buf: memoryview, offs: int, vtype: int) -> tuple[Any, int]:
     if offs + dtype.itemsize > len(buf):
         raise ValueError("the metadata runs past the end of the file")
     return np.frombuffer(buf, dtype, 1, offs).tolist()[0], offs + dtype.itemsize
+
+
+def _read_strings(buf: memoryview, offs: int, n: int) -> tuple[list[str], int]:
+    """n GGUF strings (u64 length, UTF-8 bytes) from `offs` -> (the strings, end offset)."""
+    strings, end = [], len(buf)
+    for _ in range(n):
+        start = offs + 8
+        offs = start + int.from_bytes(buf[offs:start], "little")
+        if offs > end or start > end:
+            raise ValueError("a metadata string runs past the end of the file")
+        strings.append(str(buf[start:offs], "utf-8"))
+    return strings, offs
 
 
 class _Reader(GGUFReader):
