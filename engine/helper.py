@@ -29,7 +29,7 @@ Nothing depends on the helper being there: until it has said it is ready, or onc
 has died, the model computes every tile itself, on threads, exactly as without a
 helper (the same kernel on the same tiles: the same floats). Nor does the model wait
 for a helper whose core another process took: when the helper's last tile is not
-answered within HELPER_GRACE, the model computes the helper's tiles itself, in its own
+answered within a grace (about one tile's time, HELPER_GRACE at least), the model computes the helper's tiles itself, in its own
 buffer (the helper may still write the I/O area), and computes the next matmuls alone
 until the helper has answered and rested (`Helper._late`); one that has not answered
 within HELPER_TIMEOUT is killed. The helper exits when its command pipe closes: the
@@ -55,7 +55,8 @@ import numpy as np
 from .quants import DECODE_MAX_ROWS, QuantWeight
 
 HELPER_TIMEOUT = 30.0        # seconds a helper may owe the answer to a matmul before it is killed
-HELPER_GRACE = 0.0003        # seconds a matmul waits for the helper's last tile (about ten tiles' time)
+HELPER_GRACE = 0.0003        # seconds a matmul waits for the helper's last tile, at least ...
+GRACE_TILES = 1.5            # ... and at least this many of its tiles' time (see Helper._answered)
 HELPER_REST = 0.005          # seconds of matmuls without the helper after it was late (see _late)
 HELPER_REST_MAX = 1.0        # ... at most, doubling while it is late again soon after
 HELPER_MIN_VALUES = 1 << 24  # smaller models (tests' tiny ones) are not worth a process
@@ -131,6 +132,7 @@ class Helper:
         self._owed_since: float | None = None  # when the command it has not answered yet was sent
         self._rest = 0.0         # seconds of matmuls without it after it was last late
         self._late_at = -math.inf  # when that was
+        self._answer_read_at = -math.inf  # when we last read an answer: after SPIN_SECONDS it sleeps
         self._state = "starting"
         self._lock = threading.Lock()
         for i, w in enumerate(weights):
@@ -154,8 +156,8 @@ class Helper:
         what happens: when the helper's answer is already there as we finish our
         part, it gets more next time, otherwise less. And rather than wait for a
         helper that is behind, we take back its last tiles until we meet it
-        (`_take_back`), and if even its last tile is not answered within HELPER_GRACE
-        (another process holds its core), we do it too.
+        (`_take_back`), and if even its last tile is not answered within about one
+        tile's time (another process holds its core; see `_answered`), we do it too.
         """
         with self._lock:
             if not self._idle():
@@ -169,11 +171,13 @@ class Helper:
             if not self._send(_COMMAND.pack(w.helper_index, n, split, w.n_tiles)):
                 return None
             w._decode_tiles(xs, ys, 0, split)
+            tile_seconds = (time.perf_counter() - sent_at) / split
             mins_part = w._mins_part(xs)  # meanwhile the helper goes on with its tiles
             early = bool(select.select([self._answers], [], [], 0)[0])
             self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
             taken = w.n_tiles if early else self._take_back(w, xs, ys, split)
-            answered = self._answered(sent_at)
+            answered = self._answered(sent_at, max(HELPER_GRACE, GRACE_TILES * tile_seconds),
+                                      asleep=sent_at - self._answer_read_at > SPIN_SECONDS)
             y = ys.copy()  # a late helper's writes go to the I/O area, not here
             # answered: the tile each of us may have left to the other (see _take_back);
             # not answered: all of its tiles
@@ -234,13 +238,25 @@ class Helper:
                 return False
         return now >= self._late_at + self._rest
 
-    def _answered(self, sent_at: float) -> bool:
-        """Whether the helper answers the command sent at `sent_at` within HELPER_GRACE;
-        if not, it owes that answer (see _idle)."""
-        if _poll(self._answers, HELPER_GRACE, 0):
+    def _answered(self, sent_at: float, grace: float, asleep: bool) -> bool:
+        """Whether the helper answers the command sent at `sent_at` within `grace` seconds;
+        if not, it owes that answer (see _idle).
+
+        When we get here the helper holds at most the one tile it is computing, so the
+        grace is about one tile's time: waiting longer than it would take us to compute
+        that tile is wasted, and a shorter wait gives up on a helper merely a little
+        slower this once (at 8 rows a tile of SmolLM2's takes 0.3-0.5 ms on a Zen 3 VM,
+        so a fixed 0.3 ms gave up on its last tile several times a step, and every
+        give-up made it rest). A helper that was `asleep` (idle past its spin) when the
+        command came may also take long to wake: on a VM whose idle core went back to
+        the host, 0.1 to 1 ms and more. That says nothing of its core being taken, so
+        it is no reason to rest.
+        """
+        if _poll(self._answers, grace, 0):
             return self._read_answer()
         self._owed_since = sent_at
-        self._late()
+        if not asleep:
+            self._late()
         return False
 
     def _late(self) -> None:
@@ -264,6 +280,7 @@ class Helper:
         killed) for the end of the pipe, when it died."""
         if os.read(self._answers, 1) == _DONE:
             self._owed_since = None
+            self._answer_read_at = time.perf_counter()
             return True
         self._give_up()
         return False

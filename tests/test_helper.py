@@ -144,34 +144,70 @@ def test_tiles_a_stopped_helper_holds_are_computed_in_a_buffer_of_our_own(model_
     np.testing.assert_array_equal(helper.matmul(w, x), alone)
 
 
+def late_once(helper, w, x, alone) -> None:
+    """A matmul the helper is late for (stopped meanwhile), then its late answer read."""
+    os.kill(helper.process.pid, signal.SIGSTOP)
+    try:
+        np.testing.assert_array_equal(helper.matmul(w, x), alone)  # the helper late
+    finally:
+        os.kill(helper.process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while helper._owed_since is not None:  # its late answer read
+        assert time.monotonic() < deadline, "the helper did not answer"
+        helper._idle()
+        time.sleep(0.01)
+
+
 def test_after_a_late_answer_the_model_rests_from_the_helper(model_with_helper, monkeypatch):
     """A helper late once is left alone for HELPER_REST, twice as long when it is late again
     soon after: the process that holds its core may go on holding it."""
     monkeypatch.setattr(helper_module, "HELPER_REST", 0.5)
+    monkeypatch.setattr(helper_module, "SPIN_SECONDS", 60.0)  # it counts as awake: late is late
     helper = model_with_helper.helper
     w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=2)
-
-    def late_once():
-        os.kill(helper.process.pid, signal.SIGSTOP)
-        try:
-            np.testing.assert_array_equal(helper.matmul(w, x), alone)  # the helper late
-        finally:
-            os.kill(helper.process.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while helper._owed_since is not None:  # its late answer read
-            assert time.monotonic() < deadline, "the helper did not answer"
-            helper._idle()
-            time.sleep(0.01)
-
-    late_once()
+    np.testing.assert_array_equal(helper.matmul(w, x), alone)  # an answer read: it is awake
+    late_once(helper, w, x, alone)
     assert helper.matmul(w, x) is None  # answered, but resting: computed alone
     time.sleep(0.55)
-    late_once()  # late again soon after its rest
+    late_once(helper, w, x, alone)  # late again soon after its rest
     assert helper.matmul(w, x) is None
     time.sleep(0.55)
     assert helper.matmul(w, x) is None  # twice as long this time
     time.sleep(0.5)
     np.testing.assert_array_equal(helper.matmul(w, x), alone)  # it helps again
+
+
+def test_a_helper_late_after_sleeping_is_no_reason_to_rest(model_with_helper, monkeypatch):
+    """A helper idle for longer than its spin sleeps, and may take long to wake: a late
+    answer then says nothing of its core, so the next matmul has its help again."""
+    monkeypatch.setattr(helper_module, "HELPER_REST", 60.0)  # a rest would show
+    helper = model_with_helper.helper
+    w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=3)
+    time.sleep(0.01)  # past its spin: asleep
+    late_once(helper, w, x, alone)
+    np.testing.assert_array_equal(helper.matmul(w, x), alone)  # not resting: helped
+
+
+def test_the_grace_for_the_last_tile_is_about_a_tile_of_this_matmul(model_with_helper, monkeypatch):
+    """The model waits for the helper's last tile about as long as it takes itself to
+    compute a tile of this matmul, and never less than HELPER_GRACE."""
+    helper = model_with_helper.helper
+    w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=4)
+    graces = []
+    answered = helper_module.Helper._answered
+    monkeypatch.setattr(helper_module.Helper, "_answered",
+                        lambda self, sent_at, grace, asleep: graces.append(grace) or answered(self, sent_at, grace, asleep))
+    decode_tiles = quants.QuantWeight._decode_tiles
+
+    def slow_tiles(self, x, y, b0, b1, *args, **kwargs):  # 20 ms a tile, in this process only
+        time.sleep(0.02 * (b1 - b0))
+        return decode_tiles(self, x, y, b0, b1, *args, **kwargs)
+
+    np.testing.assert_array_equal(helper.matmul(w, x), alone)
+    assert graces[-1] == helper_module.HELPER_GRACE  # tiles this small take less than it
+    monkeypatch.setattr(quants.QuantWeight, "_decode_tiles", slow_tiles)
+    np.testing.assert_array_equal(helper.matmul(w, x), alone)
+    assert graces[-1] >= helper_module.GRACE_TILES * 0.02
 
 
 def test_tiles_refused_by_the_claim_are_left_alone(monkeypatch):
