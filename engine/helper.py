@@ -56,13 +56,15 @@ from .quants import DECODE_MAX_ROWS, QuantWeight
 
 HELPER_TIMEOUT = 30.0        # seconds a helper may owe the answer to a matmul before it is killed
 HELPER_GRACE = 0.0003        # seconds a matmul waits for the helper's last tile, at least ...
-GRACE_TILES = 1.5            # ... and at least this many of its tiles' time (see Helper._answered)
+GRACE_TILES = 1.5            # ... and at least this many of its tiles' time (see Helper._answered),
+HELPER_GRACE_MAX = 0.001     # ... but at most this (tiles slow because we were descheduled)
 HELPER_REST = 0.005          # seconds of matmuls without the helper after it was late (see _late)
 HELPER_REST_MAX = 1.0        # ... at most, doubling while it is late again soon after
 HELPER_MIN_VALUES = 1 << 24  # smaller models (tests' tiny ones) are not worth a process
 HELPER_MIN_WORK = 1 << 18    # values of W times rows of x: below this a matmul stays here
 SHARE_STEP = 0.01            # how fast the helper's share of the tiles adapts
 SPIN_SECONDS = 0.0003        # a wait on a pipe polls this long before it sleeps (see _poll)
+ASLEEP_AFTER = 0.001         # a helper without a command for this long is taken to sleep (see _answered)
 CONVERT_AHEAD = 3            # tiles of its next matmul the helper converts while it waits (_ConvertAhead)
 _COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
 _READY, _DONE = b"r", b"d"
@@ -132,7 +134,8 @@ class Helper:
         self._owed_since: float | None = None  # when the command it has not answered yet was sent
         self._rest = 0.0         # seconds of matmuls without it after it was last late
         self._late_at = -math.inf  # when that was
-        self._answer_read_at = -math.inf  # when we last read an answer: after SPIN_SECONDS it sleeps
+        self._answer_read_at = -math.inf  # when we last read an answer (it may have come earlier)
+        self._asleep_late_at = -math.inf  # when it was last late after sleeping (see _late)
         self._state = "starting"
         self._lock = threading.Lock()
         for i, w in enumerate(weights):
@@ -176,8 +179,9 @@ class Helper:
             early = bool(select.select([self._answers], [], [], 0)[0])
             self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
             taken = w.n_tiles if early else self._take_back(w, xs, ys, split)
-            answered = self._answered(sent_at, max(HELPER_GRACE, GRACE_TILES * tile_seconds),
-                                      asleep=sent_at - self._answer_read_at > SPIN_SECONDS)
+            grace = min(HELPER_GRACE_MAX, max(HELPER_GRACE, GRACE_TILES * tile_seconds))
+            answered = self._answered(sent_at, grace,
+                                      asleep=sent_at - self._answer_read_at > ASLEEP_AFTER)
             y = ys.copy()  # a late helper's writes go to the I/O area, not here
             # answered: the tile each of us may have left to the other (see _take_back);
             # not answered: all of its tiles
@@ -243,19 +247,23 @@ class Helper:
         if not, it owes that answer (see _idle).
 
         When we get here the helper holds at most the one tile it is computing, so the
-        grace is about one tile's time: waiting longer than it would take us to compute
-        that tile is wasted, and a shorter wait gives up on a helper merely a little
+        grace is about one tile's time (GRACE_TILES of ours, within HELPER_GRACE and
+        HELPER_GRACE_MAX): waiting much longer than it would take us to compute that
+        tile is wasted, and a shorter wait gives up on a helper merely a little
         slower this once (at 8 rows a tile of SmolLM2's takes 0.3-0.5 ms on a Zen 3 VM,
         so a fixed 0.3 ms gave up on its last tile several times a step, and every
-        give-up made it rest). A helper that was `asleep` (idle past its spin) when the
-        command came may also take long to wake: on a VM whose idle core went back to
-        the host, 0.1 to 1 ms and more. That says nothing of its core being taken, so
-        it is no reason to rest.
+        give-up made it rest). A helper that was `asleep` (no command for ASLEEP_AFTER,
+        longer than its spin) when the command came may also take long to wake: on a VM
+        whose idle core went back to the host, 0.1 to 1 ms and more. That alone says
+        nothing of its core being taken, so it is no reason to rest; but a helper late
+        again soon after is (see _late).
         """
         if _poll(self._answers, grace, 0):
             return self._read_answer()
         self._owed_since = sent_at
-        if not asleep:
+        if asleep:
+            self._asleep_late_at = time.perf_counter()  # see _late
+        else:
             self._late()
         return False
 
@@ -268,10 +276,14 @@ class Helper:
         against 61-65 without a helper). So the model rests from it for HELPER_REST,
         twice as long each time it is late again within a rest's length after its last
         rest, up to HELPER_REST_MAX; on a quiet machine a late answer is rare (8 in 24,000
-        matmuls) and each costs a few ms without the helper.
+        matmuls) and each costs a few ms without the helper. A late answer after sleeping
+        (which does not make it rest) counts as the last late one here: a helper woken
+        after its rest on a held core is late at once and again soon after, and that
+        must make the next rest longer (beside a Python loop holding a core, a one-sequence
+        SmolLM2 step took 131 ms when it did not, 82 when it did).
         """
         now = time.perf_counter()
-        again = now - self._late_at < 2 * self._rest
+        again = now - max(self._late_at, self._asleep_late_at) < 2 * self._rest
         self._rest = min(HELPER_REST_MAX, 2 * self._rest) if again else HELPER_REST
         self._late_at = now
 

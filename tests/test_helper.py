@@ -162,7 +162,7 @@ def test_after_a_late_answer_the_model_rests_from_the_helper(model_with_helper, 
     """A helper late once is left alone for HELPER_REST, twice as long when it is late again
     soon after: the process that holds its core may go on holding it."""
     monkeypatch.setattr(helper_module, "HELPER_REST", 0.5)
-    monkeypatch.setattr(helper_module, "SPIN_SECONDS", 60.0)  # it counts as awake: late is late
+    monkeypatch.setattr(helper_module, "ASLEEP_AFTER", 60.0)  # it counts as awake: late is late
     helper = model_with_helper.helper
     w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=2)
     np.testing.assert_array_equal(helper.matmul(w, x), alone)  # an answer read: it is awake
@@ -188,9 +188,27 @@ def test_a_helper_late_after_sleeping_is_no_reason_to_rest(model_with_helper, mo
     np.testing.assert_array_equal(helper.matmul(w, x), alone)  # not resting: helped
 
 
+def test_a_helper_late_after_sleeping_and_again_at_once_rests_longer(model_with_helper, monkeypatch):
+    """Late after sleeping, then late again as soon as it is awake: its core is held, and
+    the rest doubles as if both had been late answers (the first made it rest no longer)."""
+    monkeypatch.setattr(helper_module, "HELPER_REST", 0.5)
+    monkeypatch.setattr(helper_module, "ASLEEP_AFTER", 60.0)  # awake
+    helper = model_with_helper.helper
+    w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=5)
+    np.testing.assert_array_equal(helper.matmul(w, x), alone)  # an answer read
+    late_once(helper, w, x, alone)  # a rest of 0.5 s
+    time.sleep(1.05)  # past twice that: the next late answer alone would start again at 0.5 s
+    monkeypatch.setattr(helper_module, "ASLEEP_AFTER", 0.0)  # asleep: no rest for this one
+    late_once(helper, w, x, alone)
+    monkeypatch.setattr(helper_module, "ASLEEP_AFTER", 60.0)
+    late_once(helper, w, x, alone)  # late again at once: 1 s
+    time.sleep(0.55)
+    assert helper.matmul(w, x) is None
+
+
 def test_the_grace_for_the_last_tile_is_about_a_tile_of_this_matmul(model_with_helper, monkeypatch):
     """The model waits for the helper's last tile about as long as it takes itself to
-    compute a tile of this matmul, and never less than HELPER_GRACE."""
+    compute a tile of this matmul, within HELPER_GRACE and HELPER_GRACE_MAX."""
     helper = model_with_helper.helper
     w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=4)
     graces = []
@@ -199,15 +217,21 @@ def test_the_grace_for_the_last_tile_is_about_a_tile_of_this_matmul(model_with_h
                         lambda self, sent_at, grace, asleep: graces.append(grace) or answered(self, sent_at, grace, asleep))
     decode_tiles = quants.QuantWeight._decode_tiles
 
-    def slow_tiles(self, x, y, b0, b1, *args, **kwargs):  # 20 ms a tile, in this process only
-        time.sleep(0.02 * (b1 - b0))
+    tile_seconds = 0.0
+
+    def slow_tiles(self, x, y, b0, b1, *args, **kwargs):  # tile_seconds a tile, in this process only
+        time.sleep(tile_seconds * (b1 - b0))
         return decode_tiles(self, x, y, b0, b1, *args, **kwargs)
 
     np.testing.assert_array_equal(helper.matmul(w, x), alone)
     assert graces[-1] == helper_module.HELPER_GRACE  # tiles this small take less than it
     monkeypatch.setattr(quants.QuantWeight, "_decode_tiles", slow_tiles)
+    tile_seconds = 0.0004
     np.testing.assert_array_equal(helper.matmul(w, x), alone)
-    assert graces[-1] >= helper_module.GRACE_TILES * 0.02
+    assert graces[-1] >= min(helper_module.HELPER_GRACE_MAX, helper_module.GRACE_TILES * tile_seconds)
+    tile_seconds = 0.02  # as if we had been descheduled
+    np.testing.assert_array_equal(helper.matmul(w, x), alone)
+    assert graces[-1] == helper_module.HELPER_GRACE_MAX
 
 
 def test_tiles_refused_by_the_claim_are_left_alone(monkeypatch):
