@@ -29,11 +29,12 @@ Nothing depends on the helper being there: until it has said it is ready, or onc
 has died, the model computes every tile itself, on threads, exactly as without a
 helper (the same kernel on the same tiles: the same floats). Nor does the model wait
 for a helper whose core another process took: when the helper's last tile is not
-answered within a grace (about one tile's time, HELPER_GRACE at least), the model computes the helper's tiles itself, in its own
-buffer (the helper may still write the I/O area), and computes the next matmuls alone
-until the helper has answered and rested (`Helper._late`); one that has not answered
-within HELPER_TIMEOUT is killed. The helper exits when its command pipe closes: the
-model was dropped, or this process ended, however it ended.
+answered within a grace (about one tile's time, 0.3 to 1 ms), the model computes the
+helper's tiles itself, in its own buffer (the helper may still write the I/O area), and
+computes the next matmuls alone until the helper has answered and rested
+(`Helper._late`); one that has not answered within HELPER_TIMEOUT is killed. The
+helper exits when its command pipe closes: the model was dropped, or this process
+ended, however it ended.
 """
 
 from __future__ import annotations

@@ -213,8 +213,12 @@ def test_the_grace_for_the_last_tile_is_about_a_tile_of_this_matmul(model_with_h
     w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=4)
     graces = []
     answered = helper_module.Helper._answered
-    monkeypatch.setattr(helper_module.Helper, "_answered",
-                        lambda self, sent_at, grace, asleep: graces.append(grace) or answered(self, sent_at, grace, asleep))
+
+    def answered_noting_grace(self, sent_at, grace, asleep):
+        graces.append(grace)
+        return answered(self, sent_at, grace, asleep)
+
+    monkeypatch.setattr(helper_module.Helper, "_answered", answered_noting_grace)
     decode_tiles = quants.QuantWeight._decode_tiles
 
     tile_seconds = 0.0
