@@ -123,7 +123,7 @@ def _read_strings(buf: memoryview, offs: int, n: int) -> tuple[list[str], int]:
     for _ in range(n):
         start = offs + 8
         offs = start + int.from_bytes(buf[offs:start], "little")
-        if offs > end or start > end:
+        if offs > end:  # also when the length itself was cut off: then start > end
             raise ValueError("a metadata string runs past the end of the file")
         strings.append(str(buf[start:offs], "utf-8"))
     return strings, offs

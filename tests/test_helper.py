@@ -178,12 +178,12 @@ def test_after_a_late_answer_the_model_rests_from_the_helper(model_with_helper, 
 
 
 def test_a_helper_late_after_sleeping_is_no_reason_to_rest(model_with_helper, monkeypatch):
-    """A helper idle for longer than its spin sleeps, and may take long to wake: a late
-    answer then says nothing of its core, so the next matmul has its help again."""
+    """A helper without a command for ASLEEP_AFTER is taken to sleep, and may take long to
+    wake: a late answer then says nothing of its core, so the next matmul has its help again."""
     monkeypatch.setattr(helper_module, "HELPER_REST", 60.0)  # a rest would show
     helper = model_with_helper.helper
     w, x, alone = widest_matmul_alone(model_with_helper, 1, seed=3)
-    time.sleep(0.01)  # past its spin: asleep
+    time.sleep(0.01)  # past ASLEEP_AFTER: asleep
     late_once(helper, w, x, alone)
     np.testing.assert_array_equal(helper.matmul(w, x), alone)  # not resting: helped
 
@@ -220,7 +220,6 @@ def test_the_grace_for_the_last_tile_is_about_a_tile_of_this_matmul(model_with_h
 
     monkeypatch.setattr(helper_module.Helper, "_answered", answered_noting_grace)
     decode_tiles = quants.QuantWeight._decode_tiles
-
     tile_seconds = 0.0
 
     def slow_tiles(self, x, y, b0, b1, *args, **kwargs):  # tile_seconds a tile, in this process only
