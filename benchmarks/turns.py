@@ -65,9 +65,11 @@ def helper_main(assignments: list[Assignment]) -> str:
     """engine.helper's start-up code with the assignments made first (in the helper process)."""
     from engine import helper
 
+    start = "from engine.helper import serve"
+    if start not in helper._HELPER_MAIN:
+        raise RuntimeError(f"engine.helper._HELPER_MAIN no longer says {start!r}: settings cannot reach the helper")
     lines = "".join(f"setattr(importlib.import_module({m!r}), {n!r}, {v!r}); " for m, n, v in assignments)
-    return helper._HELPER_MAIN.replace("from engine.helper import serve", f"import importlib; {lines}"
-                                       "from engine.helper import serve")
+    return helper._HELPER_MAIN.replace(start, f"import importlib; {lines}{start}")
 
 
 def load(path: Path, assignments: list[Assignment]):

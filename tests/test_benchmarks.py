@@ -23,7 +23,7 @@ def test_a_benchmark_runs_and_writes_its_rows(tmp_path, name, args):
 
 
 def test_settings_take_turns_in_one_process(tmp_path):
-    """benchmarks/turns.py: each setting holds through its own load and steps, and only there."""
+    """benchmarks/turns.py runs each setting's steps and prints their medians, against the first's."""
     from tiny import write_tiny_model
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
