@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     path = Path(args.model)
     if not path.is_file():
-        from lmsp_min import fetch
-        path = fetch.pull(args.model)
+        from benchmarks import prompts
+        path = prompts.model_path(args.model)
     try:
         models = {name: load(path, assignments) for name, assignments in settings.items()}
     except (ValueError, ImportError) as exc:  # a name that is not there
