@@ -38,6 +38,26 @@ def test_settings_take_turns_in_one_process(tmp_path):
     assert lines[3].split()[0] == "engine.quants.DECODE_MAX_ROWS=0"
 
 
+def test_the_kernel_floor_times_passes_in_processes_at_once(tmp_path):
+    """benchmarks/floor.py: a pass over the quantized matrices per child, two children at once."""
+    from tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.floor", str(path), "--rows", "1,2", "--processes", "1,2",
+                           "--seconds", "0.2", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [row["name"] for row in rows] == ["1 row, 1 process at once", "1 row, 2 processes at once",
+                                             "2 rows, 1 process at once", "2 rows, 2 processes at once"]
+    assert all(row["value"] > 0 and len(row["each_ms"]) == int(row["name"].split(", ")[1][0]) for row in rows)
+    # the tiny model keeps some matrices in F32 or F16: those are named, not timed
+    measured, skipped = set(rows[0]["by_role_ns_per_weight"]), set(rows[0]["not_quantized"])
+    assert measured and not measured & skipped
+    assert measured | skipped == {"qkv", "attn_output", "gate_up", "ffn_down", "output"}
+
+
 def test_a_setting_is_made_and_undone():
     from benchmarks import turns
     from engine import quants
