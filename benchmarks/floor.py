@@ -37,7 +37,8 @@ def matrices(model) -> list[tuple[str, object]]:
 
 def passes(path: str, rows: int, seconds: float) -> dict:
     """In this process (a child): load the model, wait for "go" on stdin, then time passes
-    over its quantized matrices for `seconds`: seconds per pass, and per weight by role."""
+    over its quantized matrices for `seconds`: seconds per pass (the median), and
+    nanoseconds per weight by role (over all the passes)."""
     import numpy as np
 
     from engine import load_model
