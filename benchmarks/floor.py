@@ -82,7 +82,7 @@ def passes(path: str, rows: int, seconds: float) -> dict:
 
 def run(path: str, rows: int, n_processes: int, seconds: float) -> list[dict]:
     """n_processes children doing passes at the same time; their results."""
-    env = {**os.environ, "LMSP_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "LMSP_THREADS": "1"}  # one thread, so no helper either (BLAS: one thread always)
     root = Path(__file__).resolve().parent.parent
     children = [subprocess.Popen([sys.executable, "-m", "benchmarks.floor", "--child", path, str(rows), str(seconds)],
                                  cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
