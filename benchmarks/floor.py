@@ -123,7 +123,7 @@ def main(argv=None) -> None:
         parser.error("give a model")
     from benchmarks.prompts import model_path
 
-    path = str(args.model if Path(args.model).is_file() else model_path(args.model))
+    path = str(model_path(args.model))
     table = []
     print(f"{Path(path).name}: one pass over the quantized matrices, the decode kernel on one core per process")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -53,7 +53,8 @@ def next_turn(messages: list[dict], reply: str) -> list[dict]:
 
 
 def model_path(name: str) -> Path:
-    """The GGUF file of a model name, fetched into the model store if it is not there yet."""
+    """The GGUF file of a model name, fetched into the model store if it is not there yet;
+    a path to a GGUF file is that file."""
     from lmsp_min import fetch
 
-    return fetch.pull(name)
+    return Path(name) if Path(name).is_file() else fetch.pull(name)

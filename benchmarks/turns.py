@@ -134,10 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError as exc:
         parser.error(str(exc))
-    path = Path(args.model)
-    if not path.is_file():
-        from benchmarks import prompts
-        path = prompts.model_path(args.model)
+    from benchmarks import prompts
+
+    path = prompts.model_path(args.model)
     try:
         models = {name: load(path, assignments) for name, assignments in settings.items()}
     except (ValueError, ImportError) as exc:  # a name that is not there
