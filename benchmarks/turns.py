@@ -127,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=8, help="turns of each setting (default 8)")
     parser.add_argument("--steps", type=int, default=10, help="steps counted per turn (default 10)")
     args = parser.parse_args(argv)
-    if len(args.setting) < 2:
-        parser.error("give at least two --setting (\"\" for the defaults)")
+    if len(set(args.setting)) < 2:
+        parser.error("give at least two different --setting (\"\" for the defaults)")
+    if len(set(args.setting)) < len(args.setting):
+        parser.error("a --setting is given twice: each is one load, measured once")
     try:
         settings = {text or "defaults": parse_setting(text) for text in args.setting}
         rows = [int(r) for r in args.rows.split(",")]
