@@ -1,4 +1,4 @@
-"""Bearer tokens, principals and scopes (decisions.md D7).
+"""Bearer tokens, principals and scopes (docs/protocol.md D7).
 
 With a tokens file every request needs `Authorization: Bearer <token>`; the
 token is compared, in constant time, against every configured token (so the

@@ -1,4 +1,4 @@
-"""Response objects and their events (responses.md 6.2, 6.3, 6.5).
+"""Response objects and their events (docs/protocol.md §6.2, §6.3, §6.5).
 
 `ResponseRun.events()` is the one place LMSP events come from: it turns the
 engine's chat events (TextDelta, ReasoningDelta, ToolCall, Finished) into

@@ -67,7 +67,7 @@ MAX_LINGERING_REFUSALS = 32  # connections refused over the limit that may linge
 
 @dataclass(frozen=True)
 class Limits:
-    """Every bound the HTTP layer enforces (decisions.md D9)."""
+    """Every bound the HTTP layer enforces (docs/protocol.md D9)."""
 
     max_header_bytes: int = 16 * 1024  # request line + headers; past it: 431
     max_body_bytes: int = 4 * 1024 * 1024  # past it: 413 request_too_large

@@ -1,4 +1,4 @@
-"""Errors as RFC 9457 problem documents (decisions.md D1).
+"""Errors as RFC 9457 problem documents (docs/protocol.md D1).
 
 Every error the service reports, whatever the route, is a `Problem`: raised
 anywhere in a handler, turned into an `application/problem+json` response by

@@ -1,4 +1,4 @@
-"""The models a service offers (decisions.md D2): ids, model objects, lazy loading.
+"""The models a service offers (docs/protocol.md D2): ids, model objects, lazy loading.
 
 Start-up must be fast and listing must not load anything, so a model is first
 known only by its GGUF header, read here with the standard library: the

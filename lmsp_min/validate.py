@@ -1,4 +1,4 @@
-"""Validation of `POST /lmsp/v1/responses` bodies (responses.md 6.1, decisions.md D1, D5).
+"""Validation of `POST /lmsp/v1/responses` bodies (docs/protocol.md §6.1, D1, D5).
 
 Every field is checked for type and value before anything else happens; the
 first problem found is reported as `400 invalid_request` with `param`, a path
