@@ -6,7 +6,7 @@ float32 conversion and one small batched matmul, ~10 us each), and every return 
 numpy has to take the GIL back. Two threads splitting such a matmul spend their time
 handing the GIL to each other. Measured on 2 cores, the matmuls of one SmolLM2 decode
 step took 44 ms on one thread, 42 ms split over two threads and 31 ms split with a
-second process (the README's figures, with today's kernels).
+second process (docs/performance.md, with today's kernels).
 
 So on Linux, with two or more threads configured, `start` moves a model's quantized
 weights into shared memory (a memfd: no file, no /dev/shm size limit) and starts a
