@@ -37,7 +37,7 @@ class ModelInfo:
     path: str
     name: str
     architecture: str
-    quantization: str          # the file type, e.g. "Q4_1", "Q4_K_M"
+    quantization: str          # e.g. "Q4_1", "Q4_K_M" (engine/describe.py: the file type, else the matrices')
     context_length: int        # the window we run: trained length, capped by n_ctx
     n_params: int
     size_bytes: int
@@ -45,7 +45,7 @@ class ModelInfo:
     n_layer: int
     n_embd: int
     has_chat_template: bool
-    capabilities: tuple[str, ...]  # among "tools", "structured_output", "reasoning"
+    capabilities: tuple[str, ...]  # among "tools", "structured_output", "reasoning" (engine/describe.py)
 
 
 def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int | None = None) -> Model:

@@ -222,6 +222,29 @@ def test_every_cut_inside_the_header_is_a_header_error(small_gguf, tmp_path, arr
             read_header(path, arrays)
 
 
+def test_damaged_headers_are_refused_or_read(small_gguf, tmp_path):
+    """Bytes of the header overwritten at random: a header, or GGUFHeaderError (a ModelFileError
+    or UnsupportedModelError when opening the file), never another exception nor a hang."""
+    data = small_gguf.read_bytes()
+    header_size = read_header(small_gguf).data_offset
+    rng = np.random.default_rng(3)
+    path = tmp_path / "damaged.gguf"
+    for _ in range(300):
+        damaged = bytearray(data)
+        for at in rng.integers(4, header_size, rng.integers(1, 4)):  # (past the magic: else all are refused)
+            damaged[at] = rng.integers(0, 256)
+        path.write_bytes(bytes(damaged))
+        for arrays in (False, True):
+            try:
+                read_header(path, arrays)
+            except GGUFHeaderError:
+                pass
+        try:
+            GGUFFile(path)
+        except (ModelFileError, UnsupportedModelError):
+            pass
+
+
 def test_a_string_length_past_the_end_of_the_file(small_gguf, tmp_path):
     """A vocabulary entry's length (u64 before its bytes) made huge: found, skipped or read."""
     data = small_gguf.read_bytes()
