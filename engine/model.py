@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import LlamaFileType
 from gguf.quants import dequantize
 
-from . import architectures
+from . import architectures, describe
 from .architectures import Block, Hyperparameters, Weights
 from .chat_template import ChatTemplate
 from .constrain import can_constrain
@@ -39,7 +37,7 @@ class ModelInfo:
     path: str
     name: str
     architecture: str
-    quantization: str          # the file type, e.g. "Q4_1", "Q4_K_M"
+    quantization: str          # e.g. "Q4_1", "Q4_K_M" (engine/describe.py: the file type, else the matrices')
     context_length: int        # the window we run: trained length, capped by n_ctx
     n_params: int
     size_bytes: int
@@ -47,7 +45,7 @@ class ModelInfo:
     n_layer: int
     n_embd: int
     has_chat_template: bool
-    capabilities: tuple[str, ...]  # among "tools", "structured_output", "reasoning"
+    capabilities: tuple[str, ...]  # among "tools", "structured_output", "reasoning" (engine/describe.py)
 
 
 def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int | None = None) -> Model:
@@ -176,29 +174,22 @@ class Model:
     # --- helpers ------------------------------------------------------------------------
 
     def _make_info(self) -> ModelInfo:
+        """The model's description, by the rules the model listing uses too (engine/describe.py);
+        whether constrained decoding works is checked on the vocabulary itself."""
         file, hp = self.file, self.hp
-        try:
-            file_type = LlamaFileType(file.get("general.file_type"))
-            quantization = file_type.name.removeprefix("MOSTLY_").removeprefix("ALL_")
-        except ValueError:  # no (or an unknown) file type: name it after the most common matrix type
-            types = Counter(t.type.name for t in file.tensors.values() if len(t.shape) == 2)
-            quantization = types.most_common(1)[0][0] if types else "unknown"
-        capabilities = ("reasoning",) if self.template_source and "<think>" in self.template_source else ()
-        if can_constrain(self.tokenizer):  # constrained decoding works in this vocabulary
-            capabilities += ("tools", "structured_output")
         return ModelInfo(
             path=str(file.path),
             name=file.get("general.name") or file.path.stem,
             architecture=hp.architecture,
-            quantization=quantization,
+            quantization=describe.quantization(file.header),
             context_length=self.n_ctx,
-            n_params=sum(math.prod(t.shape) for t in file.tensors.values()),
+            n_params=file.header.n_parameters,
             size_bytes=file.path.stat().st_size,
             n_vocab=hp.n_vocab,
             n_layer=hp.n_layer,
             n_embd=hp.n_embd,
             has_chat_template=bool(self.template_source),
-            capabilities=capabilities,
+            capabilities=describe.capabilities(self.template_source, can_constrain(self.tokenizer)),
         )
 
     def __repr__(self) -> str:

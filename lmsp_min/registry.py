@@ -1,9 +1,10 @@
 """The models a service offers (docs/protocol.md D2): ids, model objects, lazy loading.
 
 Start-up must be fast and listing must not load anything, so a model is first
-known only by its GGUF header, read here with the standard library: the
-key/value metadata (strings and numbers; arrays such as the vocabulary are
-skipped, not decoded) and the tensor records (to count parameters). The
+known only by its GGUF header (engine/gguf_header.py, standard library only):
+the key/value metadata (arrays such as the vocabulary are skipped, not decoded)
+and the tensor records (to count parameters). It is described by the engine's
+own rules (engine/describe.py: the quantization's name, the capabilities). The
 weights are loaded by the engine on the first request that needs them, in a
 worker thread; requests that arrive during that load wait for the same load.
 
@@ -24,9 +25,7 @@ in name order) and the other is reported at start-up.
 """
 
 import functools
-import mmap
 import re
-import struct
 import sys
 import threading
 import time
@@ -36,124 +35,15 @@ from pathlib import Path
 
 import trio
 
+from engine import describe
+from engine.gguf_header import GGUFHeaderError, read_header
 from lmsp_min.problems import Problem
 
-# llama.cpp's `llama_ftype` (general.file_type) -> the quantization name in ids and model objects.
-FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
-    10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
-    16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
-    22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
-    28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
-}
-# The engine's capabilities are known for sure once a model is loaded (ModelInfo);
-# until then they are predicted from the header with the engine's rules: a template
-# that thinks in <think> tags makes a reasoning model, and constrained decoding
-# (tools, structured output) needs every printable ASCII byte as a token, which
-# byte-level BPE ("gpt2") and SentencePiece with byte fallback ("llama") vocabularies have.
-BYTE_COMPLETE_TOKENIZERS = ("gpt2", "llama")
 # Capability names in the order model objects list them.
 CAPABILITY_ORDER = ("streaming", "tools", "structured_output", "reasoning", "conversations", "tasks")
 
 
-# -- the GGUF header ---------------------------------------------------------------
-
-# GGUF value types: struct format of the fixed-size ones.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-# How deep arrays of arrays may nest: deeper is a corrupt header (each level is a
-# recursion of the parser, and a few thousand, 12 bytes each, raised RecursionError).
-_MAX_ARRAY_DEPTH = 16
-
-
-class GGUFHeaderError(Exception):
-    """The file is not a GGUF file we can read the header of."""
-
-
-@dataclass
-class GGUFHeader:
-    metadata: dict  # key -> int | float | bool | str; arrays are replaced by their length
-    n_parameters: int  # the sum of the tensors' element counts
-
-
-def read_gguf_header(path: Path) -> GGUFHeader:
-    """Read a GGUF file's metadata and tensor records, without touching the weights."""
-    with open(path, "rb") as file:
-        try:
-            view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:
-            raise GGUFHeaderError("the file is empty") from None
-    with view:
-        try:
-            return _parse_header(view)
-        except (struct.error, UnicodeDecodeError, IndexError) as exc:
-            raise GGUFHeaderError(f"truncated or corrupt GGUF header ({exc})") from None
-
-
-def _parse_header(view) -> GGUFHeader:
-    if view[:4] != b"GGUF":
-        raise GGUFHeaderError("not a GGUF file (bad magic number)")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", view, 4)
-    if version not in (2, 3):
-        raise GGUFHeaderError(f"unsupported GGUF version {version}")
-    offset = 24
-
-    def string() -> str:
-        nonlocal offset
-        (length,) = struct.unpack_from("<Q", view, offset)
-        offset += 8
-        text = view[offset:offset + length].decode("utf-8")
-        if len(text.encode("utf-8")) != length:
-            raise GGUFHeaderError("a string runs past the end of the file")
-        offset += length
-        return text
-
-    def value(kind: int, depth: int = 0):
-        nonlocal offset
-        if kind in _SCALARS:
-            fmt = _SCALARS[kind]
-            (result,) = struct.unpack_from(fmt, view, offset)
-            offset += struct.calcsize(fmt)
-            return result
-        if kind == _STRING:
-            return string()
-        if kind == _ARRAY:
-            item_kind, count = struct.unpack_from("<IQ", view, offset)
-            offset += 12
-            if item_kind in _SCALARS:
-                offset += count * struct.calcsize(_SCALARS[item_kind])
-            elif item_kind == _STRING:  # a vocabulary: skip the strings without decoding them
-                length_of = struct.Struct("<Q").unpack_from
-                for _ in range(count):
-                    offset += 8 + length_of(view, offset)[0]
-            else:
-                if depth == _MAX_ARRAY_DEPTH:
-                    raise GGUFHeaderError("arrays nested too deeply")
-                for _ in range(count):
-                    value(item_kind, depth + 1)
-            if offset > len(view):
-                raise GGUFHeaderError("an array runs past the end of the file")
-            return count
-        raise GGUFHeaderError(f"unknown GGUF value type {kind}")
-
-    metadata = {}
-    for _ in range(n_kv):
-        key = string()
-        (kind,) = struct.unpack_from("<I", view, offset)
-        offset += 4
-        metadata[key] = value(kind)
-    n_parameters = 0
-    for _ in range(n_tensors):
-        string()  # the tensor's name
-        (n_dims,) = struct.unpack_from("<I", view, offset)
-        dims = struct.unpack_from(f"<{n_dims}Q", view, offset + 4)
-        offset += 4 + 8 * n_dims + 4 + 8  # dims, ggml type, data offset
-        count = 1
-        for dim in dims:
-            count *= dim
-        n_parameters += count
-    return GGUFHeader(metadata, n_parameters)
+# -- values of the header ------------------------------------------------------------
 
 
 def _count(value, key: str) -> int:
@@ -210,27 +100,25 @@ class ModelEntry:
     @classmethod
     def from_file(cls, path: Path, context_cap: int | None = None,
                   kv_cache_bytes: int | None = None) -> "ModelEntry":
-        header = read_gguf_header(path)
+        header = read_header(path)  # arrays skipped: their length only
         meta = header.metadata
         architecture = meta.get("general.architecture")
         if not isinstance(architecture, str):
             raise GGUFHeaderError("the metadata has no general.architecture")
         stat = path.stat()
-        template = meta.get("tokenizer.chat_template")
-        capabilities = ("reasoning",) if isinstance(template, str) and "<think>" in template else ()
-        if meta.get("tokenizer.ggml.model") in BYTE_COMPLETE_TOKENIZERS:
-            capabilities += ("tools", "structured_output")
         return cls(
             id=model_id_for(path),
             path=path,
             created_at=int(stat.st_mtime),
             size_bytes=stat.st_size,
             architecture=architecture,
-            quantization=FILE_TYPES.get(meta.get("general.file_type"), "unknown"),
+            quantization=describe.quantization(header),
             context_window=_capped(_count(meta.get(f"{architecture}.context_length", 0), "context_length"),
                                    context_cap),
             parameters=header.n_parameters,
-            capabilities=capabilities,
+            # until the load says for sure (can_constrain on the vocabulary; see `load`)
+            capabilities=describe.capabilities(meta.get("tokenizer.chat_template"),
+                                               describe.predict_constrainable(meta)),
             context_cap=context_cap,
             kv_cache_bytes=kv_cache_bytes,
         )

@@ -1,15 +1,18 @@
-"""Opening GGUF files: metadata, tensor views, and a clear error for every bad file."""
+"""Opening GGUF files: the header, metadata, tensor views, and a clear error for every bad file."""
 
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import quants as ref_quants
 
+from engine import describe
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.gguf_file import GGUFFile, release_pages
+from engine.gguf_header import GGUFHeaderError, UnsupportedGGUFError, read_header
 
 
 def write_gguf(path, tensors, arch="llama"):
@@ -110,6 +113,41 @@ def test_metadata_of_every_value_type_matches_gguf_reader(tmp_path):
     assert f.get("t.str") == "héllo ✓"
     assert f.get("general.alignment") == 64
     np.testing.assert_array_equal(f.tensors["w"].data, np.arange(64, dtype=np.float32).reshape(2, 32))
+    # without arrays (the model listing): each array is its length, every other value the same
+    skipped = read_header(path).metadata
+    lengths = {"t.ints": 3, "t.floats": 2, "t.bools": 2, "t.strs": 3, "t.nested": 2}
+    assert skipped == {**f.metadata, **lengths}
+
+
+def test_tensor_records_match_gguf_reader(small_gguf):
+    """Name, shape (numpy order), ggml type and where the data starts, as gguf-py finds them."""
+    header, reader = read_header(small_gguf), GGUFReader(small_gguf)
+    assert header.data_offset == reader.data_offset and header.alignment == reader.alignment
+    assert [(t.name, t.shape, t.type, t.offset) for t in header.tensors] == [
+        (t.name, tuple(reversed(t.shape.tolist())), int(t.tensor_type), t.data_offset) for t in reader.tensors]
+    assert header.n_parameters == sum(int(t.n_elements) for t in reader.tensors)
+
+
+def test_the_type_tables_agree_with_gguf_py():
+    """The header's tables (standard library only) name each number as gguf-py's enums do."""
+    for number, name in describe.TENSOR_TYPES.items():
+        assert T(number).name == name
+    for number, name in describe.FILE_TYPES.items():
+        assert LlamaFileType(number).name.removeprefix("MOSTLY_").removeprefix("ALL_") == name
+    assert set(describe.TENSOR_TYPES) == {int(t) for t in T}  # every tensor type this gguf-py knows
+
+
+def test_a_file_without_a_file_type_is_named_after_its_matrices(tmp_path):
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((4, 32)).astype(np.float32)
+    path = write_gguf(tmp_path / "nofiletype.gguf", {
+        "norm.weight": (rng.standard_normal(32).astype(np.float32), None),
+        "a.weight": (weight, None),
+        "b.weight": (ref_quants.quantize(weight, T.Q8_0), T.Q8_0),
+        "c.weight": (ref_quants.quantize(weight, T.Q8_0), T.Q8_0),
+    })
+    assert "general.file_type" not in read_header(path).metadata
+    assert describe.quantization(read_header(path)) == "Q8_0"
 
 
 def _with_u32_replaced(source: Path, after: bytes, skip: int, old: int, new: int, path: Path) -> Path:
@@ -169,6 +207,94 @@ def test_every_truncation_point_of_the_header(small_gguf, tmp_path):
         path.write_bytes(data[:size])
         with pytest.raises(ModelFileError):
             GGUFFile(path)
+
+
+@pytest.mark.parametrize("arrays", [False, True], ids=["arrays skipped", "arrays read"])
+def test_every_cut_inside_the_header_is_a_header_error(small_gguf, tmp_path, arrays):
+    """The model listing reads headers of files that may be anything: never another exception."""
+    data = small_gguf.read_bytes()
+    header = read_header(small_gguf)
+    path = tmp_path / "cut.gguf"
+    # every third byte up to where the tensor records may end (3 is prime to the fields' sizes)
+    for size in range(0, header.data_offset - header.alignment + 1, 3):
+        path.write_bytes(data[:size])
+        with pytest.raises(GGUFHeaderError):
+            read_header(path, arrays)
+
+
+def test_damaged_headers_are_refused_or_read(small_gguf, tmp_path):
+    """Bytes of the header overwritten at random: a header, or GGUFHeaderError (a ModelFileError
+    or UnsupportedModelError when opening the file), never another exception nor a hang."""
+    data = small_gguf.read_bytes()
+    header_size = read_header(small_gguf).data_offset
+    rng = np.random.default_rng(3)
+    path = tmp_path / "damaged.gguf"
+    for _ in range(300):
+        damaged = bytearray(data)
+        for at in rng.integers(4, header_size, rng.integers(1, 4)):  # (past the magic: else all are refused)
+            damaged[at] = rng.integers(0, 256)
+        path.write_bytes(bytes(damaged))
+        for arrays in (False, True):
+            try:
+                read_header(path, arrays)
+            except GGUFHeaderError:
+                pass
+        try:
+            GGUFFile(path)
+        except (ModelFileError, UnsupportedModelError):
+            pass
+
+
+def test_a_string_length_past_the_end_of_the_file(small_gguf, tmp_path):
+    """A vocabulary entry's length (u64 before its bytes) made huge: found, skipped or read."""
+    data = small_gguf.read_bytes()
+    at = data.index(struct.pack("<Q", 3) + b"<s>")
+    path = tmp_path / "long.gguf"
+    path.write_bytes(data[:at] + struct.pack("<Q", 2**62) + data[at + 8:])
+    for arrays in (False, True):
+        with pytest.raises(GGUFHeaderError, match="past the end"):
+            read_header(path, arrays)
+    with pytest.raises(ModelFileError, match="long.gguf: a string runs past the end"):
+        GGUFFile(path)
+
+
+def test_arrays_nested_too_deeply(tmp_path):
+    """Each level of arrays of arrays is one more recursion: 5,000 of them (60 kB) raised
+    RecursionError in the engine, where the model listing already refused them."""
+    key = b"general.nested"
+    nested = struct.pack("<IQ", GGUFValueType.ARRAY, 1) * 5000 + struct.pack("<IQ", GGUFValueType.UINT8, 0)
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<I", GGUFValueType.ARRAY) + nested)
+    with pytest.raises(ModelFileError, match="nested.gguf: arrays nested too deeply"):
+        GGUFFile(path)
+
+
+def test_a_duplicate_key_is_refused(tmp_path):
+    writer = GGUFWriter(str(tmp_path / "dup.gguf"), "llama")
+    writer.add_float32("test.ep1", 0.5)
+    writer.add_float32("test.ep2", 0.25)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    path = tmp_path / "dup.gguf"
+    path.write_bytes(path.read_bytes().replace(b"test.ep2", b"test.ep1"))
+    with pytest.raises(GGUFHeaderError, match="duplicate metadata key 'test.ep1'"):
+        read_header(path)
+    with pytest.raises(ModelFileError, match="duplicate metadata key"):
+        GGUFFile(path)
+
+
+def test_a_big_endian_file_is_unsupported(tmp_path):
+    path = tmp_path / "big.gguf"
+    writer = GGUFWriter(str(path), "llama", endianess=GGUFEndian.BIG)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedGGUFError, match="big-endian"):
+        read_header(path)
+    with pytest.raises(UnsupportedModelError, match="big.gguf: big-endian"):
+        GGUFFile(path)
 
 
 def test_unsupported_tensor_type(tmp_path):

@@ -3,13 +3,15 @@
 import os
 import shutil
 import struct
+from collections import Counter
 from pathlib import Path
 
 import gguf
 import pytest
 import trio
 
-from lmsp_min.registry import ModelEntry, Registry, model_id_for, read_gguf_header
+from engine.gguf_header import read_header
+from lmsp_min.registry import ModelEntry, Registry, model_id_for
 from lmsp_min.service import Service, ServiceConfig
 from server_harness import make_service, server, start_server, tiny_path  # noqa: F401
 
@@ -32,7 +34,7 @@ def test_model_ids_from_file_names(name, expected):
 
 
 async def test_header_agrees_with_the_engine(server, tiny_path):
-    header = read_gguf_header(tiny_path)
+    header = read_header(tiny_path)
     assert header.metadata["general.architecture"] == "llama"
     assert header.metadata["tokenizer.ggml.tokens"] == 49152  # arrays are skipped: their length
     info = server.service.registry.get(TINY_ID).model.info
@@ -44,6 +46,34 @@ async def test_header_agrees_with_the_engine(server, tiny_path):
 async def test_capabilities_predicted_from_the_header_are_the_engine_s(server, tiny_path):
     loaded = server.service.registry.get(TINY_ID).model.info.capabilities
     assert sorted(ModelEntry.from_file(tiny_path).capabilities) == sorted(loaded)
+
+
+@pytest.mark.parametrize("template, tokenizer, expected", [
+    ("{{ '<think>' }}{{ messages }}", "gpt2", ("reasoning", "tools", "structured_output")),
+    ("{{ messages }}", "llama", ("tools", "structured_output")),
+    ("{{ '<think>' }}", "bert", ("reasoning",)),
+    (None, "rwkv", ()),
+])
+def test_capabilities_before_a_load_come_from_the_template_and_the_tokenizer_s_kind(
+        tmp_path, template, tokenizer, expected):
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(64)
+    writer.add_tokenizer_model(tokenizer)
+    if template is not None:
+        writer.add_chat_template(template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert ModelEntry.from_file(path).capabilities == expected
+
+
+def test_a_file_without_a_file_type_is_listed_by_its_matrices_type(tmp_path, tiny_path):
+    """As the engine names it: the type most of the 2-D tensors have (gguf-py counts them here)."""
+    path = tmp_path / "untyped.gguf"
+    path.write_bytes(tiny_path.read_bytes().replace(b"general.file_type", b"general.file_typ_"))
+    matrices = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2)
+    assert ModelEntry.from_file(path).quantization == matrices.most_common(1)[0][0]
 
 
 async def test_list_and_get(server):
