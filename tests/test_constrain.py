@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from engine import constrain
-from engine.constrain import TokenIndex, compile_schema, json_constraint, validate
+from engine.constrain import Literal, TokenIndex, compile_schema, json_constraint, validate
+from engine.constrain.matcher import MAX_CONFIGURATIONS, MAX_DEPTH
+from engine.constrain.schema import MAX_ENUM, MAX_PROPERTIES
 from engine.errors import SchemaError
 from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
@@ -113,11 +114,11 @@ def test_a_mask_inside_a_string_two_alternatives_share_takes_the_string_shortcut
         c.advance(t)
     assert len(c.state) == 3
     walked = []
-    trie_walk = constrain.Grammar._trie_walk
-    monkeypatch.setattr(constrain.Grammar, "_trie_walk",
-                        lambda self, state: walked.append(state) or trie_walk(self, state))
+    trie_walk = TokenIndex._trie_walk
+    monkeypatch.setattr(TokenIndex, "_trie_walk",
+                        lambda self, grammar, state: walked.append(state) or trie_walk(self, grammar, state))
     mask = c.mask()
-    assert [[type(stack[-1][0]) for stack in state] for state in walked] == [[constrain.Literal]]
+    assert [[type(stack[-1][0]) for stack in state] for state in walked] == [[Literal]]
     sample = np.random.default_rng(2).choice(smollm2.n_vocab, 3000, replace=False).tolist()
     quote_or_backslash = [i for i, data in enumerate(smollm2.token_bytes) if b'"' in data or b"\\" in data]
     for t in sample + quote_or_backslash + sorted(smollm2.eos_ids):
@@ -470,14 +471,14 @@ def test_what_a_schema_may_cost_is_bounded():
     """D9: many optional properties (each tried at every byte of a key) or a huge enum are refused by name,
     and alternatives that multiply as the output goes on stop at a bound, not a stall."""
     with pytest.raises(SchemaError) as e:
-        json_constraint({"type": "object", "properties": {f"p{i}": {} for i in range(constrain.MAX_PROPERTIES + 1)}},
+        json_constraint({"type": "object", "properties": {f"p{i}": {} for i in range(MAX_PROPERTIES + 1)}},
                         BYTES)
     assert e.value.keyword == "properties"
     with pytest.raises(SchemaError) as e:
-        json_constraint({"enum": list(range(constrain.MAX_ENUM + 1))}, BYTES)
+        json_constraint({"enum": list(range(MAX_ENUM + 1))}, BYTES)
     assert e.value.keyword == "enum"
     with pytest.raises(SchemaError) as e:  # refused before generating, not on its first byte
-        json_constraint({"anyOf": [{"const": i} for i in range(constrain.MAX_CONFIGURATIONS + 1)]}, BYTES)
+        json_constraint({"anyOf": [{"const": i} for i in range(MAX_CONFIGURATIONS + 1)]}, BYTES)
     assert e.value.keyword == "anyOf"
     # each level: an array of one or of up to two of the level below: both stay possible
     # after "[", so n levels of "[" are 2^n ways to read the output
@@ -531,7 +532,7 @@ def test_values_nest_at_most_max_depth_deep_and_can_always_end():
               "$ref": "#/$defs/n"}
     c = json_constraint(nested, BYTES)
     depth = open_all(c, ord("["))
-    assert depth == constrain.MAX_DEPTH - 1
+    assert depth == MAX_DEPTH - 1
     assert np.flatnonzero(c.mask()).tolist() == [ord("n")]   # the innermost item can only be null
     assert accepts(nested, "[" * depth + "null" + "]" * depth)
     assert not accepts(nested, "[" * (depth + 1) + "null" + "]" * (depth + 1))
@@ -546,13 +547,13 @@ def test_values_nest_at_most_max_depth_deep_and_can_always_end():
         for b in b'{"kids":[':
             c.advance(b)
         opened += 1
-    assert 0 < opened < constrain.MAX_DEPTH // 2      # two frames a level, and the call's
+    assert 0 < opened < MAX_DEPTH // 2      # two frames a level, and the call's
     for b in b'],"leaf":true}' * opened + b"}</tool_call>":
         c.advance(b)
     assert c.complete()
     # a schema whose every document nests deeper is refused at once
     deep = {"type": "boolean"}
-    for _ in range(constrain.MAX_DEPTH):
+    for _ in range(MAX_DEPTH):
         deep = {"type": "array", "items": deep, "minItems": 1}
     with pytest.raises(SchemaError, match="nests more than"):
         json_constraint(deep, BYTES)
@@ -605,21 +606,23 @@ def test_counting_the_ways_to_read_a_first_byte_stops_at_the_bound(monkeypatch):
     """D9: the count gives up past MAX_CONFIGURATIONS. It went on: for 250 anyOfs that
     each hold a $ref to one anyOf of 62,500 strings it kept 250 sets of 62,500 before it
     refused the schema (the compile's peak went from 0.4 to 1.5 GB)."""
+    from engine.constrain import schema as compiler
+
     sizes = []
-    first_byte = constrain._first_byte
+    first_byte = compiler._first_byte
 
     def measured(node, b, memo):
         found = first_byte(node, b, memo)
         sizes.append(0 if found is None else len(found))  # (None: past the bound)
         return found
 
-    monkeypatch.setattr(constrain, "_first_byte", measured)
+    monkeypatch.setattr(compiler, "_first_byte", measured)
     big = {"anyOf": [{"anyOf": [{"const": f"s{i}_{j}"} for j in range(20)]} for i in range(20)]}
     holders = {f"d{k}": {"anyOf": [{"$ref": "#/$defs/big"}, {"const": k}]} for k in range(5)}
     with pytest.raises(SchemaError) as e:
         compile_schema({"anyOf": [{"$ref": f"#/$defs/d{k}"} for k in range(5)], "$defs": {"big": big, **holders}})
     assert e.value.keyword == "anyOf" and e.value.path == "/anyOf"
-    assert sizes and max(sizes) <= constrain.MAX_CONFIGURATIONS
+    assert sizes and max(sizes) <= MAX_CONFIGURATIONS
 
 
 def test_anyofs_in_what_is_left_out_are_not_counted():
@@ -810,7 +813,7 @@ def test_required_keys_not_declared_are_written_with_the_values_additional_prope
         compile_schema({"type": "object", "required": ["a"], "additionalProperties": False})
     assert e.value.keyword == "required" and e.value.path == "/required"
     with pytest.raises(SchemaError) as e:  # D9: as many keys as declared properties may be
-        compile_schema({"type": "object", "required": [f"k{i}" for i in range(constrain.MAX_PROPERTIES + 1)]})
+        compile_schema({"type": "object", "required": [f"k{i}" for i in range(MAX_PROPERTIES + 1)]})
     assert e.value.keyword == "required"
 
 
