@@ -318,7 +318,7 @@ def near(schema, root, depth=0):
     if depth > 3 or isinstance(schema, bool):
         return ANY_JSON
     follows = following(schema, root, depth + 1)
-    return st.one_of(ANY_JSON, follows, follows, follows, follows)
+    return st.one_of(ANY_JSON, follows, follows, follows, follows)  # (one_of draws each alike)
 
 
 def following(schema, root, depth):
@@ -363,7 +363,7 @@ def of_type(kind, schema, root, depth):
     return st.fixed_dictionaries(need, optional=rest) | st.fixed_dictionaries({}, optional=values)
 
 
-# within the supported subset (the test compiles each), both ways of every keyword's reading
+# schemas of the supported subset (the test compiles each), among them every keyword it reads
 SUBSET = SCHEMAS + [
     {"type": "integer", "minimum": -3, "maximum": 250},
     {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},

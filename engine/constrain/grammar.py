@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ..errors import SchemaError
 
-if TYPE_CHECKING:  # (only named in annotations: masks.py builds on the matcher, not the reverse)
+if TYPE_CHECKING:  # (annotations only: masks.py builds on this module, through matcher.py)
     from .masks import TokenIndex
 
 # Actions a node returns from step(local, byte):
