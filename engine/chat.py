@@ -17,7 +17,7 @@ when prepared, the output after each generated token. A consumer that stops the
 generation early (a cancel, a failure) reads there what was consumed until then.
 
 Tools and structured output are enforced while decoding (engine/tools.py,
-engine/constrain.py): prepare_chat renders the tools into the prompt and compiles
+engine/constrain/): prepare_chat renders the tools into the prompt and compiles
 the constraint (a schema it cannot enforce raises SchemaError there), and
 generate_chat splits the output into TextDelta and ToolCall events (and the text
 around the calls into ReasoningDelta and TextDelta, for a model that reasons); a
@@ -78,7 +78,7 @@ class PreparedChat:
     max_tokens: int           # resolved: never past the context window
     reasoning: bool           # <think> blocks in the output are reasoning (not with json_schema)
     starts_in_reasoning: bool  # the template's generation prompt opened a <think> block
-    constraint: object = None  # engine/constrain.py GrammarConstraint for tools / json_schema
+    constraint: object = None  # engine/constrain/matcher.py GrammarConstraint for tools / json_schema
     tool_calls: bool = False   # split the output into text and tool calls
     counts: TokenCounts = field(init=False)  # its tokens so far (a PreparedChat is generated once)
 

@@ -7,7 +7,7 @@ probability reaches p) and min_p (drop tokens below min_p × the top
 probability), and one token is drawn with the request's own numpy Generator
 (seeded when `seed` is given, so a seeded request repeats exactly).
 
-A constraint (engine/constrain.py) restricts which tokens may come next. Its
+A constraint (engine/constrain/) restricts which tokens may come next. Its
 mask costs a pass over the vocabulary, so the sampler first draws as if
 unconstrained and asks `allows(token)`; only when the answer is no does it
 build the mask and draw again, from the same filtered candidates restricted to

@@ -224,7 +224,7 @@ async def _engine_events(model, prepared, request: ResponsesRequest, in_progress
     becomes a failed response, like any generation failure. A service that stops
     cuts the wait for the next event (never a yield: the consumer runs outside the
     cancel scope), and ServiceStopping ends the response. A schema whose bound only
-    the output reaches (engine/constrain.py) is the Problem it is while preparing.
+    the output reaches (engine/constrain/matcher.py) is the Problem it is while preparing.
     """
     from engine.errors import SchemaError
 

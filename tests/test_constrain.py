@@ -2,12 +2,17 @@
 with allows(), and random "models" over the real vocabularies only write valid JSON."""
 
 import json
+import math
+from urllib.parse import unquote
 
+import jsonschema
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from engine import constrain
-from engine.constrain import TokenIndex, compile_schema, json_constraint, validate
+from engine.constrain import Literal, TokenIndex, compile_schema, json_constraint, validate
+from engine.constrain.matcher import MAX_CONFIGURATIONS, MAX_DEPTH
+from engine.constrain.schema import MAX_ENUM, MAX_PROPERTIES
 from engine.errors import SchemaError
 from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
@@ -83,7 +88,7 @@ def test_random_model_writes_valid_json_in_50_of_50_runs(smollm2):
         schema = SCHEMAS[seed % len(SCHEMAS)]
         text, complete = random_run(json_constraint(schema, smollm2), smollm2.n_vocab, seed)
         assert complete, (seed, text)
-        assert validate(json.loads(text), schema) is None, (seed, text)
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_mask_agrees_with_allows(smollm2):
@@ -105,7 +110,9 @@ def test_a_mask_inside_a_string_two_alternatives_share_takes_the_string_shortcut
     """Two alternatives inside one string (anyOf of strings, of objects sharing a key) made the
     mask walk the whole vocabulary byte by byte: 70 ms for SmolLM2's, 0.5 s for Gemma's, at
     every token whose state was new. The mask is the union of the stacks' own: each takes
-    its shortcut, and decides as allows() does."""
+    its shortcut, and decides as allows() does. (Which way a mask was computed shows in no
+    public interface, only in its time, which a test must not race: the trie walk, private,
+    is watched.)"""
     schema = {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "string", "minLength": 3},
                         {"enum": ["abc\\n", "abd"]}]}
     c = json_constraint(schema, smollm2)
@@ -113,11 +120,11 @@ def test_a_mask_inside_a_string_two_alternatives_share_takes_the_string_shortcut
         c.advance(t)
     assert len(c.state) == 3
     walked = []
-    trie_walk = constrain.Grammar._trie_walk
-    monkeypatch.setattr(constrain.Grammar, "_trie_walk",
-                        lambda self, state: walked.append(state) or trie_walk(self, state))
+    trie_walk = TokenIndex._trie_walk
+    monkeypatch.setattr(TokenIndex, "_trie_walk",
+                        lambda self, grammar, state: walked.append(state) or trie_walk(self, grammar, state))
     mask = c.mask()
-    assert [[type(stack[-1][0]) for stack in state] for state in walked] == [[constrain.Literal]]
+    assert [[type(stack[-1][0]) for stack in state] for state in walked] == [[Literal]]
     sample = np.random.default_rng(2).choice(smollm2.n_vocab, 3000, replace=False).tolist()
     quote_or_backslash = [i for i, data in enumerate(smollm2.token_bytes) if b'"' in data or b"\\" in data]
     for t in sample + quote_or_backslash + sorted(smollm2.eos_ids):
@@ -148,7 +155,8 @@ def test_gemma3_vocabulary():
     for seed in range(3):
         schema = SCHEMAS[seed]
         text, complete = random_run(json_constraint(schema, index), index.n_vocab, seed)
-        assert complete and validate(json.loads(text), schema) is None, text
+        assert complete, text
+        jsonschema.validate(json.loads(text), schema)
 
 
 @pytest.mark.parametrize("schema, good, bad", [
@@ -173,7 +181,7 @@ def test_gemma3_vocabulary():
 def test_documents_accepted_and_rejected(schema, good, bad):
     for text in good:
         assert accepts(schema, text), text
-        assert validate(json.loads(text), schema) is None, text
+        jsonschema.validate(json.loads(text), schema)
     for text in bad:
         assert not accepts(schema, text), text
 
@@ -266,16 +274,125 @@ def test_a_reference_loop_is_named_where_it_is_entered():
     assert (e.value.path, e.value.keyword) == ("/properties/x/$ref", "$ref")
 
 
-def test_validator():
-    schema = SCHEMAS[0]
-    assert validate({"name": "x", "age": 3, "active": True}, schema) is None
-    assert "age" in validate({"name": "x", "active": True}, schema)
-    assert validate({"name": "x", "age": 3.0, "active": True}, schema) is None     # 3.0 is an integer
-    assert validate({"name": "x", "age": True, "active": True}, schema)            # true is not
-    assert validate({"name": "x", "age": 3, "active": True, "zzz": 1}, schema)     # additionalProperties
-    assert validate({"name": "x", "age": 3, "active": True, "tags": ["pink"]}, schema)
-    assert validate({"value": 1, "children": [{"value": -5}]}, SCHEMAS[1])        # exclusiveMinimum, via $ref
-    assert validate({"kind": "fixed", "n": [1, 2.0]}, SCHEMAS[2]) is None
+# -- the engine's own validator, against an independent one (jsonschema) ------------------------
+# compile_schema keeps with it the values of an enum that the keywords beside it allow.
+
+def oracle(schema):
+    """jsonschema's validator for `schema` (Draft 2020-12, unless its $schema says otherwise)."""
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+@pytest.mark.parametrize("value, schema, valid", [
+    ({"name": "x", "age": 3, "active": True}, SCHEMAS[0], True),
+    ({"name": "x", "active": True}, SCHEMAS[0], False),                       # age is required
+    ({"name": "x", "age": 3.0, "active": True}, SCHEMAS[0], True),            # 3.0 is an integer
+    ({"name": "x", "age": True, "active": True}, SCHEMAS[0], False),          # true is not
+    ({"name": "x", "age": 3, "active": True, "zzz": 1}, SCHEMAS[0], False),   # additionalProperties
+    ({"name": "x", "age": 3, "active": True, "tags": ["pink"]}, SCHEMAS[0], False),
+    ({"value": 1, "children": [{"value": -5}]}, SCHEMAS[1], False),          # exclusiveMinimum, via $ref
+    ({"kind": "fixed", "n": [1, 2.0]}, SCHEMAS[2], True),                    # 2.0 is the const's 2
+    (1, {"enum": [True, "1"]}, False),                                       # ... but true is not 1
+    (True, {"const": 1}, False),
+])
+def test_the_validator_agrees_with_jsonschema(value, schema, valid):
+    assert (validate(value, schema) is None) == valid
+    assert oracle(schema).is_valid(value) == valid
+
+
+def test_the_validator_names_what_is_not_valid():
+    assert "missing required property 'age'" in validate({"name": "x", "active": True}, SCHEMAS[0])
+    assert validate({"value": 1, "children": [{"value": -5}]}, SCHEMAS[1]).startswith("/children/0/value")
+
+
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-20, 20) | st.floats(-20, 20) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6)
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def near(schema, root, depth=0):
+    """Documents close to `schema`'s, to be judged: each part follows the schema with its
+    bounds straddled by one (lengths, counts, numbers), a required key may be missing, an
+    undeclared one may come, and one part in five is any JSON value."""
+    if depth > 3 or isinstance(schema, bool):
+        return ANY_JSON
+    follows = following(schema, root, depth + 1)
+    return st.one_of(ANY_JSON, follows, follows, follows, follows)  # (one_of draws each alike)
+
+
+def following(schema, root, depth):
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"][2:].split("/") if schema["$ref"] != "#" else []:
+            target = target[unquote(part)]
+        return near(target, root, depth)
+    if "anyOf" in schema:
+        return st.one_of([near(option, root, depth) for option in schema["anyOf"]])
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    types = schema.get("type", ["null", "boolean", "number", "string", "array", "object"])
+    return st.one_of([of_type(t, schema, root, depth) for t in (types if isinstance(types, list) else [types])])
+
+
+def of_type(kind, schema, root, depth):
+    if kind == "null":
+        return st.none()
+    if kind == "boolean":
+        return st.booleans()
+    if kind in ("integer", "number"):
+        bounds = [schema[key] for key in BOUNDS if key in schema]
+        lo, hi = math.floor(min(bounds, default=-50)) - 1, math.ceil(max(bounds, default=50)) + 1
+        values = st.integers(lo, hi) | st.integers(lo, hi).map(float) | st.sampled_from(bounds or [0])
+        return values if kind == "integer" else values | st.floats(lo, hi)
+    if kind == "string":
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        return st.text(min_size=max(0, lo - 1), max_size=(lo + 4 if hi is None else hi) + 1)
+    if kind == "array":
+        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
+        return st.lists(near(schema.get("items", True), root, depth),
+                        min_size=max(0, lo - 1), max_size=(lo + 2 if hi is None else hi) + 1)
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    extra = schema.get("additionalProperties", True)
+    values = {name: near(properties.get(name, extra), root, depth) for name in [*properties, *required]}
+    values["zz"] = near(extra, root, depth)  # a key no schema above declares
+    need = {name: values[name] for name in required}
+    rest = {name: v for name, v in values.items() if name not in need}
+    return st.fixed_dictionaries(need, optional=rest) | st.fixed_dictionaries({}, optional=values)
+
+
+# schemas of the supported subset (the test compiles each), among them every keyword it reads
+SUBSET = SCHEMAS + [
+    {"type": "integer", "minimum": -3, "maximum": 250},
+    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    {"type": "string", "minLength": 2, "maxLength": 3},
+    {"enum": ["a", 1, None, [1, 2], True, {"k": 1.0}], "type": ["string", "array", "boolean", "object"]},
+    {"enum": [0, 1.5, False], "minimum": 1},
+    {"type": "object", "required": ["a", "b"], "additionalProperties": {"type": "integer", "maximum": 9}},
+    {"type": "object", "properties": {"a": {"const": 1}, "b": {}}, "additionalProperties": False},
+    {"type": "array", "items": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}, "maxItems": 2},
+    {"$ref": "#/definitions/a%20b", "definitions": {"a b": {"type": "boolean"}}},
+    {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 0}, {"type": "string", "maxLength": 1}, False]},
+]
+
+
+@pytest.mark.parametrize("schema", SUBSET)
+def test_the_validator_agrees_with_jsonschema_on_documents_near_the_schema(schema):
+    """The engine's verdict on random documents is jsonschema's; both verdicts occur."""
+    compile_schema(schema)
+    judge, verdicts = oracle(schema), set()
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None)
+    @given(near(schema, schema))
+    def agree(value):
+        valid = judge.is_valid(value)
+        assert (validate(value, schema) is None) == valid, value
+        verdicts.add(valid)
+
+    agree()
+    assert verdicts == {True, False}
 
 
 class WordVocabulary:
@@ -341,7 +458,7 @@ async def test_tiny_model_writes_valid_json_in_50_of_50_runs(tiny):
         lambda seed: generate_text(tiny, json_constraint(schema(seed % len(SCHEMAS)), index), seed), 50)
     for seed, (text, reason) in results.items():
         assert reason == "stop", (seed, text)
-        assert validate(json.loads(text), schema(seed % len(SCHEMAS))) is None, (seed, text)
+        jsonschema.validate(json.loads(text), schema(seed % len(SCHEMAS)))
 
 
 async def chat_events(model, request):
@@ -359,7 +476,7 @@ async def test_chat_json_schema(tiny):
         events = await chat_events(tiny, request)
         assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
-        assert validate(json.loads(text), SCHEMAS[0]) is None     # stop sequences do not cut it
+        jsonschema.validate(json.loads(text), SCHEMAS[0])     # stop sequences do not cut it
     events = await chat_events(tiny, ChatRequest(messages, max_tokens=3, json_schema=SCHEMAS[0]))
     assert events[-1].reason == "length"
     with pytest.raises(SchemaError):
@@ -447,7 +564,7 @@ async def test_smollm2_json_documents_are_valid(smollm2_model):
     for i, events in results.items():
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         assert events[-1].reason == "stop", (REAL_JSON[i][0], text)
-        assert validate(json.loads(text), REAL_JSON[i][1]) is None, (REAL_JSON[i][0], text)
+        jsonschema.validate(json.loads(text), REAL_JSON[i][1])
 
 
 def test_properties_come_in_schema_order():
@@ -470,14 +587,14 @@ def test_what_a_schema_may_cost_is_bounded():
     """D9: many optional properties (each tried at every byte of a key) or a huge enum are refused by name,
     and alternatives that multiply as the output goes on stop at a bound, not a stall."""
     with pytest.raises(SchemaError) as e:
-        json_constraint({"type": "object", "properties": {f"p{i}": {} for i in range(constrain.MAX_PROPERTIES + 1)}},
+        json_constraint({"type": "object", "properties": {f"p{i}": {} for i in range(MAX_PROPERTIES + 1)}},
                         BYTES)
     assert e.value.keyword == "properties"
     with pytest.raises(SchemaError) as e:
-        json_constraint({"enum": list(range(constrain.MAX_ENUM + 1))}, BYTES)
+        json_constraint({"enum": list(range(MAX_ENUM + 1))}, BYTES)
     assert e.value.keyword == "enum"
     with pytest.raises(SchemaError) as e:  # refused before generating, not on its first byte
-        json_constraint({"anyOf": [{"const": i} for i in range(constrain.MAX_CONFIGURATIONS + 1)]}, BYTES)
+        json_constraint({"anyOf": [{"const": i} for i in range(MAX_CONFIGURATIONS + 1)]}, BYTES)
     assert e.value.keyword == "anyOf"
     # each level: an array of one or of up to two of the level below: both stay possible
     # after "[", so n levels of "[" are 2^n ways to read the output
@@ -531,7 +648,7 @@ def test_values_nest_at_most_max_depth_deep_and_can_always_end():
               "$ref": "#/$defs/n"}
     c = json_constraint(nested, BYTES)
     depth = open_all(c, ord("["))
-    assert depth == constrain.MAX_DEPTH - 1
+    assert depth == MAX_DEPTH - 1
     assert np.flatnonzero(c.mask()).tolist() == [ord("n")]   # the innermost item can only be null
     assert accepts(nested, "[" * depth + "null" + "]" * depth)
     assert not accepts(nested, "[" * (depth + 1) + "null" + "]" * (depth + 1))
@@ -546,13 +663,13 @@ def test_values_nest_at_most_max_depth_deep_and_can_always_end():
         for b in b'{"kids":[':
             c.advance(b)
         opened += 1
-    assert 0 < opened < constrain.MAX_DEPTH // 2      # two frames a level, and the call's
+    assert 0 < opened < MAX_DEPTH // 2      # two frames a level, and the call's
     for b in b'],"leaf":true}' * opened + b"}</tool_call>":
         c.advance(b)
     assert c.complete()
     # a schema whose every document nests deeper is refused at once
     deep = {"type": "boolean"}
-    for _ in range(constrain.MAX_DEPTH):
+    for _ in range(MAX_DEPTH):
         deep = {"type": "array", "items": deep, "minItems": 1}
     with pytest.raises(SchemaError, match="nests more than"):
         json_constraint(deep, BYTES)
@@ -598,28 +715,33 @@ def test_nested_anyofs_are_counted_as_the_matcher_follows_them():
     assert accepts(schema, '{"a": 399}') and accepts(schema, '{"a": 1}')
     for seed in range(10):
         text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=20)
-        assert complete and validate(json.loads(text), schema) is None, text
+        assert complete, text
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_counting_the_ways_to_read_a_first_byte_stops_at_the_bound(monkeypatch):
     """D9: the count gives up past MAX_CONFIGURATIONS. It went on: for 250 anyOfs that
     each hold a $ref to one anyOf of 62,500 strings it kept 250 sets of 62,500 before it
-    refused the schema (the compile's peak went from 0.4 to 1.5 GB)."""
+    refused the schema (the compile's peak went from 0.4 to 1.5 GB). (The sets are the
+    compiler's own, private, and a schema small enough for a test shows no difference in
+    memory: the count is watched.)"""
+    from engine.constrain import schema as compiler
+
     sizes = []
-    first_byte = constrain._first_byte
+    first_byte = compiler._first_byte
 
     def measured(node, b, memo):
         found = first_byte(node, b, memo)
         sizes.append(0 if found is None else len(found))  # (None: past the bound)
         return found
 
-    monkeypatch.setattr(constrain, "_first_byte", measured)
+    monkeypatch.setattr(compiler, "_first_byte", measured)
     big = {"anyOf": [{"anyOf": [{"const": f"s{i}_{j}"} for j in range(20)]} for i in range(20)]}
     holders = {f"d{k}": {"anyOf": [{"$ref": "#/$defs/big"}, {"const": k}]} for k in range(5)}
     with pytest.raises(SchemaError) as e:
         compile_schema({"anyOf": [{"$ref": f"#/$defs/d{k}"} for k in range(5)], "$defs": {"big": big, **holders}})
     assert e.value.keyword == "anyOf" and e.value.path == "/anyOf"
-    assert sizes and max(sizes) <= constrain.MAX_CONFIGURATIONS
+    assert sizes and max(sizes) <= MAX_CONFIGURATIONS
 
 
 def test_anyofs_in_what_is_left_out_are_not_counted():
@@ -663,7 +785,7 @@ def test_a_number_means_what_a_double_reads():
             b = int(rng.choice(allowed))
             c.advance(b)
             text += bytes([b])
-        assert validate(json.loads(text), schema) is None, text
+        jsonschema.validate(json.loads(text), schema)
         assert 1234567890.5 < float(text) <= 1234567891, text
 
 
@@ -679,7 +801,7 @@ def test_an_integer_part_has_at_most_15_digits_whatever_the_bounds():
         for seed in range(20):
             text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=40)
             assert complete and len(text.lstrip(b"-").split(b".")[0]) <= 15, text
-            assert validate(float(text), schema) is None, text
+            jsonschema.validate(json.loads(text), schema)
     assert accepts({"type": "number", "minimum": -1e300, "maximum": 1e300}, "-123456789012.125")
 
 
@@ -694,7 +816,8 @@ def test_numbers_bounded_finer_than_a_millionth_get_the_fraction_digits_they_nee
     for schema in (schema, tight):
         for seed in range(30):
             text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=40)
-            assert complete and validate(json.loads(text), schema) is None, text
+            assert complete, text
+            jsonschema.validate(json.loads(text), schema)
     assert not accepts({"type": "number", "minimum": 0, "maximum": 1}, "0.0000001")  # 6 are enough there
     with pytest.raises(SchemaError, match="no number of at most 15 fraction digits lies between"):
         json_constraint({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-16}, BYTES)
@@ -721,11 +844,11 @@ def test_numbers_bounded_finer_than_a_millionth_get_the_fraction_digits_they_nee
 def test_what_no_value_satisfies_is_left_out_where_it_is_optional(schema, documents):
     for text in documents:
         assert accepts(schema, text), text
-        assert validate(json.loads(text), schema) is None, text
+        jsonschema.validate(json.loads(text), schema)
     for seed in range(20):
         text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=60)
         if complete:
-            assert validate(json.loads(text), schema) is None, text
+            jsonschema.validate(json.loads(text), schema)
 
 
 NEVER = {"type": "integer", "minimum": 1, "maximum": 0}
@@ -749,7 +872,7 @@ def test_what_no_value_satisfies_is_left_out_through_a_ref_as_inline(inline, doc
         for seed in range(10):
             text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=60)
             if complete:
-                assert validate(json.loads(text), schema) is None, text
+                jsonschema.validate(json.loads(text), schema)
     with pytest.raises(SchemaError) as e:  # where it is required, refused as inline
         compile_schema({"properties": {"a": {"$ref": "#/$defs/never"}}, "required": ["a"], "$defs": {"never": NEVER}})
     assert e.value.path == "/$defs/never"
@@ -805,12 +928,12 @@ def test_required_keys_not_declared_are_written_with_the_values_additional_prope
         for seed in range(10):
             text, complete = random_run(json_constraint(schema, BYTES), 257, seed, max_tokens=60)
             if complete:
-                assert validate(json.loads(text), schema) is None, text
+                jsonschema.validate(json.loads(text), schema)
     with pytest.raises(SchemaError) as e:  # no other key is allowed: no object satisfies it
         compile_schema({"type": "object", "required": ["a"], "additionalProperties": False})
     assert e.value.keyword == "required" and e.value.path == "/required"
     with pytest.raises(SchemaError) as e:  # D9: as many keys as declared properties may be
-        compile_schema({"type": "object", "required": [f"k{i}" for i in range(constrain.MAX_PROPERTIES + 1)]})
+        compile_schema({"type": "object", "required": [f"k{i}" for i in range(MAX_PROPERTIES + 1)]})
     assert e.value.keyword == "required"
 
 

@@ -1,0 +1,176 @@
+"""The matcher: bytes in, states out. A state is every way the output so far can be read.
+
+A configuration is a stack (tuple) of frames `(node, local)`: the value being read on top,
+the values it is inside below it. A state is a frozenset of configurations, so alternatives
+(`anyOf`, type lists, a number that could end or go on) are followed side by side like an
+NFA. States are immutable and hashable: `Grammar` caches transitions and masks by state,
+and many generations share one Grammar. `GrammarConstraint` is one generation's position.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import EngineError, SchemaError
+from .grammar import PUSH, SET, Node, reachable, set_heights
+
+if TYPE_CHECKING:  # (annotations only: masks.py builds Grammars, so it imports this module)
+    from .masks import TokenIndex
+
+# Frames on one stack: a value inside at most 63 arrays and objects (a few less in a tool
+# call). A recursive schema had no other bound: each "[" of `{"items": {"$ref": "#"}}` was
+# one more frame in every state after it, each state held by the caches: 260 MB after
+# 8,000 of them, and each byte slower than the last. Only what can still end within the
+# bound may begin (Node.height), so the bound never leaves the model stuck.
+MAX_DEPTH = 64
+# Alternatives followed side by side: nested anyOf branches that agree on a prefix multiply
+# (2^depth stacks after "[[[..." for an anyOf of two array types, each level nested once
+# more: 12 levels, 4,096 stacks, made a single mask take 15 s). An anyOf's own alternatives
+# (nested anyOfs and $refs taken in) are counted when compiled, as its first byte leaves them;
+# stacks that multiply as the output goes on only while decoding.
+MAX_CONFIGURATIONS = 256
+
+
+def _settle(stack: tuple) -> tuple:
+    """Pop the frames that are complete and can take nothing more."""
+    while stack and stack[-1][0].final(stack[-1][1]):
+        stack = stack[:-1]
+    return stack
+
+
+def feed(stack: tuple, b: int, out: list) -> None:
+    """Read byte `b` on `stack`: add the stacks it leads to (none: refused) to `out`."""
+    node, local = stack[-1]
+    below = stack[:-1]
+    for action in node.step(local, b):
+        if action[0] == SET:
+            out.append(_settle(below + ((node, action[1]),)))
+        else:
+            base = below + ((node, action[1]),)
+            for frame in action[2].expand():
+                if len(base) + frame[0].height > MAX_DEPTH:
+                    continue  # it could not end within MAX_DEPTH frames
+                if action[0] == PUSH:
+                    feed(base + (frame,), b, out)
+                else:
+                    out.append(_settle(base + (frame,)))
+    if below and node.accepting(local):  # the value may end here: the byte goes to the parent
+        feed(below, b, out)
+
+
+def _complete(stack: tuple) -> bool:
+    return all(node.accepting(local) for node, local in stack)
+
+
+class Grammar:
+    """A compiled grammar over one vocabulary, with its caches (shared by all its generations).
+
+    Generations of several threads may share it: the caches are only read, written and
+    cleared as whole entries (atomic under the GIL), and evictions hold a lock.
+    """
+
+    MAX_MASKS = 64          # cached masks, bit-packed (n_vocab / 8 bytes each)
+    MAX_TRANSITIONS = 200_000
+
+    def __init__(self, root: Node, index: TokenIndex):
+        self.index = index
+        set_heights(reachable(root))
+        frames = [f for f in root.expand() if f[0].height <= MAX_DEPTH]
+        if not frames:
+            raise SchemaError(f"every document of the schema nests more than {MAX_DEPTH} values deep")
+        self.initial = frozenset(_settle((f,)) for f in frames)
+        if len(self.initial) > MAX_CONFIGURATIONS:  # (nested alternatives, before any byte)
+            raise SchemaError(f"the schema's alternatives (anyOf, type lists) are more than "
+                              f"{MAX_CONFIGURATIONS} ways to read one output", "", "anyOf")
+        self._steps: dict = {}
+        self._masks: dict = {}  # state -> uint8 (n_vocab / 8,) packed mask
+        self._lock = threading.Lock()
+
+    def step(self, state: frozenset, b: int) -> frozenset | None:
+        key = (state, b)
+        nxt = self._steps.get(key, 0)
+        if nxt == 0:
+            out = []
+            for stack in state:
+                if stack:
+                    feed(stack, b, out)
+            nxt = frozenset(out) or None
+            if nxt is not None and len(nxt) > MAX_CONFIGURATIONS:
+                raise SchemaError(f"the schema's alternatives (anyOf, type lists) grow past "
+                                  f"{MAX_CONFIGURATIONS} ways to read one output", "", "anyOf")
+            if len(self._steps) >= self.MAX_TRANSITIONS:
+                self._steps.clear()
+            self._steps[key] = nxt
+        return nxt
+
+    def walk(self, state: frozenset | None, data: bytes) -> frozenset | None:
+        for b in data:
+            if state is None:
+                return None
+            state = self.step(state, b)
+        return state
+
+    def complete(self, state: frozenset) -> bool:
+        return any(_complete(stack) for stack in state)
+
+    def done(self, state: frozenset) -> bool:
+        """Nothing more can be written: every alternative is closed."""
+        return all(not stack for stack in state)
+
+    def mask(self, state: frozenset) -> np.ndarray:
+        """bool (n_vocab,): the tokens allowed in `state` (cached; masks.py computes them)."""
+        packed = self._masks.get(state)
+        if packed is not None:
+            return np.unpackbits(packed, count=self.index.n_vocab).view(np.bool_)
+        mask = self.index.allowed(self, state)
+        with self._lock:
+            if len(self._masks) >= self.MAX_MASKS:
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[state] = np.packbits(mask)
+        return mask
+
+
+class GrammarConstraint:
+    """One generation's position in a grammar: the Constraint protocol of engine/generate.py."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar = grammar
+        self.state = grammar.initial
+        self.ended = False  # an end-of-sequence token was accepted
+        self.text = bytearray()  # the bytes accepted so far
+
+    def allows(self, token_id: int) -> bool:
+        if self.ended:
+            return False
+        index = self.grammar.index
+        if token_id in index.eos_ids:
+            return self.grammar.complete(self.state)
+        data = index.token_bytes[token_id]
+        return bool(data) and self.grammar.walk(self.state, data) is not None
+
+    def mask(self) -> np.ndarray:
+        """bool (n_vocab,), True = allowed; end-of-sequence only when the value is complete."""
+        if self.ended:
+            return np.zeros(self.grammar.index.n_vocab, dtype=np.bool_)
+        return self.grammar.mask(self.state)
+
+    def advance(self, token_id: int) -> None:
+        if not self.allows(token_id):
+            raise EngineError(f"token {token_id} is not allowed by the constraint here")
+        index = self.grammar.index
+        if token_id in index.eos_ids:
+            self.ended = True
+            return
+        data = index.token_bytes[token_id]
+        self.state = self.grammar.walk(self.state, data)
+        self.text += data
+
+    def complete(self) -> bool:
+        return self.ended or self.grammar.complete(self.state)
+
+    def is_done(self) -> bool:
+        return self.ended or self.grammar.done(self.state)
+
