@@ -58,28 +58,33 @@ class Translated:
     sources: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     renames: dict[str, str] = field(default_factory=dict)  # LMSP param prefix -> OpenAI param prefix
 
-    def rename(self, problem: Problem, skipped: int = 0, previous: int = 0) -> Problem:
-        """`problem` as the client's request names things. The LMSP input began with
-        `skipped` items of ours (the instructions), then `previous` items of
-        previous_response_id, then this request's own."""
+    skipped: int = 0  # Responses: LMSP input items of ours before the request's (its instructions)
+    previous: int = 0  # Responses: then those of the previous response's conversation
+
+    def rename(self, problem: Problem) -> Problem:
+        """`problem` as the client's request names things."""
         if problem.param is None:
             return problem
-        param = self._param(problem.param, skipped, previous)
-        if param == problem.param:
-            return problem
-        renamed = Problem(problem.code, problem.detail.replace(f"'{problem.param}'", f"'{param}'"),
-                          param=param, status=problem.status, headers=problem.headers)
-        return renamed
+        doc = self.rename_document(problem.to_dict())
+        return Problem(problem.code, doc["detail"], param=doc["param"], status=problem.status,
+                       headers=problem.headers)
 
-    def _param(self, param: str, skipped: int, previous: int) -> str:
+    def rename_document(self, doc: dict) -> dict:
+        """A problem document (a failed response's error) as the client's request names things."""
+        if doc.get("param") is None:
+            return doc
+        param = self._param(doc["param"])
+        return {**doc, "param": param, "detail": doc["detail"].replace(f"'{doc['param']}'", f"'{param}'")}
+
+    def _param(self, param: str) -> str:
         found = re.fullmatch(r"input\[(\d+)\](.*)", param)
         if found:
             index, rest = int(found.group(1)), found.group(2)
-            if index < skipped:
+            if index < self.skipped:
                 return "instructions"
-            if index < skipped + previous:
+            if index < self.skipped + self.previous:
                 return "previous_response_id"
-            index -= skipped + previous
+            index -= self.skipped + self.previous
             if self.sources:
                 base, fields = self.sources[index]
                 name = re.match(r"\.(\w+)", rest)

@@ -21,8 +21,10 @@ items, so previous_response_id works across both faces); one stored through /lms
 by a task is an LMSP object, turned into OpenAI's when it is read here.
 """
 
+import functools
 import json
 import re
+import traceback
 from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
@@ -41,13 +43,31 @@ RESPONSES = "/v1/responses"
 
 
 def add_routes(router: Router) -> None:
-    router.add("GET", "/v1/models", "models:read", list_models)
-    router.add("GET", "/v1/models/{model_id}", "models:read", get_model)
-    router.add("POST", RESPONSES, "responses:write", create_response)
-    router.add("GET", RESPONSES + "/{response_id}", "responses:read", get_response)
-    router.add("DELETE", RESPONSES + "/{response_id}", "responses:read", delete_response)
-    router.add("POST", RESPONSES + "/{response_id}/cancel", "tasks:write", cancel_response)
-    router.add("POST", "/v1/chat/completions", "responses:write", create_chat_completion)
+    for method, path, scope, handler in (
+        ("GET", "/v1/models", "models:read", list_models),
+        ("GET", "/v1/models/{model_id}", "models:read", get_model),
+        ("POST", RESPONSES, "responses:write", create_response),
+        ("GET", RESPONSES + "/{response_id}", "responses:read", get_response),
+        ("DELETE", RESPONSES + "/{response_id}", "responses:read", delete_response),
+        ("POST", RESPONSES + "/{response_id}/cancel", "tasks:write", cancel_response),
+        ("POST", "/v1/chat/completions", "responses:write", create_chat_completion),
+    ):
+        router.add(method, path, scope, _guarded(handler))
+
+
+def _guarded(handler):
+    """An unexpected exception is logged and answered as an OpenAI error (500), like a Problem:
+    the HTTP layer would answer it with an LMSP problem document."""
+    @functools.wraps(handler)
+    async def guarded(request: Request, service):
+        try:
+            return await handler(request, service)
+        except Exception as exc:
+            if isinstance(exc, Problem):
+                raise
+            service.log(f"error: unexpected exception in {request.method} {request.path}:\n{traceback.format_exc()}")
+            raise Problem("internal_error", "an unexpected error occurred") from None
+    return guarded
 
 
 # -- models ------------------------------------------------------------------------------
@@ -73,14 +93,14 @@ def _event_stream(chunks: AsyncIterator[bytes], service) -> StreamingResponse:
     return StreamingResponse(chunks, idle_chunk=SSE_KEEPALIVE, idle_interval=service.config.limits.stream_keepalive)
 
 
-async def _lmsp_events(generation: PreparedResponse, request: Request, service,
+async def _lmsp_events(generation: PreparedResponse, call: requests.Translated, request: Request, service,
                        stored_body: Callable[[], dict], streamed: bool) -> AsyncIterator[tuple[str, dict]]:
     """The (name, data) of each LMSP event of a generation, noted and stored as
     /lmsp/v1/responses does: before the final event goes out, the tokens are noted and the
     response stored if asked (`stored_body()` is what is stored). A streamed response
     whose client leaves stops generating and is stored even so, `cancelled` (the client
     had its id from `response.created`); an unexpected failure ends a stream with an
-    `error` event."""
+    `error` event. An error names the client's params (`call.rename_document`)."""
     run = generation.run
     finished = False
     async with aclosing(generation.events()) as events:
@@ -89,7 +109,10 @@ async def _lmsp_events(generation: PreparedResponse, request: Request, service,
                 if event.is_final:
                     await _finish(generation, request, service, stored_body)
                     finished = True
-                yield event.name, event.data
+                data = event.data
+                if "error" in data:
+                    data = {**data, "error": call.rename_document(data["error"])}
+                yield event.name, data
         except Exception as exc:
             service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
             yield "error", run.error_event(Problem("internal_error", "an unexpected error occurred")).data
@@ -116,18 +139,19 @@ async def _finish(generation: PreparedResponse, request: Request, service, store
                                          compact_json(stored_body()))
 
 
-async def _generate(generation: PreparedResponse, request: Request, service,
+async def _generate(generation: PreparedResponse, call: requests.Translated, request: Request, service,
                     stored_body: Callable[[], dict]) -> None:
     """Run a synchronous generation to its end; a failed one is its problem (as /lmsp/v1's)."""
     request.cancel_on_disconnect()  # nobody left to read the response: stop generating
-    async with aclosing(_lmsp_events(generation, request, service, stored_body, streamed=False)) as events:
+    async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=False)) as events:
         async for name, data in events:
             if name == "error":
                 raise Problem("internal_error", "an unexpected error occurred")
     run = generation.run
     if run.status == "failed":
         retry = [("Retry-After", "5")] if run.error["code"] == "model_unavailable" else None
-        raise Problem(run.error["code"], run.error["detail"], param=run.error.get("param"), headers=retry)
+        error = call.rename_document(run.error)
+        raise Problem(error["code"], error["detail"], param=error.get("param"), headers=retry)
 
 
 # -- POST /v1/responses ------------------------------------------------------------------------
@@ -145,11 +169,12 @@ async def _prepare_response(call: requests.Translated, principal: str, service) 
                           "previous_response_id cannot be used", param="previous_response_id")
         effective = await service.conversation_input(principal, call.previous_response_id, call.input)
         previous = effective[:len(effective) - len(call.input)]
+    call.skipped, call.previous = len(prefix), len(previous)
     try:
         generation = await prepare_generation({**call.body, "input": [*prefix, *previous, *call.input]},
                                               principal, service)
     except Problem as problem:
-        raise call.rename(problem, len(prefix), len(previous)) from None
+        raise call.rename(problem) from None
     # What a next turn's previous_response_id brings back: not these instructions (as OpenAI's API)
     generation.input_items = [*previous, *call.input]
     return generation
@@ -167,16 +192,16 @@ async def create_response(request: Request, service):
         return responses.response_object(generation.run.response_object(), echo)
 
     if call.stream:
-        return _event_stream(_responses_sse(generation, echo, request, service, stored_body), service)
-    await _generate(generation, request, service, stored_body)
+        return _event_stream(_responses_sse(generation, call, echo, request, service, stored_body), service)
+    await _generate(generation, call, request, service, stored_body)
     return json_response(stored_body())
 
 
-async def _responses_sse(generation: PreparedResponse, echo: dict, request: Request, service,
-                         stored_body: Callable[[], dict]) -> AsyncIterator[bytes]:
+async def _responses_sse(generation: PreparedResponse, call: requests.Translated, echo: dict, request: Request,
+                         service, stored_body: Callable[[], dict]) -> AsyncIterator[bytes]:
     run = generation.run
     adapter = responses.ResponseEvents(run.id, run.created_at, run.model_id, echo)
-    async with aclosing(_lmsp_events(generation, request, service, stored_body, streamed=True)) as events:
+    async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=True)) as events:
         async for name, data in events:
             yield b"".join(responses.sse(event) for event in adapter.translate(name, data))
 
@@ -326,16 +351,16 @@ async def create_chat_completion(request: Request, service):
         raise AssertionError("a chat completion is never stored")
 
     if call.stream:
-        return _event_stream(_chat_sse(generation, call.include_usage, request, service, nothing_stored), service)
-    await _generate(generation, request, service, nothing_stored)
+        return _event_stream(_chat_sse(generation, call, request, service, nothing_stored), service)
+    await _generate(generation, call, request, service, nothing_stored)
     return json_response(chat.completion_object(generation.run.response_object()))
 
 
-async def _chat_sse(generation: PreparedResponse, include_usage: bool, request: Request, service,
+async def _chat_sse(generation: PreparedResponse, call: requests.Translated, request: Request, service,
                     stored_body: Callable[[], dict]) -> AsyncIterator[bytes]:
     run = generation.run
-    chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, include_usage)
-    async with aclosing(_lmsp_events(generation, request, service, stored_body, streamed=True)) as events:
+    chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, call.include_usage)
+    async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=True)) as events:
         async for name, data in events:
             body = chunks.translate(name, data)
             if body:
