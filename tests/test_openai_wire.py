@@ -235,3 +235,19 @@ async def test_unknown_and_unhonoured_parameters_name_themselves(server):
         reply = await post(server, "/v1/responses", body)
         assert reply.status == 400, (param, reply.body)
         assert reply.json()["error"]["param"] == param, (param, reply.body)
+
+
+async def test_keep_alives_are_sse_comments(nursery, tiny_path, monkeypatch):
+    from lmsp_min.http import Limits
+    from test_openai_sdk import paced
+
+    server = await start_server(nursery, await make_service([tiny_path], limits=Limits(stream_keepalive=0.01)))
+    paced(server.service.registry.get(TINY_ID).model, monkeypatch, 0.05)
+    for path, body in (("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        reply = await post(server, path, {"model": TINY_ID, "stream": True, **body})
+        assert b"\n\n: keep-alive\n\n" in reply.body, path
+        if path == "/v1/responses":
+            assert check_responses_stream(reply.body)[-1]["type"] == "response.incomplete"
+        else:
+            assert chat_data(reply.body)[-1] == "[DONE]"

@@ -38,10 +38,6 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _unset(value) -> bool:
-    return value is None
-
-
 @dataclass
 class Translated:
     """An OpenAI request read: the LMSP body it asks for, and what only the dialect uses."""
@@ -57,7 +53,6 @@ class Translated:
     # chat: where each LMSP input item comes from: (the message's param, LMSP field -> its param)
     sources: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     renames: dict[str, str] = field(default_factory=dict)  # LMSP param prefix -> OpenAI param prefix
-
     skipped: int = 0  # Responses: LMSP input items of ours before the request's (its instructions)
     previous: int = 0  # Responses: then those of the previous response's conversation
 
@@ -166,7 +161,7 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
     for name in body:
         if name not in RESPONSES_FIELDS:
             raise _unknown(name)
-    if not _unset(body.get("top_logprobs")) and body["top_logprobs"] != 0:
+    if body.get("top_logprobs"):
         raise _cannot("top_logprobs", "log probabilities are not reported")
     if body.get("include"):
         if not isinstance(body["include"], list):
@@ -204,6 +199,7 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
         if fmt is not None:
             lmsp["response_format"] = fmt
     lmsp["store"] = body.get("store") is not False and stores_responses  # OpenAI stores by default
+    lmsp["stream"] = bool(body.get("stream"))  # (a failed stream is stored, a failed synchronous reply is not)
     translated = Translated(lmsp, [], stream=bool(body.get("stream")), background=bool(body.get("background")),
                             instructions=body.get("instructions"),
                             previous_response_id=body.get("previous_response_id"),
@@ -303,7 +299,7 @@ def chat_request(body: dict) -> Translated:
     tool_choice = body.get("tool_choice")
     _parallel_tool_calls(body, tool_choice if not isinstance(tool_choice, dict) else "named")
 
-    lmsp = {"store": False}
+    lmsp = {"store": False, "stream": bool(body.get("stream"))}
     renames = {_EXTENSION + "top_p": "top_p", _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop"}
     if "model" in body:
         lmsp["model"] = body["model"]
