@@ -479,3 +479,35 @@ async def test_chat_parameters_we_cannot_honour_are_named(server):
     errors = await sync_sdk(server, work)
     for name, error in errors.items():
         assert error.param == name, (name, error.message)
+
+
+async def test_a_full_queue_is_a_rate_limit_error(server, monkeypatch):
+    monkeypatch.setattr(server.service.registry.get(TINY_ID), "admitted", 10**6)  # every slot taken
+
+    def work(client):
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(model=TINY_ID, messages=[{"role": "user", "content": "hi"}])
+        return caught.value
+
+    error = await sync_sdk(server, work)
+    assert error.code == "rate_limit_exceeded" and error.response.headers["retry-after"] == "1"
+
+
+async def test_a_chat_stream_that_fails_raises_in_the_sdk(server):
+    defs = {"L0": {"type": "integer"}}
+    for k in range(1, 11):
+        one = {"type": "array", "items": {"$ref": f"#/$defs/L{k - 1}"}, "minItems": 1, "maxItems": 1}
+        defs[f"L{k}"] = {"anyOf": [one, {**one, "maxItems": 2}]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "nested",
+                                                              "schema": {"$ref": "#/$defs/L10", "$defs": defs}}}
+
+    async def work(client):
+        stream = await client.chat.completions.create(model=TINY_ID, messages=[{"role": "user", "content": ASK}],
+                                                      max_tokens=32, stream=True, response_format=response_format)
+        with pytest.raises(openai.APIError) as caught:
+            async for _ in stream:
+                pass
+        return caught.value
+
+    error = await async_sdk(server, work)
+    assert "256" in error.message and error.param == "response_format.json_schema.schema"
