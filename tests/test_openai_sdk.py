@@ -511,3 +511,21 @@ async def test_a_chat_stream_that_fails_raises_in_the_sdk(server):
 
     error = await async_sdk(server, work)
     assert "256" in error.message and error.param == "response_format.json_schema.schema"
+
+
+async def test_the_input_items_of_a_response_are_listed_and_paged(server):
+    def work(client):
+        first = client.responses.create(model=TINY_ID, input="My name is Ada.", max_output_tokens=2,
+                                        instructions="Be brief.")
+        second = client.responses.create(model=TINY_ID, previous_response_id=first.id, max_output_tokens=2, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "What is my name?"}]}])
+        listed = list(client.responses.input_items.list(second.id, order="asc"))
+        paged = list(client.responses.input_items.list(second.id, limit=1))  # desc; the SDK follows the pages
+        return first, listed, paged
+
+    first, listed, paged = await sync_sdk(server, work)
+    assert [item.type for item in listed] == ["message", "message", "message"]
+    assert [item.role for item in listed] == ["user", "assistant", "user"]  # (not the instructions)
+    assert listed[0].content[0].text == "My name is Ada." and listed[1].id == first.output[0].id
+    assert listed[2].content[0].text == "What is my name?"
+    assert [item.id for item in paged] == [item.id for item in reversed(listed)]

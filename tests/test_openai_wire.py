@@ -167,7 +167,8 @@ async def test_errors_are_openai_error_objects(server, method, path, status, cod
 
 
 async def test_a_body_that_is_not_json_is_a_400_and_a_wrong_type_a_415(server):
-    reply = await server.request("POST", "/v1/chat/completions", body=b"{", headers={"Content-Type": "application/json"})
+    reply = await server.request("POST", "/v1/chat/completions", body=b"{",
+                                 headers={"Content-Type": "application/json"})
     assert reply.status == 400 and reply.json()["error"]["type"] == "invalid_request_error"
     reply = await server.request("POST", "/v1/responses", body=b"{}", headers={"Content-Type": "text/plain"})
     assert reply.status == 415 and reply.json()["error"]["code"] == "unsupported_media_type"

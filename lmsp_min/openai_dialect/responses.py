@@ -97,6 +97,21 @@ def response_object(lmsp: dict, echo: dict) -> dict:
     }
 
 
+def input_items(items: list[dict], response_id: str) -> list[dict]:
+    """Stored input items as OpenAI lists them: each with an id (its own, or one made from
+    its place, the same every time), a message's content as parts."""
+    listed = []
+    for index, item in enumerate(items):
+        item = {"id": f"item_{response_id.removeprefix('resp_')}_{index}", **item}
+        if item.get("type", "message") == "message":
+            content = item["content"]
+            kind = "output_text" if item["role"] == "assistant" else "input_text"
+            item = {**item, "type": "message", "status": item.get("status", "completed"),
+                    "content": [{"type": kind, "text": content}] if isinstance(content, str) else content}
+        listed.append(item)
+    return listed
+
+
 def is_openai_object(body: dict) -> bool:
     """Whether a stored response was stored by this dialect (it repeats its request)."""
     return "tool_choice" in body

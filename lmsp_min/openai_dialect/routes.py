@@ -8,6 +8,7 @@
                                                               `?stream=true&starting_after=N` replays
                                                               and follows a background one's events
     DELETE /v1/responses/{id}                responses:read   forget a stored response
+    GET    /v1/responses/{id}/input_items    responses:read   the input a stored response was made from
     POST   /v1/responses/{id}/cancel         tasks:write      stop a background response
     POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`
 
@@ -49,6 +50,7 @@ def add_routes(router: Router) -> None:
         ("POST", RESPONSES, "responses:write", create_response),
         ("GET", RESPONSES + "/{response_id}", "responses:read", get_response),
         ("DELETE", RESPONSES + "/{response_id}", "responses:read", delete_response),
+        ("GET", RESPONSES + "/{response_id}/input_items", "responses:read", list_input_items),
         ("POST", RESPONSES + "/{response_id}/cancel", "tasks:write", cancel_response),
         ("POST", "/v1/chat/completions", "responses:write", create_chat_completion),
     ):
@@ -322,6 +324,32 @@ async def delete_response(request: Request, service) -> Response:
         raise _not_found(response_id)
     await service.store.delete_response(stored.id, request.principal)
     return json_response({"id": stored.id, "object": "response.deleted", "deleted": True})
+
+
+async def list_input_items(request: Request, service) -> Response:
+    """A stored response's input (its conversation's earlier turns too; not its instructions),
+    paged as OpenAI pages it: `order` (desc by default), `limit` (20, at most 100), `after` an item id."""
+    response_id = request.params["response_id"]
+    stored = await service.store.get_response(response_id, request.principal) if service.stores_responses else None
+    if stored is None:
+        raise _not_found(response_id)
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", "'order' must be 'asc' or 'desc'")
+    limit = request.query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise invalid("limit", "'limit' must be an integer from 1 to 100")
+    items = responses.input_items(stored.input, response_id)
+    if order == "desc":
+        items.reverse()
+    if "after" in request.query:
+        ids = [item["id"] for item in items]
+        if request.query["after"] not in ids:
+            raise invalid("after", "'after' must be the id of one of this response's input items")
+        items = items[ids.index(request.query["after"]) + 1:]
+    page = items[:int(limit)]
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
 
 
 async def cancel_response(request: Request, service) -> Response:
