@@ -130,6 +130,7 @@ class ResponseEvents:
         self.lmsp = {"id": response_id, "object": "response", "created_at": created_at, "status": "in_progress",
                      "model": model, "output": [], "usage": None, "error": None, "incomplete_details": None}
         self._by_id: dict[str, tuple[int, dict]] = {}  # item id -> (output index, the LMSP item)
+        self._held: tuple[int, dict] | None = None  # a text item whose .done events wait (_output_item_done)
         self._next = 0
 
     def response(self) -> dict:
@@ -145,7 +146,11 @@ class ResponseEvents:
         handler = _HANDLERS.get(name)
         if handler is None:
             raise ValueError(f"unexpected LMSP event {name!r}")
-        return handler(self, data)
+        events = []
+        if self._held is not None:
+            (index, item), self._held = self._held, None
+            events = self._item_done(index, item, "incomplete" if name == "response.incomplete" else "completed")
+        return events + handler(self, data)
 
     def _created(self, data: dict) -> list[dict]:
         return [self._event("response.created", response=self.response()),
@@ -180,9 +185,17 @@ class ResponseEvents:
                             summary_index=0, delta=data["delta"])]
 
     def _output_item_done(self, data: dict) -> list[dict]:
+        """A text item's `.done` events wait for the next LMSP event, which says whether the
+        token budget cut it (`response.incomplete` follows at once): their item's status."""
         index, item = data["output_index"], data["item"]
         self.lmsp["output"][index] = item
         self._by_id[item["id"]] = (index, item)
+        if item["type"] in ("message", "reasoning"):
+            self._held = (index, item)
+            return []
+        return self._item_done(index, item, "completed")
+
+    def _item_done(self, index: int, item: dict, status: str) -> list[dict]:
         where = {"item_id": item["id"], "output_index": index}
         events = []
         if item["type"] == "message":
@@ -198,8 +211,7 @@ class ResponseEvents:
             events += [self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
                        self._event("response.function_call_arguments.done", **where, name=item["name"],
                                    arguments=item["arguments"])]
-        events.append(self._event("response.output_item.done", output_index=index,
-                                  item=output_item(item, "completed")))
+        events.append(self._event("response.output_item.done", output_index=index, item=output_item(item, status)))
         return events
 
     def _final(self, kind: str, data: dict) -> list[dict]:
