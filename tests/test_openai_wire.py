@@ -253,3 +253,31 @@ async def test_keep_alives_are_sse_comments(nursery, tiny_path, monkeypatch):
             assert check_responses_stream(reply.body)[-1]["type"] == "response.incomplete"
         else:
             assert chat_data(reply.body)[-1] == "[DONE]"
+
+
+async def test_a_reasoning_model_streams_its_thought_apart(nursery, tmp_path):
+    """D4: a template that opens <think>: a reasoning item with its summary events; in chat,
+    `reasoning_content` deltas and no content."""
+    from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
+
+    meta = load_tokenizer_meta(SMOLLM2_TOKENIZER)
+    meta["tokenizer.chat_template"] += "{% if add_generation_prompt %}<think>\n{% endif %}"
+    path = write_tiny_model(tmp_path / "think-chat-q8_0.gguf", "llama", tokenizer_meta=meta)
+    server = await start_server(nursery, await make_service([path]))
+    model = (await server.request("GET", "/v1/models")).json()["data"][0]["id"]
+    reply = await post(server, "/v1/responses", {"model": model, "input": ASK, "stream": True, "temperature": 0,
+                                                 "max_output_tokens": 6})
+    data = check_responses_stream(reply.body)
+    kinds = [d["type"] for d in data]
+    assert kinds[2:4] == ["response.output_item.added", "response.reasoning_summary_part.added"]
+    assert data[2]["item"]["type"] == "reasoning" and "response.reasoning_summary_text.delta" in kinds
+    thought = "".join(d["delta"] for d in data if d["type"] == "response.reasoning_summary_text.delta")
+    assert data[-1]["response"]["output"][0]["summary"] == [{"type": "summary_text", "text": thought}]
+    reply = await post(server, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": ASK}],
+                                                        "stream": True, "temperature": 0, "max_tokens": 6})
+    deltas = [c["choices"][0]["delta"] for c in chat_data(reply.body)[1:-2]]
+    assert "".join(d["reasoning_content"] for d in deltas) == thought and not any("content" in d for d in deltas)
+    sync = (await post(server, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": ASK}],
+                                                        "temperature": 0, "max_tokens": 6})).json()
+    assert sync["choices"][0]["message"]["reasoning_content"] == thought
+    assert sync["choices"][0]["message"]["content"] == ""
