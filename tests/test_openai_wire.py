@@ -281,3 +281,24 @@ async def test_a_reasoning_model_streams_its_thought_apart(nursery, tmp_path):
                                                         "temperature": 0, "max_tokens": 6})).json()
     assert sync["choices"][0]["message"]["reasoning_content"] == thought
     assert sync["choices"][0]["message"]["content"] == ""
+
+
+async def test_a_response_is_its_principals_alone(nursery, tiny_path, tmp_path):
+    scopes = ["models:read", "responses:write", "responses:read", "tasks:write", "tasks:read"]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"token": "sk-ann", "principal": "ann", "scopes": scopes},
+                                  {"token": "sk-bob", "principal": "bob", "scopes": scopes}]))
+    server = await start_server(nursery, await make_service([tiny_path], tokens_file=tokens, data_dir=tmp_path / "d"))
+    ann, bob = {"Authorization": "Bearer sk-ann"}, {"Authorization": "Bearer sk-bob"}
+    stored = (await post(server, "/v1/responses", {"model": TINY_ID, "input": "hi", "max_output_tokens": 2}, ann)).json()
+    background = (await post(server, "/v1/responses", {"model": TINY_ID, "input": "hi", "max_output_tokens": 2,
+                                                       "background": True}, ann)).json()
+    for response_id in (stored["id"], background["id"]):
+        for method, path in (("GET", ""), ("GET", "?stream=true"), ("DELETE", ""), ("GET", "/input_items"),
+                             ("POST", "/cancel")):
+            reply = await server.request(method, f"/v1/responses/{response_id}{path}", headers=bob)
+            assert reply.status == 404 and reply.json()["error"]["code"] == "response_not_found", (method, path)
+        assert (await server.request("GET", f"/v1/responses/{response_id}", headers=ann)).status == 200
+    follow_up = await post(server, "/v1/responses", {"model": TINY_ID, "input": "and?", "max_output_tokens": 2,
+                                                     "previous_response_id": stored["id"]}, bob)
+    assert follow_up.status == 404 and follow_up.json()["error"]["param"] == "previous_response_id"

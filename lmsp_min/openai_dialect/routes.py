@@ -7,6 +7,7 @@
     GET    /v1/responses/{id}                responses:read   a stored or background response;
                                                               `?stream=true&starting_after=N` replays
                                                               and follows a background one's events
+                                                              (also needs tasks:read)
     DELETE /v1/responses/{id}                responses:read   forget a stored response
     GET    /v1/responses/{id}/input_items    responses:read   the input a stored response was made from
     POST   /v1/responses/{id}/cancel         tasks:write      stop a background response
@@ -292,7 +293,8 @@ _SEQUENCE = re.compile(r"[0-9]{1,18}")
 
 async def get_response(request: Request, service):
     response_id = request.params["response_id"]
-    if request.query.get("stream") in ("true", "1"):
+    if request.query.get("stream") in ("true", "1"):  # a task's events: tasks:read, as on /lmsp/v1
+        service.auth.authenticate(request.headers.get("authorization"), "tasks:read", request.headers.get("host"))
         row = await _task_of(response_id, request.principal, service)
         if row is None:
             raise _not_found(response_id)
