@@ -290,7 +290,8 @@ async def test_a_response_is_its_principals_alone(nursery, tiny_path, tmp_path):
                                   {"token": "sk-bob", "principal": "bob", "scopes": scopes}]))
     server = await start_server(nursery, await make_service([tiny_path], tokens_file=tokens, data_dir=tmp_path / "d"))
     ann, bob = {"Authorization": "Bearer sk-ann"}, {"Authorization": "Bearer sk-bob"}
-    stored = (await post(server, "/v1/responses", {"model": TINY_ID, "input": "hi", "max_output_tokens": 2}, ann)).json()
+    body = {"model": TINY_ID, "input": "hi", "max_output_tokens": 2}
+    stored = (await post(server, "/v1/responses", body, ann)).json()
     background = (await post(server, "/v1/responses", {"model": TINY_ID, "input": "hi", "max_output_tokens": 2,
                                                        "background": True}, ann)).json()
     for response_id in (stored["id"], background["id"]):

@@ -42,7 +42,7 @@ def _is_int(value) -> bool:
 class Translated:
     """An OpenAI request read: the LMSP body it asks for, and what only the dialect uses."""
 
-    body: dict  # the LMSP request body, without `input` for a Responses request (see routes)
+    body: dict  # the LMSP request body but its `input` (routes puts it together)
     input: list[dict]  # this request's own input items (LMSP items)
     stream: bool = False
     background: bool = False

@@ -97,7 +97,7 @@ def _event_stream(chunks: AsyncIterator[bytes], service) -> StreamingResponse:
 
 
 async def _lmsp_events(generation: PreparedResponse, call: requests.Translated, request: Request, service,
-                       stored_body: Callable[[], dict], streamed: bool) -> AsyncIterator[tuple[str, dict]]:
+                       stored_body: Callable[[], dict] | None, streamed: bool) -> AsyncIterator[tuple[str, dict]]:
     """The (name, data) of each LMSP event of a generation, noted and stored as
     /lmsp/v1/responses does: before the final event goes out, the tokens are noted and the
     response stored if asked (`stored_body()` is what is stored). A streamed response
@@ -132,18 +132,19 @@ async def _lmsp_events(generation: PreparedResponse, call: requests.Translated, 
             raise
 
 
-async def _finish(generation: PreparedResponse, request: Request, service, stored_body: Callable[[], dict]) -> None:
+async def _finish(generation: PreparedResponse, request: Request, service,
+                  stored_body: Callable[[], dict] | None) -> None:
     usage = generation.run.usage
     if usage is not None:
         request.log_note = f"tokens={usage['input_tokens']}+{usage['output_tokens']}"
     failed_synchronously = generation.run.status == "failed" and not generation.request.stream
-    if generation.request.store and service.stores_responses and not failed_synchronously:
+    if stored_body is not None and generation.request.store and service.stores_responses and not failed_synchronously:
         await service.store.put_response(generation.run.id, generation.principal, generation.input_items,
                                          compact_json(stored_body()))
 
 
 async def _generate(generation: PreparedResponse, call: requests.Translated, request: Request, service,
-                    stored_body: Callable[[], dict]) -> None:
+                    stored_body: Callable[[], dict] | None) -> None:
     """Run a synchronous generation to its end; a failed one is its problem (as /lmsp/v1's)."""
     request.cancel_on_disconnect()  # nobody left to read the response: stop generating
     async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=False)) as events:
@@ -377,20 +378,17 @@ async def create_chat_completion(request: Request, service):
     except Problem as problem:
         raise call.rename(problem) from None
 
-    def nothing_stored() -> dict:
-        raise AssertionError("a chat completion is never stored")
-
-    if call.stream:
-        return _event_stream(_chat_sse(generation, call, request, service, nothing_stored), service)
-    await _generate(generation, call, request, service, nothing_stored)
+    if call.stream:  # (a chat completion is never stored: its LMSP request says store false)
+        return _event_stream(_chat_sse(generation, call, request, service), service)
+    await _generate(generation, call, request, service, stored_body=None)
     return json_response(chat.completion_object(generation.run.response_object()))
 
 
-async def _chat_sse(generation: PreparedResponse, call: requests.Translated, request: Request, service,
-                    stored_body: Callable[[], dict]) -> AsyncIterator[bytes]:
+async def _chat_sse(generation: PreparedResponse, call: requests.Translated, request: Request,
+                    service) -> AsyncIterator[bytes]:
     run = generation.run
     chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, call.include_usage)
-    async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=True)) as events:
+    async with aclosing(_lmsp_events(generation, call, request, service, None, streamed=True)) as events:
         async for name, data in events:
             body = chunks.translate(name, data)
             if body:
