@@ -65,9 +65,9 @@ def _guarded(handler):
     async def guarded(request: Request, service):
         try:
             return await handler(request, service)
-        except Exception as exc:
-            if isinstance(exc, Problem):
-                raise
+        except Problem:
+            raise
+        except Exception:
             service.log(f"error: unexpected exception in {request.method} {request.path}:\n{traceback.format_exc()}")
             raise Problem("internal_error", "an unexpected error occurred") from None
     return guarded
