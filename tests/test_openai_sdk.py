@@ -529,3 +529,28 @@ async def test_the_input_items_of_a_response_are_listed_and_paged(server):
     assert listed[0].content[0].text == "My name is Ada." and listed[1].id == first.output[0].id
     assert listed[2].content[0].text == "What is my name?"
     assert [item.id for item in paged] == [item.id for item in reversed(listed)]
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=5)
+
+
+async def test_pydantic_tools_and_formats_through_the_parse_helpers(server):
+    """openai.pydantic_function_tool's strict schema, parsed back into the model; and
+    chat.completions.stream with a pydantic response_format, parsed at its end."""
+    def work(client):
+        messages = [{"role": "user", "content": ASK}]
+        called = client.chat.completions.parse(model=TINY_ID, messages=messages, temperature=0, max_tokens=64,
+                                               tools=[openai.pydantic_function_tool(GetWeather)],
+                                               tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+        with client.chat.completions.stream(model=TINY_ID, messages=messages, response_format=GetWeather,
+                                            temperature=0, max_tokens=64) as stream:
+            for _ in stream:
+                pass
+            streamed = stream.get_final_completion()
+        return called, streamed
+
+    called, streamed = await sync_sdk(server, work)
+    (call,) = called.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather) and len(call.function.parsed_arguments.city) <= 5
+    assert isinstance(streamed.choices[0].message.parsed, GetWeather)
