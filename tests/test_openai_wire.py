@@ -4,6 +4,7 @@ LMSP face does not move."""
 import json
 
 import pytest
+import trio
 
 from server_harness import make_service, parse_sse, start_server, tiny_path  # noqa: F401
 
@@ -303,3 +304,33 @@ async def test_a_response_is_its_principals_alone(nursery, tiny_path, tmp_path):
     follow_up = await post(server, "/v1/responses", {"model": TINY_ID, "input": "and?", "max_output_tokens": 2,
                                                      "previous_response_id": stored["id"]}, bob)
     assert follow_up.status == 404 and follow_up.json()["error"]["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions"])
+async def test_a_stream_the_client_leaves_stops_and_a_stored_one_is_kept(server, path):
+    """D4 on the dialect: generation stops; a Responses stream, stored by default, is kept
+    `cancelled` with what was generated (its client had the id from response.created)."""
+    model = server.service.registry.get(TINY_ID).model
+    steps_before = model.steps
+    handled = sum(f"POST {path}" in line for line in server.service.log_lines)
+    body = ({"input": "Tell me a story.", "max_output_tokens": 400} if path == "/v1/responses"
+            else {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400})
+    async with server.connection() as client:
+        await client.send("POST", path, json_body={"model": TINY_ID, "stream": True, "temperature": 0, **body})
+        assert (await client.read_head()).status == 200
+        seen = b""
+        async for chunk in client.read_chunks():
+            seen += chunk
+            if seen.count(b'"delta"') + seen.count(b'"content":"') >= 3 and seen.endswith(b"\n\n"):
+                break
+    with trio.fail_after(20):
+        while sum(f"POST {path}" in line for line in server.service.log_lines) == handled:
+            await trio.sleep(0.005)
+    assert "client disconnected" in next(line for line in reversed(server.service.log_lines) if path in line)
+    assert model.steps - steps_before < 400
+    if path == "/v1/responses":
+        events = parse_sse(seen)
+        streamed = "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta")
+        stored = (await server.request("GET", f"/v1/responses/{events[0].data['response']['id']}")).json()
+        assert stored["status"] == "cancelled" and stored["output"][0]["content"][0]["text"].startswith(streamed)
+        assert 2 <= stored["usage"]["output_tokens"] < 400
