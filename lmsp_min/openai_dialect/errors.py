@@ -49,8 +49,3 @@ def response_error(error: dict | None) -> dict | None:
 def error_response(problem: Problem) -> Response:
     return Response(problem.status, json_bytes({"error": error_object(problem)}), "application/json",
                     list(problem.headers))
-
-
-def invalid(param: str, message: str) -> Problem:
-    """A 400 naming the parameter at fault, written as OpenAI writes params."""
-    return Problem("invalid_request", message, param=param)

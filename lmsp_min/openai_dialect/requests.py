@@ -17,9 +17,8 @@ unknown parameter is a 400, as OpenAI's API answers it.
 import re
 from dataclasses import dataclass, field
 
-from lmsp_min.openai_dialect.errors import invalid
 from lmsp_min.problems import Problem
-from lmsp_min.validate import EXTENSION
+from lmsp_min.validate import EXTENSION, invalid
 
 _EXTENSION = f"extensions.{EXTENSION}."
 MAX_METADATA = 16  # OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, values of 512

@@ -40,6 +40,8 @@ def echo_of(body: dict, *, store: bool, background: bool = False) -> dict:
                  "temperature", "tool_choice", "tools", "top_p", "user"):
         if body.get(name) is not None:
             echo[name] = body[name]
+    if isinstance(body.get("reasoning"), dict):  # (its effort is refused: only its summary can be asked)
+        echo["reasoning"] = {"effort": None, "summary": body["reasoning"].get("summary")}
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if fmt is not None:
         echo["text"] = {"format": fmt}

@@ -36,10 +36,10 @@ from lmsp_min.app import PreparedResponse, Router, prepare_generation, read_json
 from lmsp_min.events import SSE_KEEPALIVE, compact_json
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.openai_dialect import chat, requests, responses
-from lmsp_min.openai_dialect.errors import invalid
 from lmsp_min.problems import Problem
 from lmsp_min.store import FINAL_STATUSES, TaskRow
 from lmsp_min.tasks import output_from_events
+from lmsp_min.validate import invalid
 
 RESPONSES = "/v1/responses"
 
