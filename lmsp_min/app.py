@@ -25,7 +25,7 @@ from urllib.parse import unquote
 
 import trio
 
-from lmsp_min import idempotency
+from lmsp_min import idempotency, openai_dialect
 from lmsp_min.events import SSE_KEEPALIVE, ResponseRun, ServiceStopping
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.problems import Problem, shutting_down
@@ -109,6 +109,14 @@ class App:
         self.router = router
 
     async def __call__(self, request: Request):
+        try:
+            return await self._dispatch(request)
+        except Problem as problem:
+            if openai_dialect.is_dialect_path(request.path):  # /v1: an OpenAI error object
+                return openai_dialect.error_response(problem)
+            raise
+
+    async def _dispatch(self, request: Request):
         if self.service.http is not None and self.service.http.draining:
             raise shutting_down()
         handler, scope, params = self.router.match(request.method, request.path)
@@ -127,6 +135,7 @@ def default_router() -> Router:
     from lmsp_min.task_routes import add_routes  # (it imports this module)
 
     add_routes(router)  # tasks and stored responses
+    openai_dialect.add_routes(router)  # the OpenAI dialect at /v1
     return router
 
 

@@ -471,6 +471,16 @@ class Store:
         """The task, or None if unknown or (principal given) owned by another principal."""
         return await self._read(_select_task, task_id, principal)
 
+    async def get_task_of_response(self, response_id: str, principal: str) -> TaskRow | None:
+        """The task that generates (or generated) the response `response_id`, or None: the
+        OpenAI dialect names a background response by its response id, not by its task's."""
+        def select(conn: sqlite3.Connection) -> TaskRow | None:
+            row = conn.execute("SELECT id FROM tasks WHERE response_id = ? AND principal = ?",
+                               (response_id, principal)).fetchone()
+            return None if row is None else _select_task(conn, row[0], principal)
+
+        return await self._read(select)
+
     async def request_cancel(self, task_id: str) -> None:
         """Ask the process that runs a task to cancel it (Tasks.cancel, for another owner's task)."""
         await self._write(

@@ -1,0 +1,395 @@
+"""The routes of the OpenAI dialect, and how each runs on the LMSP machinery.
+
+    GET    /v1/models                        models:read      the models (OpenAI's model objects)
+    GET    /v1/models/{model_id}             models:read      one of them
+    POST   /v1/responses                     responses:write  a response: sync, `stream`, `background`
+                                                              (background also needs tasks:write)
+    GET    /v1/responses/{id}                responses:read   a stored or background response;
+                                                              `?stream=true&starting_after=N` replays
+                                                              and follows a background one's events
+                                                              (also needs tasks:read)
+    DELETE /v1/responses/{id}                responses:read   forget a stored response
+    GET    /v1/responses/{id}/input_items    responses:read   the input a stored response was made from
+    POST   /v1/responses/{id}/cancel         tasks:write      stop a background response
+    POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`
+
+Every request is translated (requests.py) into the LMSP request it asks for and
+prepared by `app.prepare_generation`, exactly as `/lmsp/v1/responses` prepares its own;
+its LMSP events are then written as the dialect writes them (responses.py, chat.py).
+A background response is an LMSP task (tasks.py) whose request is the OpenAI body; it is
+named by its response id (`Store.get_task_of_response`). A response stored by this
+dialect is stored as the OpenAI object it served (its output items are valid LMSP input
+items, so previous_response_id works across both faces); one stored through /lmsp/v1 or
+by a task is an LMSP object, turned into OpenAI's when it is read here.
+"""
+
+import functools
+import json
+import re
+import traceback
+from contextlib import aclosing
+from typing import AsyncIterator, Callable
+
+import trio
+
+from lmsp_min.app import PreparedResponse, Router, prepare_generation, read_json_body
+from lmsp_min.events import SSE_KEEPALIVE, compact_json
+from lmsp_min.http import Request, Response, StreamingResponse, json_response
+from lmsp_min.openai_dialect import chat, requests, responses
+from lmsp_min.problems import Problem
+from lmsp_min.store import FINAL_STATUSES, TaskRow
+from lmsp_min.tasks import output_from_events
+from lmsp_min.validate import invalid
+
+RESPONSES = "/v1/responses"
+
+
+def add_routes(router: Router) -> None:
+    for method, path, scope, handler in (
+        ("GET", "/v1/models", "models:read", list_models),
+        ("GET", "/v1/models/{model_id}", "models:read", get_model),
+        ("POST", RESPONSES, "responses:write", create_response),
+        ("GET", RESPONSES + "/{response_id}", "responses:read", get_response),
+        ("DELETE", RESPONSES + "/{response_id}", "responses:read", delete_response),
+        ("GET", RESPONSES + "/{response_id}/input_items", "responses:read", list_input_items),
+        ("POST", RESPONSES + "/{response_id}/cancel", "tasks:write", cancel_response),
+        ("POST", "/v1/chat/completions", "responses:write", create_chat_completion),
+    ):
+        router.add(method, path, scope, _guarded(handler))
+
+
+def _guarded(handler):
+    """An unexpected exception is logged and answered as an OpenAI error (500), like a Problem:
+    the HTTP layer would answer it with an LMSP problem document."""
+    @functools.wraps(handler)
+    async def guarded(request: Request, service):
+        try:
+            return await handler(request, service)
+        except Problem:
+            raise
+        except Exception:
+            service.log(f"error: unexpected exception in {request.method} {request.path}:\n{traceback.format_exc()}")
+            raise Problem("internal_error", "an unexpected error occurred") from None
+    return guarded
+
+
+# -- models ------------------------------------------------------------------------------
+
+
+def _model_object(entry) -> dict:
+    return {"id": entry.id, "object": "model", "created": entry.created_at, "owned_by": "local"}
+
+
+async def list_models(request: Request, service) -> Response:
+    await service.registry.refresh()
+    return json_response({"object": "list", "data": [_model_object(entry) for entry in service.registry]})
+
+
+async def get_model(request: Request, service) -> Response:
+    return json_response(_model_object(await service.registry.find(request.params["model_id"])))
+
+
+# -- generating ----------------------------------------------------------------------------
+
+
+def _event_stream(chunks: AsyncIterator[bytes], service) -> StreamingResponse:
+    return StreamingResponse(chunks, idle_chunk=SSE_KEEPALIVE, idle_interval=service.config.limits.stream_keepalive)
+
+
+async def _lmsp_events(generation: PreparedResponse, call: requests.Translated, request: Request, service,
+                       stored_body: Callable[[], dict] | None, streamed: bool) -> AsyncIterator[tuple[str, dict]]:
+    """The (name, data) of each LMSP event of a generation, noted and stored as
+    /lmsp/v1/responses does: before the final event goes out, the tokens are noted and the
+    response stored if asked (`stored_body()` is what is stored). A streamed response
+    whose client leaves stops generating and is stored even so, `cancelled` (the client
+    had its id from `response.created`); an unexpected failure ends a stream with an
+    `error` event. An error names the client's params (`call.rename_document`)."""
+    run = generation.run
+    finished = False
+    async with aclosing(generation.events()) as events:
+        try:
+            async for event in events:
+                if event.is_final:
+                    await _finish(generation, request, service, stored_body)
+                    finished = True
+                data = event.data
+                if "error" in data:
+                    data = {**data, "error": call.rename_document(data["error"])}
+                yield event.name, data
+        except Exception as exc:
+            service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
+            yield "error", run.error_event(Problem("internal_error", "an unexpected error occurred")).data
+        except BaseException:  # cancelled (the client left) or closed, mid-response
+            if streamed and not finished and generation.request.store:
+                with trio.CancelScope(shield=True):
+                    await events.aclose()  # the generation ends first (D4), not after the write
+                    if run.status == "in_progress":
+                        run.cancelled()
+                    try:
+                        await _finish(generation, request, service, stored_body)
+                    except Exception as exc:
+                        service.log(f"error: storing {run.id}, whose client left, failed: {type(exc).__name__}: {exc}")
+            raise
+
+
+async def _finish(generation: PreparedResponse, request: Request, service,
+                  stored_body: Callable[[], dict] | None) -> None:
+    usage = generation.run.usage
+    if usage is not None:
+        request.log_note = f"tokens={usage['input_tokens']}+{usage['output_tokens']}"
+    failed_synchronously = generation.run.status == "failed" and not generation.request.stream
+    if stored_body is not None and generation.request.store and service.stores_responses and not failed_synchronously:
+        await service.store.put_response(generation.run.id, generation.principal, generation.input_items,
+                                         compact_json(stored_body()))
+
+
+async def _generate(generation: PreparedResponse, call: requests.Translated, request: Request, service,
+                    stored_body: Callable[[], dict] | None) -> None:
+    """Run a synchronous generation to its end; a failed one is its problem (as /lmsp/v1's)."""
+    request.cancel_on_disconnect()  # nobody left to read the response: stop generating
+    async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=False)) as events:
+        async for name, data in events:
+            if name == "error":
+                raise Problem("internal_error", "an unexpected error occurred")
+    run = generation.run
+    if run.status == "failed":
+        retry = [("Retry-After", "5")] if run.error["code"] == "model_unavailable" else None
+        error = call.rename_document(run.error)
+        raise Problem(error["code"], error["detail"], param=error.get("param"), headers=retry)
+
+
+# -- POST /v1/responses ------------------------------------------------------------------------
+
+
+async def _prepare_response(call: requests.Translated, principal: str, service) -> PreparedResponse:
+    """The LMSP generation of a Responses request: its instructions as a system message
+    first, then the conversation previous_response_id names, then its own input."""
+    prefix = [] if call.instructions is None else [{"type": "message", "role": "system",
+                                                    "content": call.instructions}]
+    previous: list[dict] = []
+    if call.previous_response_id is not None:
+        if not service.stores_responses:
+            raise Problem("unsupported_capability", "this service does not store responses, so "
+                          "previous_response_id cannot be used", param="previous_response_id")
+        effective = await service.conversation_input(principal, call.previous_response_id, call.input)
+        previous = effective[:len(effective) - len(call.input)]
+    call.skipped, call.previous = len(prefix), len(previous)
+    try:
+        generation = await prepare_generation({**call.body, "input": [*prefix, *previous, *call.input]},
+                                              principal, service)
+    except Problem as problem:
+        raise call.rename(problem) from None
+    # What a next turn's previous_response_id brings back: not these instructions (as OpenAI's API)
+    generation.input_items = [*previous, *call.input]
+    return generation
+
+
+async def create_response(request: Request, service):
+    body = await read_json_body(request)
+    call = requests.responses_request(body, service.stores_responses)
+    if call.background:
+        return await _create_background(call, body, request, service)
+    generation = await _prepare_response(call, request.principal, service)
+    echo = responses.echo_of(body, store=generation.request.store)
+
+    def stored_body() -> dict:
+        return responses.response_object(generation.run.response_object(), echo)
+
+    if call.stream:
+        return _event_stream(_responses_sse(generation, call, echo, request, service, stored_body), service)
+    await _generate(generation, call, request, service, stored_body)
+    return json_response(stored_body())
+
+
+async def _responses_sse(generation: PreparedResponse, call: requests.Translated, echo: dict, request: Request,
+                         service, stored_body: Callable[[], dict]) -> AsyncIterator[bytes]:
+    run = generation.run
+    adapter = responses.ResponseEvents(run.id, run.created_at, run.model_id, echo)
+    async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=True)) as events:
+        async for name, data in events:
+            yield b"".join(responses.sse(event) for event in adapter.translate(name, data))
+
+
+async def _create_background(call: requests.Translated, body: dict, request: Request, service):
+    """A background response is an LMSP task; its id is the response's."""
+    service.auth.authenticate(request.headers.get("authorization"), "tasks:write", request.headers.get("host"))
+    if service.tasks is None:
+        raise Problem("unsupported_capability", "this service does not run background responses", param="background")
+    if body.get("store") is False:
+        raise invalid("store", "a background response is stored until it is fetched: 'store' cannot be false")
+    generation = await _prepare_response(call, request.principal, service)
+    row = await service.tasks.start(generation, body)
+    if call.stream:
+        return await _task_stream(row, request.principal, service, after=-1)
+    return json_response(await _task_response(row, service))
+
+
+# -- background and stored responses ---------------------------------------------------------------
+
+
+def _task_echo(row: TaskRow, service) -> dict:
+    body = json.loads(row.request)
+    return responses.echo_of(body, store=_task_stores(body, service), background=True)
+
+
+def _task_stores(body: dict, service) -> bool:
+    """Whether a task's response is stored when it ends: a background response's unless
+    `store: false` (which the dialect refuses), a task made through /lmsp/v1 if it asked."""
+    made_here = body.get("background") is True  # (LMSP refuses a `background` field)
+    return service.stores_responses and (body.get("store") is not False if made_here else body.get("store") is True)
+
+
+async def _task_response(row: TaskRow, service) -> dict:
+    """The response of a task as it stands: final, or as far as its committed events go."""
+    if row.response is not None:
+        lmsp = json.loads(row.response)
+    else:
+        events = await service.store.read_events(row.id, 0)
+        lmsp = {"id": row.response_id, "object": "response", "created_at": row.created_at, "status": row.status,
+                "model": row.model, "output": output_from_events(events), "usage": None, "error": None,
+                "incomplete_details": None}
+    return responses.response_object(lmsp, _task_echo(row, service))
+
+
+async def _task_of(response_id: str, principal: str, service) -> TaskRow | None:
+    if service.tasks is None:
+        return None
+    return await service.store.get_task_of_response(response_id, principal)
+
+
+def _not_found(response_id: str) -> Problem:
+    return Problem("response_not_found", f"no stored or background response has the id '{response_id[:80]}'")
+
+
+async def _task_stream(row: TaskRow, principal: str, service, after: int) -> StreamingResponse:
+    """A background response's events from the start, as OpenAI events, those numbered
+    after `after` sent (the SDK's resume filters on sequence_number too)."""
+    chunks = await service.tasks.events(row.id, principal, 0)  # (410 once its events expired)
+    adapter = responses.ResponseEvents(row.response_id, row.created_at, row.model, _task_echo(row, service))
+
+    async def body() -> AsyncIterator[bytes]:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                if chunk == SSE_KEEPALIVE:
+                    yield chunk
+                    continue
+                events = [event for name, data in _logged_events(chunk) for event in adapter.translate(name, data)
+                          if event["sequence_number"] > after]
+                if events:
+                    yield b"".join(responses.sse(event) for event in events)
+
+    return StreamingResponse(body())
+
+
+def _logged_events(chunk: bytes):
+    """(name, data) of each LMSP event of a task's SSE chunk (tasks.sse writes them whole)."""
+    for message in chunk.decode("utf-8").split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in message.split("\n") if line and not line.startswith(":"))
+        if "event" in fields:
+            yield fields["event"], json.loads(fields["data"])
+
+
+_SEQUENCE = re.compile(r"[0-9]{1,18}")
+
+
+async def get_response(request: Request, service):
+    response_id = request.params["response_id"]
+    if request.query.get("stream") in ("true", "1"):  # a task's events: tasks:read, as on /lmsp/v1
+        service.auth.authenticate(request.headers.get("authorization"), "tasks:read", request.headers.get("host"))
+        row = await _task_of(response_id, request.principal, service)
+        if row is None:
+            raise _not_found(response_id)
+        after = request.query.get("starting_after", "-1")
+        if after != "-1" and not _SEQUENCE.fullmatch(after):
+            raise invalid("starting_after", "'starting_after' must be a sequence number (a non-negative integer)")
+        return await _task_stream(row, request.principal, service, int(after))
+    return json_response(await _retrieve(response_id, request.principal, service))
+
+
+async def _retrieve(response_id: str, principal: str, service) -> dict:
+    row = await _task_of(response_id, principal, service)
+    stored = await service.store.get_response(response_id, principal) if service.stores_responses else None
+    if stored is not None:
+        body = json.loads(stored.body)
+        if responses.is_openai_object(body):
+            return body
+        echo = _task_echo(row, service) if row is not None else responses.echo_of({}, store=True)
+        return responses.response_object(body, echo)
+    if row is None or (row.status in FINAL_STATUSES and _task_stores(json.loads(row.request), service)):
+        raise _not_found(response_id)  # (a stored one that was deleted)
+    return await _task_response(row, service)
+
+
+async def delete_response(request: Request, service) -> Response:
+    response_id = request.params["response_id"]
+    stored = await service.store.get_response(response_id, request.principal) if service.stores_responses else None
+    if stored is None:
+        raise _not_found(response_id)
+    await service.store.delete_response(stored.id, request.principal)
+    return json_response({"id": stored.id, "object": "response.deleted", "deleted": True})
+
+
+async def list_input_items(request: Request, service) -> Response:
+    """A stored response's input (its conversation's earlier turns too; not its instructions),
+    paged as OpenAI pages it: `order` (desc by default), `limit` (20, at most 100), `after` an item id."""
+    response_id = request.params["response_id"]
+    stored = await service.store.get_response(response_id, request.principal) if service.stores_responses else None
+    if stored is None:
+        raise _not_found(response_id)
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", "'order' must be 'asc' or 'desc'")
+    limit = request.query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise invalid("limit", "'limit' must be an integer from 1 to 100")
+    items = responses.input_items(stored.input, response_id)
+    if order == "desc":
+        items.reverse()
+    if "after" in request.query:
+        ids = [item["id"] for item in items]
+        if request.query["after"] not in ids:
+            raise invalid("after", "'after' must be the id of one of this response's input items")
+        items = items[ids.index(request.query["after"]) + 1:]
+    page = items[:int(limit)]
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+
+
+async def cancel_response(request: Request, service) -> Response:
+    response_id = request.params["response_id"]
+    row = await _task_of(response_id, request.principal, service)
+    if row is None:
+        stored = await service.store.get_response(response_id, request.principal) if service.stores_responses else None
+        if stored is not None:
+            raise invalid("response_id", "only a background response can be cancelled")
+        raise _not_found(response_id)
+    row = await service.tasks.cancel(row.id, request.principal)
+    return json_response(await _task_response(row, service))
+
+
+# -- POST /v1/chat/completions ---------------------------------------------------------------------
+
+
+async def create_chat_completion(request: Request, service):
+    body = await read_json_body(request)
+    call = requests.chat_request(body)
+    try:
+        generation = await prepare_generation({**call.body, "input": call.input}, request.principal, service)
+    except Problem as problem:
+        raise call.rename(problem) from None
+
+    if call.stream:  # (a chat completion is never stored: its LMSP request says store false)
+        return _event_stream(_chat_sse(generation, call, request, service), service)
+    await _generate(generation, call, request, service, stored_body=None)
+    return json_response(chat.completion_object(generation.run.response_object()))
+
+
+async def _chat_sse(generation: PreparedResponse, call: requests.Translated, request: Request,
+                    service) -> AsyncIterator[bytes]:
+    run = generation.run
+    chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, call.include_usage)
+    async with aclosing(_lmsp_events(generation, call, request, service, None, streamed=True)) as events:
+        async for name, data in events:
+            body = chunks.translate(name, data)
+            if body:
+                yield body

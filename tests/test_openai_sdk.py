@@ -1,0 +1,556 @@
+"""The OpenAI dialect (/v1) driven by the real openai SDK, sync and async, over sockets.
+
+The SDK is the oracle: what it parses (event classes, `responses.stream()`'s snapshot,
+`get_final_response()`, `responses.parse` / `chat.completions.parse`, its exception
+classes) is what an OpenAI-compatible server must give it. The server runs in the test's
+trio loop; each client runs in a worker thread (the async one in an asyncio loop there:
+the SDK's anyio needs a newer trio than the server's), bounded by the SDK's timeout.
+"""
+
+import asyncio
+import json
+from contextlib import aclosing
+
+import openai
+import pydantic
+import pytest
+import trio
+
+from server_harness import make_service, start_server, tiny_path  # noqa: F401
+
+TINY_ID = "tiny:chat-q8_0"
+ASK = "What is the weather in Hangzhou?"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather for a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+class Verdict(pydantic.BaseModel):
+    ok: bool
+
+
+@pytest.fixture
+async def server(nursery, tiny_path, tmp_path):
+    """The tiny model, storing responses (previous_response_id, background) in tmp_path."""
+    return await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
+
+
+def base_url(server) -> str:
+    return f"http://{server.host}:{server.port}/v1"
+
+
+async def sync_sdk(server, work):
+    """work(client) with a sync OpenAI client, in a worker thread."""
+    def run():
+        with openai.OpenAI(base_url=base_url(server), api_key="sk-anything", max_retries=0, timeout=60) as client:
+            return work(client)
+    return await trio.to_thread.run_sync(run)
+
+
+async def async_sdk(server, work):
+    """await work(client) with an AsyncOpenAI client, in an asyncio loop in a worker thread."""
+    async def run():
+        async with openai.AsyncOpenAI(base_url=base_url(server), api_key="sk-anything", max_retries=0,
+                                      timeout=60) as client:
+            return await work(client)
+    return await trio.to_thread.run_sync(asyncio.run, run())
+
+
+def paced(model, monkeypatch, seconds: float) -> None:
+    """Make the model's chat events come at most one per `seconds` (the same events)."""
+    generate_chat = model.generate_chat
+
+    async def slower(prepared):
+        async with aclosing(generate_chat(prepared)) as events:
+            async for event in events:
+                await trio.sleep(seconds)
+                yield event
+
+    monkeypatch.setattr(model, "generate_chat", slower)
+
+
+# -- models and errors --------------------------------------------------------------------
+
+
+async def test_models_are_listed_and_found(server):
+    def work(client):
+        listed = client.models.list()
+        found = client.models.retrieve(TINY_ID)
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("nope")
+        return listed, found, missing.value
+
+    listed, found, missing = await sync_sdk(server, work)
+    assert [model.id for model in listed.data] == [TINY_ID]
+    assert found.id == TINY_ID and found.object == "model" and found.owned_by == "local"
+    assert isinstance(found.created, int)
+    assert missing.status_code == 404 and missing.code == "model_not_found" and "nope" in missing.message
+
+
+async def test_errors_are_the_sdk_exceptions_with_the_param(server):
+    async def work(client):
+        errors = {}
+        for name, kwargs in {
+            "model": {"model": "nope", "input": "hi"},
+            "top_logprobs": {"model": TINY_ID, "input": "hi", "top_logprobs": 3},
+            "input[0].content[1].type": {"model": TINY_ID, "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": "What is this?"},
+                {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
+            "temperature": {"model": TINY_ID, "input": "hi", "temperature": 3},
+            "bogus": {"model": TINY_ID, "input": "hi", "extra_body": {"bogus": 1}},
+            "previous_response_id": {"model": TINY_ID, "input": "hi", "previous_response_id": "resp_nope"},
+        }.items():
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.responses.create(**kwargs)
+            errors[name] = caught.value
+        return errors
+
+    errors = await async_sdk(server, work)
+    assert isinstance(errors["model"], openai.NotFoundError) and errors["model"].param == "model"
+    assert isinstance(errors["previous_response_id"], openai.NotFoundError)
+    for name in ("top_logprobs", "input[0].content[1].type", "temperature", "bogus"):
+        assert isinstance(errors[name], openai.BadRequestError), name
+        assert errors[name].param == name and errors[name].body["type"] == "invalid_request_error"
+    assert "'temperature'" in errors["temperature"].message
+
+
+async def test_a_wrong_token_is_an_authentication_error(nursery, tiny_path, tmp_path):
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"token": "sk-right", "principal": "alice",
+                                   "scopes": ["models:read", "responses:write"]}]))
+    server = await start_server(nursery, await make_service([tiny_path], tokens_file=tokens))
+
+    def work(api_key):
+        with openai.OpenAI(base_url=base_url(server), api_key=api_key, max_retries=0, timeout=60) as client:
+            try:
+                return client.models.list().data[0].id
+            except openai.APIStatusError as exc:
+                return exc
+
+    assert await trio.to_thread.run_sync(work, "sk-right") == TINY_ID
+    wrong = await trio.to_thread.run_sync(work, "sk-wrong")
+    assert isinstance(wrong, openai.AuthenticationError) and wrong.code == "invalid_api_key"
+
+
+# -- POST /v1/responses --------------------------------------------------------------------
+
+
+async def test_a_string_input_gets_a_response_that_repeats_the_request(server):
+    def work(client):
+        return client.responses.create(model=TINY_ID, input="Tell me a story.", instructions="Be brief.",
+                                       max_output_tokens=6, temperature=0, top_p=0.9,
+                                       metadata={"case": "string"}, user="u1")
+
+    response = await sync_sdk(server, work)
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text and response.output[0].type == "message"
+    assert response.output[0].content[0].type == "output_text"
+    assert response.usage.output_tokens == 6 and response.usage.total_tokens == (
+        response.usage.input_tokens + response.usage.output_tokens)
+    assert response.instructions == "Be brief." and response.metadata == {"case": "string"}
+    assert response.max_output_tokens == 6 and response.temperature == 0 and response.top_p == 0.9
+    assert response.store is True and response.user == "u1"
+
+
+async def test_instructions_are_a_system_message(server):
+    def work(client):
+        plain = client.responses.create(model=TINY_ID, input="Hi", max_output_tokens=4, temperature=0)
+        told = client.responses.create(model=TINY_ID, input="Hi", instructions="Answer in French.",
+                                       max_output_tokens=4, temperature=0)
+        as_message = client.responses.create(model=TINY_ID, max_output_tokens=4, temperature=0, input=[
+            {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}])
+        return plain, told, as_message
+
+    plain, told, as_message = await sync_sdk(server, work)
+    # (SmolLM2's template writes a default system message when there is none: both are longer)
+    assert told.usage.input_tokens != plain.usage.input_tokens
+    assert told.output_text == as_message.output_text  # greedy: the same prompt
+    assert told.usage.input_tokens == as_message.usage.input_tokens
+
+
+async def test_a_conversation_by_previous_response_id_then_retrieve_and_delete(server):
+    def work(client):
+        first = client.responses.create(model=TINY_ID, input="My name is Ada.", max_output_tokens=4,
+                                        temperature=0, instructions="Be brief.")
+        second = client.responses.create(model=TINY_ID, input="What is my name?", max_output_tokens=4,
+                                         temperature=0, previous_response_id=first.id)
+        alone = client.responses.create(model=TINY_ID, input="What is my name?", max_output_tokens=4,
+                                        temperature=0, store=False)
+        retrieved = client.responses.retrieve(second.id)
+        client.responses.delete(second.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(second.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(alone.id)  # store: false
+        return first, second, alone, retrieved
+
+    first, second, alone, retrieved = await sync_sdk(server, work)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > alone.usage.input_tokens  # the first turn is in the prompt
+    assert retrieved.to_dict() == second.to_dict()
+    assert alone.store is False
+
+
+async def test_previous_response_id_reaches_a_response_stored_through_lmsp(server):
+    reply = await server.responses({"model": TINY_ID, "input": [{"role": "user", "content": "My name is Ada."}],
+                                    "max_output_tokens": 4, "temperature": 0, "store": True})
+    lmsp = reply.json()
+
+    def work(client):
+        return (client.responses.retrieve(lmsp["id"]),
+                client.responses.create(model=TINY_ID, input="And?", previous_response_id=lmsp["id"],
+                                        max_output_tokens=2))
+
+    retrieved, follow_up = await sync_sdk(server, work)
+    assert retrieved.id == lmsp["id"] and retrieved.output_text == lmsp["output"][0]["content"][0]["text"]
+    assert retrieved.usage.input_tokens == lmsp["usage"]["input_tokens"]
+    assert follow_up.previous_response_id == lmsp["id"]
+
+
+# -- Responses streaming ----------------------------------------------------------------------
+
+
+async def test_create_stream_gives_the_sdk_event_classes_in_order(server):
+    from openai.types.responses import (ResponseCreatedEvent, ResponseIncompleteEvent,
+                                        ResponseTextDeltaEvent)
+
+    def work(client):
+        return list(client.responses.create(model=TINY_ID, input="Tell me a story.", max_output_tokens=8,
+                                            temperature=0, stream=True))
+
+    events = await sync_sdk(server, work)
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert isinstance(events[0], ResponseCreatedEvent) and events[0].response.output == []
+    assert events[1].type == "response.in_progress"
+    assert isinstance(events[-1], ResponseIncompleteEvent)
+    deltas = [event for event in events if isinstance(event, ResponseTextDeltaEvent)]
+    assert deltas and all(event.item_id == events[-1].response.output[0].id for event in deltas)
+    assert "".join(event.delta for event in deltas) == events[-1].response.output_text
+    kinds = [event.type for event in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+async def test_responses_stream_helper_reaches_the_final_parsed_response(server):
+    async def work(client):
+        texts = []
+        async with client.responses.stream(model=TINY_ID, input=ASK, text_format=Verdict, temperature=0,
+                                           max_output_tokens=32) as stream:
+            async for event in stream:
+                if event.type == "response.output_text.delta":
+                    texts.append(event.delta)
+            final = await stream.get_final_response()
+        return texts, final
+
+    texts, final = await async_sdk(server, work)
+    assert final.status == "completed"
+    assert "".join(texts) == final.output_text
+    assert isinstance(final.output_parsed, Verdict)
+    assert final.output_parsed == Verdict.model_validate_json(final.output_text)
+
+
+async def test_responses_parse_gets_a_parsed_object(server):
+    def work(client):
+        return client.responses.parse(model=TINY_ID, input=ASK, text_format=Verdict, temperature=0,
+                                      max_output_tokens=32)
+
+    response = await sync_sdk(server, work)
+    assert response.status == "completed" and isinstance(response.output_parsed, Verdict)
+    assert response.text.format.type == "json_schema"
+
+
+async def test_json_object_format_is_a_json_object(server):
+    def work(client):
+        return client.responses.create(model=TINY_ID, input=ASK, temperature=0, max_output_tokens=24,
+                                       text={"format": {"type": "json_object"}})
+
+    response = await sync_sdk(server, work)
+    assert response.output_text.startswith("{")
+    if response.status == "completed":
+        assert isinstance(json.loads(response.output_text), dict)
+
+
+async def test_function_tools_and_their_results(server):
+    def work(client):
+        called = client.responses.create(model=TINY_ID, input=ASK, tools=[WEATHER], tool_choice="required",
+                                         temperature=0, max_output_tokens=64)
+        call = next(item for item in called.output if item.type == "function_call")
+        answered = client.responses.create(model=TINY_ID, previous_response_id=called.id, tools=[WEATHER],
+                                           max_output_tokens=4, temperature=0, input=[
+                                               {"type": "function_call_output", "call_id": call.call_id,
+                                                "output": json.dumps({"temperature_c": 17})}])
+        with client.responses.stream(model=TINY_ID, input=ASK, tools=[WEATHER], temperature=0,
+                                     tool_choice={"type": "function", "name": "get_weather"},
+                                     max_output_tokens=64) as stream:
+            events = list(stream)
+        return called, call, answered, events
+
+    called, call, answered, events = await sync_sdk(server, work)
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    assert set(json.loads(call.arguments)) == {"city"} and len(json.loads(call.arguments)["city"]) <= 5
+    assert answered.status in ("completed", "incomplete")
+    done = [event for event in events if event.type == "response.function_call_arguments.done"]
+    deltas = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
+    assert done and deltas == done[0].arguments and set(json.loads(done[0].arguments)) == {"city"}
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output[0].parsed_arguments is None or events[-1].response.output[0].type
+
+
+# -- background responses ----------------------------------------------------------------------
+
+
+async def test_a_background_response_is_polled_and_its_stream_resumed(server):
+    async def work(client):
+        created = await client.responses.create(model=TINY_ID, input="Tell me a story.", max_output_tokens=8,
+                                                temperature=0, background=True, metadata={"job": "1"})
+        response = created
+        while response.status in ("queued", "in_progress"):
+            await asyncio.sleep(0.02)
+            response = await client.responses.retrieve(created.id)
+        replayed = [event async for event in await client.responses.retrieve(created.id, stream=True)]
+        resumed = [event async for event in await client.responses.retrieve(created.id, stream=True,
+                                                                            starting_after=3)]
+        async with client.responses.stream(response_id=created.id, starting_after=5) as stream:
+            helped = [event async for event in stream]
+            final = await stream.get_final_response() if response.status == "completed" else None
+        return created, response, replayed, resumed, helped, final
+
+    created, response, replayed, resumed, helped, final = await async_sdk(server, work)
+    assert created.background is True and created.status in ("queued", "in_progress")
+    assert response.status == "incomplete" and response.metadata == {"job": "1"} and response.output_text
+    assert [event.sequence_number for event in replayed] == list(range(len(replayed)))
+    assert replayed[0].type == "response.created" and replayed[-1].type == "response.incomplete"
+    assert replayed[-1].response.output_text == response.output_text
+    assert [event.sequence_number for event in resumed] == list(range(4, len(replayed)))
+    assert [event.to_dict() for event in resumed] == [event.to_dict() for event in replayed[4:]]
+    assert [event.sequence_number for event in helped] == list(range(6, len(replayed)))
+
+
+async def test_a_background_response_is_cancelled(server, monkeypatch):
+    paced(server.service.registry.get(TINY_ID).model, monkeypatch, 0.01)  # 400 tokens: >= 4 s
+
+    async def work(client):
+        created = await client.responses.create(model=TINY_ID, input="Tell me a story.", max_output_tokens=400,
+                                                temperature=0, background=True)
+        stream = await client.responses.retrieve(created.id, stream=True)
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+        cancelled = await client.responses.cancel(created.id)
+        rest = [event async for event in stream]
+        return cancelled, rest, await client.responses.retrieve(created.id)
+
+    cancelled, rest, retrieved = await async_sdk(server, work)
+    assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 400
+    # (the SDK names no class for response.cancelled: its response stays a dict)
+    assert rest[-1].type == "response.cancelled" and rest[-1].response["status"] == "cancelled"
+    assert retrieved.status == "cancelled" and retrieved.output_text == cancelled.output_text
+
+
+async def test_only_a_background_response_is_cancelled(server):
+    def work(client):
+        stored = client.responses.create(model=TINY_ID, input="Hi", max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            client.responses.cancel(stored.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.cancel("resp_nope")
+
+    await sync_sdk(server, work)
+
+
+# -- POST /v1/chat/completions ---------------------------------------------------------------------
+
+
+async def test_chat_completion(server):
+    def work(client):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+        first = client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=6, temperature=0)
+        newer = client.chat.completions.create(model=TINY_ID, messages=messages, max_completion_tokens=6,
+                                               temperature=0)
+        seeded = [client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=8, temperature=1,
+                                                 seed=seed).choices[0].message.content for seed in (7, 7, 8)]
+        return first, newer, seeded
+
+    first, newer, seeded = await sync_sdk(server, work)
+    assert first.object == "chat.completion" and first.id.startswith("chatcmpl-")
+    (choice,) = first.choices
+    assert choice.finish_reason == "length" and choice.message.role == "assistant" and choice.message.content
+    assert first.usage.completion_tokens == 6
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    assert newer.choices[0].message.content == choice.message.content
+    assert seeded[0] == seeded[1] != seeded[2]
+
+
+async def test_chat_stop_sequences_end_the_completion(server):
+    def work(client):
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        free = client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=12, temperature=0)
+        text = free.choices[0].message.content
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        stopped = client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=12, temperature=0,
+                                                 stop=[stop])
+        return text, stop, stopped
+
+    text, stop, stopped = await sync_sdk(server, work)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[:text.index(stop)]
+
+
+async def test_chat_stream_with_usage(server):
+    async def work(client):
+        stream = await client.chat.completions.create(
+            model=TINY_ID, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        synchronous = await client.chat.completions.create(
+            model=TINY_ID, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, temperature=0)
+        return chunks, synchronous
+
+    chunks, synchronous = await async_sdk(server, work)
+    assert all(chunk.object == "chat.completion.chunk" and chunk.id == chunks[0].id for chunk in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks[:-1])
+    assert text == synchronous.choices[0].message.content
+
+
+async def test_chat_tools_sync_and_streamed(server):
+    tool = {"type": "function", "function": {key: WEATHER[key] for key in ("name", "description", "parameters")}}
+
+    def work(client):
+        messages = [{"role": "user", "content": ASK}]
+        called = client.chat.completions.create(model=TINY_ID, messages=messages, tools=[tool],
+                                                tool_choice="required", temperature=0, max_tokens=64)
+        (call, *_) = called.choices[0].message.tool_calls
+        answered = client.chat.completions.create(model=TINY_ID, tools=[tool], temperature=0, max_tokens=4, messages=[
+            *messages, called.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 17})}])
+        with client.chat.completions.stream(model=TINY_ID, messages=messages, tools=[tool], temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                            max_tokens=64) as stream:
+            for _ in stream:
+                pass
+            streamed = stream.get_final_completion()
+        return called, call, answered, streamed
+
+    called, call, answered, streamed = await sync_sdk(server, work)
+    assert called.choices[0].finish_reason in ("tool_calls", "length")
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    assert answered.choices[0].message.role == "assistant"
+    (streamed_call,) = streamed.choices[0].message.tool_calls
+    assert streamed.choices[0].finish_reason == "tool_calls"
+    assert set(json.loads(streamed_call.function.arguments)) == {"city"}
+
+
+async def test_chat_completions_parse_gets_a_parsed_object(server):
+    async def work(client):
+        return await client.chat.completions.parse(model=TINY_ID, messages=[{"role": "user", "content": ASK}],
+                                                   response_format=Verdict, temperature=0, max_tokens=32)
+
+    completion = await async_sdk(server, work)
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Verdict) and message.parsed == Verdict.model_validate_json(message.content)
+
+
+async def test_chat_parameters_we_cannot_honour_are_named(server):
+    def work(client):
+        errors = {}
+        messages = [{"role": "user", "content": "hi"}]
+        for name, kwargs in {
+            "n": {"n": 2}, "logprobs": {"logprobs": True}, "presence_penalty": {"presence_penalty": 0.5},
+            "messages[0].content[1].type": {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is it?"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+            "max_tokens": {"max_tokens": 0},
+            "stop[0]": {"stop": [""]},
+            "tools[0].function.name": {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "messages[2].tool_call_id": {"messages": [*messages, {"role": "assistant", "content": "ok"},
+                                                      {"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
+        }.items():
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(**{"model": TINY_ID, "messages": messages, **kwargs})
+            errors[name] = caught.value
+        return errors
+
+    errors = await sync_sdk(server, work)
+    for name, error in errors.items():
+        assert error.param == name, (name, error.message)
+
+
+async def test_a_full_queue_is_a_rate_limit_error(server, monkeypatch):
+    monkeypatch.setattr(server.service.registry.get(TINY_ID), "admitted", 10**6)  # every slot taken
+
+    def work(client):
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(model=TINY_ID, messages=[{"role": "user", "content": "hi"}])
+        return caught.value
+
+    error = await sync_sdk(server, work)
+    assert error.code == "rate_limit_exceeded" and error.response.headers["retry-after"] == "1"
+
+
+async def test_a_chat_stream_that_fails_raises_in_the_sdk(server):
+    defs = {"L0": {"type": "integer"}}
+    for k in range(1, 11):
+        one = {"type": "array", "items": {"$ref": f"#/$defs/L{k - 1}"}, "minItems": 1, "maxItems": 1}
+        defs[f"L{k}"] = {"anyOf": [one, {**one, "maxItems": 2}]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "nested",
+                                                              "schema": {"$ref": "#/$defs/L10", "$defs": defs}}}
+
+    async def work(client):
+        stream = await client.chat.completions.create(model=TINY_ID, messages=[{"role": "user", "content": ASK}],
+                                                      max_tokens=32, stream=True, response_format=response_format)
+        with pytest.raises(openai.APIError) as caught:
+            async for _ in stream:
+                pass
+        return caught.value
+
+    error = await async_sdk(server, work)
+    assert "256" in error.message and error.param == "response_format.json_schema.schema"
+
+
+async def test_the_input_items_of_a_response_are_listed_and_paged(server):
+    def work(client):
+        first = client.responses.create(model=TINY_ID, input="My name is Ada.", max_output_tokens=2,
+                                        instructions="Be brief.")
+        second = client.responses.create(model=TINY_ID, previous_response_id=first.id, max_output_tokens=2, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "What is my name?"}]}])
+        listed = list(client.responses.input_items.list(second.id, order="asc"))
+        paged = list(client.responses.input_items.list(second.id, limit=1))  # desc; the SDK follows the pages
+        return first, listed, paged
+
+    first, listed, paged = await sync_sdk(server, work)
+    assert [item.type for item in listed] == ["message", "message", "message"]
+    assert [item.role for item in listed] == ["user", "assistant", "user"]  # (not the instructions)
+    assert listed[0].content[0].text == "My name is Ada." and listed[1].id == first.output[0].id
+    assert listed[2].content[0].text == "What is my name?"
+    assert [item.id for item in paged] == [item.id for item in reversed(listed)]
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=5)
+
+
+async def test_pydantic_tools_and_formats_through_the_parse_helpers(server):
+    """openai.pydantic_function_tool's strict schema, parsed back into the model; and
+    chat.completions.stream with a pydantic response_format, parsed at its end."""
+    def work(client):
+        messages = [{"role": "user", "content": ASK}]
+        called = client.chat.completions.parse(model=TINY_ID, messages=messages, temperature=0, max_tokens=64,
+                                               tools=[openai.pydantic_function_tool(GetWeather)],
+                                               tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+        with client.chat.completions.stream(model=TINY_ID, messages=messages, response_format=GetWeather,
+                                            temperature=0, max_tokens=64) as stream:
+            for _ in stream:
+                pass
+            streamed = stream.get_final_completion()
+        return called, streamed
+
+    called, streamed = await sync_sdk(server, work)
+    (call,) = called.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather) and len(call.function.parsed_arguments.city) <= 5
+    assert isinstance(streamed.choices[0].message.parsed, GetWeather)
