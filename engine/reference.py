@@ -110,19 +110,28 @@ def attention(h: np.ndarray, w: Tensors, hp, layer: int) -> np.ndarray:
         k = rms_norm(k, w("attn_k_norm.weight"), hp.norm_eps)
     local = hp.architecture == "gemma3" and hp.sliding_window > 0 and layer % 6 < 5
     q, k = rope(q, hp, local), rope(k, hp, local)
+    out = causal_attention(q, k, v, hp.sliding_window if local else 0)  # (n, n_head, hd_v)
+    return out.reshape(n, -1) @ w("attn_output.weight").T      # (n, d)
 
-    # query head i reads key/value head i // group (grouped-query attention)
-    group = hp.n_head // hp.n_head_kv
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0) -> np.ndarray:
+    """softmax(q k^T / sqrt(hd) + mask) v, head by head, of a sequence's positions 0..n-1.
+
+    q (n, n_head, hd), k (n, n_head_kv, hd), v (n, n_head_kv, hd_v) -> (n, n_head, hd_v).
+    Query head i reads key/value head i // (n_head / n_head_kv) (grouped-query
+    attention). The query at position i sees the keys at j <= i, and with a sliding
+    `window` only those with i - j < window.
+    """
+    n, n_head, hd = q.shape
+    group = n_head // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # (n, n_head, hd), (n, n_head, hd_v)
     scores = np.einsum("ihc,jhc->hij", q, k) / math.sqrt(hd)   # (n_head, n, n): query i, key j
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
-    hidden = j > i                                             # (n, n): a query sees no later key
-    if local:                                                  # ... nor one `sliding_window` or more back
-        hidden |= i - j >= hp.sliding_window
+    hidden = j > i                                             # (n, n): no query sees a later key
+    if window:
+        hidden |= i - j >= window
     scores[:, hidden] = -np.inf
-    weights = softmax(scores)                                  # (n_head, n, n)
-    out = np.einsum("hij,jhc->ihc", weights, v)                # (n, n_head, hd_v)
-    return out.reshape(n, -1) @ w("attn_output.weight").T      # (n, d)
+    return np.einsum("hij,jhc->ihc", softmax(scores), v)       # (n, n_head, hd_v)
 
 
 def rope(x: np.ndarray, hp, local: bool) -> np.ndarray:
@@ -168,8 +177,8 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x)."""
-    return x / (1.0 + np.exp(-x))
+    """x * sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2 (no exp to overflow)."""
+    return 0.5 * x * (1.0 + np.tanh(0.5 * x))
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
