@@ -1,19 +1,25 @@
-"""Forward passes of the tiny random-weight models: the code paths agree with each other.
+"""Forward passes of the tiny random-weight models, and their building blocks.
 
-Every way of running the same tokens (one long prefill, prefill then decode one
-token at a time, chunked prefill, several sequences in one batch, a forked
-cache) must give the same logits, up to float32 rounding.
+The fast path's ways of running tokens are held to the float64 reference
+(engine/reference.py) in tests/test_reference.py; here: a forked or grown and
+truncated cache against the reference too, the model's metadata and errors, and
+the engine's building blocks (RoPE, attention, activations, RMSNorm) against the
+reference's plain versions of them.
 """
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from gguf import GGUFWriter
-from gguf.quants import dequantize
 
 from engine import ModelFileError, ModelInfo, SamplingParams, UnsupportedModelError, load_model
+from engine import reference
 from engine.architectures import (attend, attend_one_each, geglu, neox_pairs_order, rms_norm, rope_angles, rope_pairs,
                                   swiglu)
+from engine.reference import reference_logits
 from engine.sampling import Sampler
+from test_reference import assert_agrees
 from tiny import ARCHITECTURES, write_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
@@ -32,54 +38,11 @@ def ids(model):
     return ids
 
 
-def assert_close(a, b):
-    scale = max(1.0, float(np.abs(b).max()))
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
-
-
 def test_logits_shape_and_fresh_context(model, ids):
     first = model.logits(ids)
     assert first.dtype == np.float32 and first.shape == (len(ids), model.info.n_vocab)
     assert np.isfinite(first).all()
     np.testing.assert_array_equal(model.logits(ids), first)
-
-
-def test_prefill_then_decode_equals_one_prefill(model, ids):
-    full = model.logits(ids)                                   # (n, V)
-    seq = model.new_sequence(ids[:5])
-    rows = [model.step([seq], all_logits=True)[0]]             # (5, V)
-    for token in ids[5:]:
-        seq.append(token)
-        rows.append(model.step([seq])[0])                      # (1, V)
-    assert_close(np.concatenate(rows), full)
-
-
-def test_chunked_prefill_equals_one_shot(model, ids):
-    full = model.logits(ids)
-    seq = model.new_sequence(ids)
-    rows = []
-    while seq.n_pending:
-        rows.append(model.step([seq], all_logits=True, chunk=6)[0])
-    assert len(rows) > 2
-    assert_close(np.concatenate(rows), full)
-
-
-@pytest.mark.parametrize("all_logits", [True, False])
-def test_batched_sequences_equal_each_alone(model, ids, all_logits):
-    """Without all_logits the last block computes each sequence's last row only, but it
-    still stores every token's keys and values: the decode step after it sees them all."""
-    a, b = ids, ids[3:12]
-    seqs = [model.new_sequence(a), model.new_sequence(b)]
-    together = model.step(seqs, all_logits=all_logits)
-    rows = slice(None) if all_logits else slice(-1, None)
-    assert_close(together[0], model.logits(a)[rows])
-    assert_close(together[1], model.logits(b)[rows])
-    # then one decode step for both at once
-    seqs[0].append(7)
-    seqs[1].append(9)
-    last = model.step(seqs)
-    assert_close(last[0], model.logits(a + [7])[-1:])
-    assert_close(last[1], model.logits(b + [9])[-1:])
 
 
 def test_forked_cache_continues_like_a_fresh_one(model, ids):
@@ -89,7 +52,7 @@ def test_forked_cache_continues_like_a_fresh_one(model, ids):
     assert fork.cache.length == 8
     fork.tokens.extend(ids[8:15])
     out = model.step([fork], all_logits=True)[0]
-    assert_close(out, model.logits(ids[:15])[8:])
+    assert_agrees(out, reference_logits(model, ids[:15])[8:])
 
 
 def test_cache_grows_past_its_initial_capacity(model, ids):
@@ -101,7 +64,7 @@ def test_cache_grows_past_its_initial_capacity(model, ids):
     assert seq.cache.length == len(ids) and seq.cache.capacity >= len(ids)
     seq.cache.truncate(4)
     seq.tokens[4:] = [ids[4]]
-    assert_close(model.step([seq])[0], model.logits(ids[:5])[-1:])
+    assert_agrees(model.step([seq])[0], reference_logits(model, ids[:5])[-1:])
 
 
 def test_info(model):
@@ -166,13 +129,15 @@ def test_missing_tensor_names_the_file_and_tensor(tmp_path):
 
 
 def test_rope_freq_factors_and_linear_scaling_load(tmp_path):
-    """Dividing every frequency by 2 (rope_freqs) is the same rotation as halving positions (linear 2x)."""
+    """Llama 3.1's rope_freqs and linear RoPE scaling are read and applied as the reference
+    applies them; dividing every frequency by 2 is the same rotation as halving positions."""
     ids = list(range(100, 120))
     plain = load_model(write_tiny_model(tmp_path / "plain.gguf", "llama"))
     factors = load_model(write_tiny_model(tmp_path / "f.gguf", "llama", rope_freq_factors=(2.0,) * 8))
     linear = load_model(write_tiny_model(tmp_path / "l.gguf", "llama", rope_scaling_factor=2.0))
     assert factors.hp.rope_freq_factors == (2.0,) * 8 and linear.hp.rope_scale == 0.5
-    assert_close(factors.logits(ids), linear.logits(ids))
+    assert_agrees(linear.logits(ids), reference_logits(linear, ids))
+    assert_agrees(factors.logits(ids), reference_logits(linear, ids))
     assert np.abs(plain.logits(ids) - linear.logits(ids)).max() > 1e-3
 
 
@@ -183,81 +148,52 @@ def test_context_window_cap(tmp_path):
         model.logits(list(range(33)))
 
 
-# --- the building blocks against plain references ------------------------------------------
+# --- the building blocks against the reference's plain versions ----------------------------
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # adjacent pairs; NEOX pairs
 @pytest.mark.parametrize("hd", [8, 12])  # 12: the last 4 dimensions are not rotated
-def test_rope_pairs_and_the_neox_order(hd):
+@pytest.mark.parametrize("scale, factors", [(1.0, None), (0.5, (1.0, 2.0, 1.0, 4.0))])
+def test_rope_pairs_and_the_neox_order(architecture, hd, scale, factors):
     """rope_pairs turns adjacent pairs (llama); with NEOX's dimensions reordered by
-    neox_pairs_order, it turns NEOX's pairs (i, i + rope_dim/2) as NEOX does."""
+    neox_pairs_order, it turns NEOX's pairs (i, i + rope_dim/2) as NEOX does; the angles
+    (rope_angles) scale positions and divide frequencies by their factors."""
+    hp = SimpleNamespace(architecture=architecture, rope_dim=8, rope_base=10000.0, rope_scale=scale,
+                         rope_freq_factors=factors)
     rng = np.random.default_rng(0)
-    qkv = rng.standard_normal((3, 2 * hd + 5)).astype(np.float32)
-    x = qkv[:, : 2 * hd].reshape(3, 2, hd)                     # (n, heads, hd), rows strided as in attention
-    pos = np.array([0, 1, 5])
-    angles = pos[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)  # (n, 4): rope_dim 8
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    n = 6
+    qkv = rng.standard_normal((n, 2 * hd + 5)).astype(np.float32)
+    x = qkv[:, : 2 * hd].reshape(n, 2, hd)                     # (n, heads, hd), rows strided as in attention
+    cos, sin = rope_angles(np.arange(n), 8, 10000.0, scale, factors)  # (n, 4)
     turns = (cos + 1j * sin).astype(np.complex64)
-    norm = rope_pairs(x, turns)
-    order = neox_pairs_order(hd, 8)
-    neox = np.empty_like(x)
-    neox[..., order] = rope_pairs(np.ascontiguousarray(x[..., order]), turns)  # back in the file's order
-    np.testing.assert_array_equal(norm[..., 8:], x[..., 8:])
-    np.testing.assert_array_equal(neox[..., 8:], x[..., 8:])
-    for t in range(3):
-        for i in range(4):
-            c, s = cos[t, i], sin[t, i]
-            a, b = x[t, :, 2 * i], x[t, :, 2 * i + 1]          # adjacent pair (llama)
-            np.testing.assert_allclose(norm[t, :, 2 * i], a * c - b * s, atol=1e-6)
-            np.testing.assert_allclose(norm[t, :, 2 * i + 1], a * s + b * c, atol=1e-6)
-            a, b = x[t, :, i], x[t, :, i + 4]                  # split halves (neox)
-            np.testing.assert_allclose(neox[t, :, i], a * c - b * s, atol=1e-6)
-            np.testing.assert_allclose(neox[t, :, i + 4], a * s + b * c, atol=1e-6)
-
-
-@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
-def test_neox_q_and_k_are_reordered_at_load_with_their_biases_and_norms(tmp_path, architecture):
-    model = load_model(write_tiny_model(tmp_path / "m.gguf", architecture))
-    hp, blk, tensors = model.hp, model.weights.blocks[0], model.file.tensors
-    order = neox_pairs_order(hp.head_dim, hp.rope_dim)
-    n_q, n_k = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-
-    def file_rows(name: str, n_heads: int) -> np.ndarray:  # (n_heads * hd, ...) reordered head by head
-        t = tensors[f"blk.0.{name}"]
-        a = dequantize(t.data, t.type).reshape(n_heads, hp.head_dim, -1)
-        return a[:, order].reshape(n_heads * hp.head_dim, -1)
-
-    qkv = blk.qkv.dequantize()
-    np.testing.assert_allclose(qkv[:n_q], file_rows("attn_q.weight", hp.n_head), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(qkv[n_q:n_q + n_k], file_rows("attn_k.weight", hp.n_head_kv), rtol=1e-6, atol=1e-6)
-    if architecture == "qwen2":
-        np.testing.assert_array_equal(blk.qkv_bias[:n_q], file_rows("attn_q.bias", hp.n_head)[:, 0])
+    if architecture == "llama":
+        out = rope_pairs(x, turns)
     else:
-        np.testing.assert_array_equal(blk.qk_norm[0], file_rows("attn_q_norm.weight", 1)[:, 0])
+        order = neox_pairs_order(hd, 8)
+        out = np.empty_like(x)
+        out[..., order] = rope_pairs(np.ascontiguousarray(x[..., order]), turns)  # back in the file's order
+    np.testing.assert_array_equal(out[..., 8:], x[..., 8:])
+    np.testing.assert_allclose(out, reference.rope(x.astype(np.float64), hp, local=False), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("block", [128, 2])
 @pytest.mark.parametrize("T", [5, 1])  # a chunk of a prompt; one decoding query
 @pytest.mark.parametrize("keys_first_min_keys", [1, 10**9])  # one query's scores as keys @ q.T, or not
-def test_attend_matches_a_loop(window, block, T, keys_first_min_keys, monkeypatch):
+def test_attend_against_the_reference(window, block, T, keys_first_min_keys, monkeypatch):
     monkeypatch.setattr("engine.architectures.ATTENTION_BLOCK", block)
     monkeypatch.setattr("engine.architectures.KEYS_FIRST_MIN_KEYS", keys_first_min_keys)
     rng = np.random.default_rng(1)
     L, n_head, n_kv, hd = 9, 4, 2, 8
-    q = rng.standard_normal((T, n_head, hd)).astype(np.float32)
+    q = rng.standard_normal((L, n_head, hd))                   # (L, n_head, hd): every position's queries
+    k, v = rng.standard_normal((2, L, n_kv, hd))               # (L, n_kv, hd) each
+    expected = reference.causal_attention(q, k, v, window)[L - T:]  # (T, n_head, hd): the last T queries
     # keys and values as the cache gives them: the first L positions of a longer buffer
-    keys = rng.standard_normal((n_kv, 16, hd)).astype(np.float32)[:, :L]
-    values = rng.standard_normal((n_kv, 16, hd)).astype(np.float32)[:, :L]
-    positions = np.arange(L - T, L)
-    out = attend(q, keys, values, positions, window, 0.3).reshape(T, n_head, hd)
-    for t, p in enumerate(positions):
-        for h in range(n_head):
-            kv = h // (n_head // n_kv)
-            seen = [j for j in range(L) if j <= p and (not window or p - j < window)]
-            s = np.array([q[t, h] @ keys[kv, j] * 0.3 for j in seen])
-            w = np.exp(s - s.max())
-            w /= w.sum()
-            np.testing.assert_allclose(out[t, h], w @ values[kv, seen], atol=1e-5)
+    keys, values = (np.zeros((n_kv, 16, hd), np.float32) for _ in range(2))
+    keys[:, :L], values[:, :L] = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+    out = attend(q[L - T:].astype(np.float32), keys[:, :L], values[:, :L], np.arange(L - T, L), window,
+                 1 / np.sqrt(hd))
+    np.testing.assert_allclose(out.reshape(T, n_head, hd), expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -278,27 +214,18 @@ def test_one_query_each_gives_the_floats_of_one_sequence_at_a_time(window, keys_
                                                             window, 0.3))
 
 
-def test_rope_angles_scaling_and_frequency_factors():
-    cos, sin = rope_angles(np.array([3]), 4, 100.0, scale=0.5, freq_factors=(1.0, 2.0))
-    angles = 0.5 * 3 * np.array([1.0, 0.1 / 2.0])              # base^(-2i/4) / factor_i
-    np.testing.assert_allclose(cos[0], np.cos(angles), rtol=1e-6)
-    np.testing.assert_allclose(sin[0], np.sin(angles), rtol=1e-6)
-
-
 @pytest.mark.parametrize("rows", [3, 600])  # 600 x 512 values: split over the threads in row blocks
-def test_gated_activations_and_rms_norm_against_plain_formulas(rows):
+def test_gated_activations_and_rms_norm_against_the_reference(rows):
     rng = np.random.default_rng(1)
     gate = (rng.standard_normal((rows, 512)) * 4).astype(np.float32)
     gate[0, :4] = [-100.0, -1000.0, 100.0, 0.0]                # exp(-x) overflows, and saturation
     up = rng.standard_normal((rows, 512)).astype(np.float32)
     x, up64 = gate.astype(np.float64), up.astype(np.float64)
-    silu = x / (1 + np.exp(np.minimum(-x, 700)))
-    gelu = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-    np.testing.assert_allclose(swiglu(gate, up), silu * up64, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(geglu(gate, up), gelu * up64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(swiglu(gate, up), reference.silu(x) * up64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(geglu(gate, up), reference.gelu_tanh(x) * up64, rtol=1e-5, atol=1e-6)
     weight = rng.standard_normal(512).astype(np.float32)
-    norm = x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-6) * weight
-    np.testing.assert_allclose(rms_norm(gate, weight, 1e-6), norm, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rms_norm(gate, weight, 1e-6), reference.rms_norm(x, weight, 1e-6),
+                               rtol=1e-5, atol=1e-6)
     # a row alone (decoding: scalar arithmetic) is the very same floats as in a batch
     assert all(np.array_equal(rms_norm(gate[i:i + 1], weight, 1e-6), rms_norm(gate, weight, 1e-6)[i:i + 1])
                for i in range(3))
