@@ -221,11 +221,20 @@ class Tasks:
     async def start(self, generation, body: dict) -> TaskRow:
         """Create a task for a prepared generation (app.PreparedResponse) and start it.
 
-        Once this returns, the task is in the database (durably) and running."""
-        if self._nursery is None:
-            raise RuntimeError("Tasks.run is not running: tasks cannot start")
-        if self._stopping:
-            raise shutting_down()
+        Once this returns, the task is in the database (durably) and running. The task
+        owns the generation from the call on: its runner releases the generation's
+        admission when it ends, and so does `start` itself when it cannot start it."""
+        try:
+            if self._nursery is None:
+                raise RuntimeError("Tasks.run is not running: tasks cannot start")
+            if self._stopping:
+                raise shutting_down()
+            return await self._start(generation, body)
+        except BaseException:
+            generation.release()
+            raise
+
+    async def _start(self, generation, body: dict) -> TaskRow:
         task_id = new_id("task")
         run = generation.run
         running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))
@@ -284,6 +293,7 @@ class Tasks:
             if len(errors) < len(leaves):
                 raise next(leaf for leaf in leaves if not isinstance(leaf, Exception)) from None
         finally:
+            generation.release()  # (its events, if they started, released it already)
             if not event_log.done:
                 # The runner failed, or was cancelled from outside (the service stopped at
                 # once, without a drain): end the task now, from its committed events as a

@@ -600,18 +600,15 @@ def running_server(model_path, data_dir, **config):
     async def main():
         try:
             settings = ServiceConfig(model_paths=[model_path], models_dir=None, data_dir=data_dir, access_log=False, **config)
-            service = await Service.open(settings, log=lambda line: None)
+            async with Service.open(settings, log=lambda line: None) as service:
+                async with trio.open_nursery() as nursery:
+                    addresses = await nursery.start(serve, service, "127.0.0.1", 0)
+                    started.put((addresses[0][1], trio.lowlevel.current_trio_token(), nursery.cancel_scope))
         except BaseException as e:
-            started.put(e)
+            started.put(e)  # (read only if it failed to start)
             raise
-        try:
-            async with trio.open_nursery() as nursery:
-                addresses = await nursery.start(serve, service, "127.0.0.1", 0)
-                started.put((addresses[0][1], trio.lowlevel.current_trio_token(), nursery.cancel_scope))
-        finally:
-            service.close()
 
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread = threading.Thread(target=trio.run, args=(main,))
     thread.start()
     result = started.get(timeout=120)
     if isinstance(result, BaseException):
@@ -622,6 +619,7 @@ def running_server(model_path, data_dir, **config):
     finally:
         trio.from_thread.run_sync(scope.cancel, trio_token=token)
         thread.join(10)
+        assert not thread.is_alive(), "the server did not stop within 10 s"
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from lmsp_min.problems import Problem
 from lmsp_min.store import LoggedEvent, Store, StoreError
 from lmsp_min.service import _only
 from lmsp_min.tasks import Tasks
-from server_harness import SSE, make_service, parse_sse, start_server, tiny_path  # noqa: F401
+from server_harness import SSE, close_service, make_service, parse_sse, start_server, tiny_path  # noqa: F401
 
 TASKS = "/lmsp/v1/tasks"
 FINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
@@ -606,7 +606,7 @@ async def test_a_task_created_once_the_service_has_stopped_at_once_ends_as_it_st
     row = await service.store.get_task(created[0], None)
     assert row.status == "failed" and row.object()["response"]["error"]["code"] == "model_unavailable"
     assert [e.event for e in await service.store.read_events(created[0], 0)] == ["response.failed"]
-    service.close()
+    await close_service(service)
 
 
 async def test_a_runner_failing_as_a_forced_stop_cancels_it_lets_the_service_stop(tiny_path, tmp_path,
@@ -638,7 +638,7 @@ async def test_a_runner_failing_as_a_forced_stop_cancels_it_lets_the_service_sto
     monkeypatch.setattr(service.store, "append_events", append_events)  # the disk has room again
     assert await Tasks(service.store).recover() == [task.id]  # as the next start does
     assert (await service.store.get_task(task.id, None)).status == "failed"
-    service.close()
+    await close_service(service)
 
 
 async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_path, tmp_path, monkeypatch):
