@@ -6,15 +6,18 @@ A trio program runs one like this:
         async with trio.open_nursery() as nursery:
             addresses = await nursery.start(lmsp_min.serve, service, "127.0.0.1", 8080)
 
-The service owns what it opens: when its `async with` ends, the models it loaded
-are closed (their scheduler threads joined, engine/model.py `Model.close`), then
-the store. `serve` runs the HTTP server and the tasks in its own nursery, so by
-then no request or task is left.
-
 `lmsp-min serve` does exactly that. On SIGINT or SIGTERM it stops cleanly:
 no new connection, idle ones closed, requests in progress given
 SHUTDOWN_GRACE seconds to finish (`Service.drain`), then those still generating
 ended `failed` (model_unavailable), and everything cancelled.
+
+Every piece has an owner that ends it. `serve` runs the HTTP server and the
+tasks in its nursery, so once it returns no request or task is left; then the
+service's `async with` closes the models it loaded (engine/model.py
+`Model.close`: their scheduler threads joined), then the store.
+
+Reading the request path starts here: `serve` runs lmsp_min/http.py's HTTPServer,
+whose handler is lmsp_min/app.py's `App`.
 """
 
 import os

@@ -19,6 +19,9 @@ usage unknown) from what its log holds; so does this process (`internal_error`)
 if a failing write (a full disk) kept its runner from ending it. A task another
 process runs is followed by polling the database, and cancelled by a request
 its owner polls for.
+
+A task owns its generation (app.PreparedResponse) from `Tasks.start` on, and its
+runner releases the generation's admission when it ends, however it ends.
 """
 
 from __future__ import annotations
