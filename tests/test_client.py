@@ -145,11 +145,14 @@ class FakeServer:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,))
+        self.thread.start()
 
     def close(self):
-        self.httpd.shutdown()
+        self.httpd.shutdown()  # (returns once serve_forever has)
         self.httpd.server_close()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the fake server's thread did not stop within 10 s"
 
 
 @pytest.fixture
