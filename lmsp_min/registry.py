@@ -283,9 +283,8 @@ class ModelEntry:
     def close(self) -> None:
         """Close the model `load` loaded (it blocks for up to one forward step: async code
         calls it in a worker thread); the next `load` loads it again."""
-        model, loaded_here = self.model, self._loaded_here
-        if loaded_here:
-            self.model, self._loaded_here = None, False
+        if self._loaded_here:
+            model, self.model, self._loaded_here = self.model, None, False
             model.close()
 
     @property
