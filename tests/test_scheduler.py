@@ -376,23 +376,23 @@ def test_prefix_cache_keeps_what_an_entry_holds_not_the_room_it_grew():
 @pytest.mark.slow
 async def test_real_model_batched_and_cached_equal_alone(smollm2_path):
     """SmolLM2: three chats alone, then at once, then the first again from the prefix cache."""
-    model = load_model(smollm2_path)
-    chats = [model.tokenize(model.apply_chat_template([{"role": "user", "content": q}]), parse_special=True)
-             for q in ("What is the capital of France?", "Name three fruits.", "Write a haiku about rain.")]
-    expected = [(await generate(alone(model), ids, 12))[0] for ids in chats]
-    got = [None] * len(chats)
+    with load_model(smollm2_path) as model:
+        chats = [model.tokenize(model.apply_chat_template([{"role": "user", "content": q}]), parse_special=True)
+                 for q in ("What is the capital of France?", "Name three fruits.", "Write a haiku about rain.")]
+        expected = [(await generate(alone(model), ids, 12))[0] for ids in chats]
+        got = [None] * len(chats)
 
-    async def run(i: int) -> None:
-        got[i] = (await generate(model.scheduler, chats[i], 12))[0]
+        async def run(i: int) -> None:
+            got[i] = (await generate(model.scheduler, chats[i], 12))[0]
 
-    async with trio.open_nursery() as nursery:
-        for i in range(len(chats)):
-            nursery.start_soon(run, i)
-    for ids, want, tokens in zip(chats, expected, got):
-        assert_same_greedy(model, ids, want, tokens)
-    again, cached = await generate(model.scheduler, chats[0], 12)
-    assert cached == len(chats[0]) - 1
-    assert_same_greedy(model, chats[0], expected[0], again)
+        async with trio.open_nursery() as nursery:
+            for i in range(len(chats)):
+                nursery.start_soon(run, i)
+        for ids, want, tokens in zip(chats, expected, got):
+            assert_same_greedy(model, ids, want, tokens)
+        again, cached = await generate(model.scheduler, chats[0], 12)
+        assert cached == len(chats[0]) - 1
+        assert_same_greedy(model, chats[0], expected[0], again)
 
 
 async def _collect(fn, out: list) -> None:
