@@ -160,52 +160,52 @@ async def run(n_requests: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_chat_model(Path(tmp) / "tiny-chat-q8_0.gguf")
         config = ServiceConfig(model_paths=[path], models_dir=None, access_log=False)
-        service = await Service.open(config, log=lambda line: None)
-        entry = service.registry.get(MODEL_ID)
-        model = await entry.load()
-        rows = []
-        async with trio.open_nursery() as nursery:
-            (host, port), *_ = await nursery.start(serve, service, "127.0.0.1", 0)
-            stream = await trio.open_tcp_stream(host, port)
-            client = Client(stream)
-            await sync_latency(client, 5)  # warm up: templates compiled, caches filled
-            await engine_latency(model, 5)
-            cpu = time.process_time()
-            total = await sync_latency(client, n_requests)
-            cpu_total = (time.process_time() - cpu) / n_requests
-            cpu = time.process_time()
-            engine = await engine_latency(model, n_requests)
-            cpu_engine = (time.process_time() - cpu) / n_requests
-            rows.append({"name": "sync_1_token", "value": round(1 / total, 1), "unit": "req/s",
-                         "latency_ms": round(total * 1000, 3), "engine_ms": round(engine * 1000, 3),
-                         "server_overhead_ms": round((total - engine) * 1000, 3),
-                         "server_overhead_cpu_ms": round((cpu_total - cpu_engine) * 1000, 3)})
-            entry.model = StubEngine(model)
-            await sync_latency(client, 5)
-            cpu = time.process_time()
-            stub = await sync_latency(client, n_requests)
-            cpu = (time.process_time() - cpu) / n_requests
-            entry.model = model
-            rows.append({"name": "stub_engine", "value": round(1 / stub, 1), "unit": "req/s",
-                         "server_overhead_ms": round(stub * 1000, 3),
-                         "cpu_ms_server_and_client": round(cpu * 1000, 3)})
-            latencies = []
-            for _ in range(5):
-                latencies += await sse_latencies(client, model, 64)
-            latencies.sort()
-            entry.model = StubEngine(model, n_tokens=64)
-            await stream_of(client, 64)
-            cpu = time.process_time()
-            for _ in range(10):
+        async with Service.open(config, log=lambda line: None) as service:  # (closes the model at the end)
+            entry = service.registry.get(MODEL_ID)
+            model = await entry.load()
+            rows = []
+            async with trio.open_nursery() as nursery:
+                (host, port), *_ = await nursery.start(serve, service, "127.0.0.1", 0)
+                stream = await trio.open_tcp_stream(host, port)
+                client = Client(stream)
+                await sync_latency(client, 5)  # warm up: templates compiled, caches filled
+                await engine_latency(model, 5)
+                cpu = time.process_time()
+                total = await sync_latency(client, n_requests)
+                cpu_total = (time.process_time() - cpu) / n_requests
+                cpu = time.process_time()
+                engine = await engine_latency(model, n_requests)
+                cpu_engine = (time.process_time() - cpu) / n_requests
+                rows.append({"name": "sync_1_token", "value": round(1 / total, 1), "unit": "req/s",
+                             "latency_ms": round(total * 1000, 3), "engine_ms": round(engine * 1000, 3),
+                             "server_overhead_ms": round((total - engine) * 1000, 3),
+                             "server_overhead_cpu_ms": round((cpu_total - cpu_engine) * 1000, 3)})
+                entry.model = StubEngine(model)
+                await sync_latency(client, 5)
+                cpu = time.process_time()
+                stub = await sync_latency(client, n_requests)
+                cpu = (time.process_time() - cpu) / n_requests
+                entry.model = model
+                rows.append({"name": "stub_engine", "value": round(1 / stub, 1), "unit": "req/s",
+                             "server_overhead_ms": round(stub * 1000, 3),
+                             "cpu_ms_server_and_client": round(cpu * 1000, 3)})
+                latencies = []
+                for _ in range(5):
+                    latencies += await sse_latencies(client, model, 64)
+                latencies.sort()
+                entry.model = StubEngine(model, n_tokens=64)
                 await stream_of(client, 64)
-            cpu_per_event = (time.process_time() - cpu) / (10 * 64)
-            entry.model = model
-            rows.append({"name": "sse_event_latency", "value": round(statistics.median(latencies) * 1000, 3),
-                         "unit": "ms (median)", "p90_ms": round(latencies[int(0.9 * len(latencies))] * 1000, 3),
-                         "events": len(latencies),
-                         "cpu_ms_per_event_server_and_client": round(cpu_per_event * 1000, 4)})
-            await stream.aclose()
-            nursery.cancel_scope.cancel()
+                cpu = time.process_time()
+                for _ in range(10):
+                    await stream_of(client, 64)
+                cpu_per_event = (time.process_time() - cpu) / (10 * 64)
+                entry.model = model
+                rows.append({"name": "sse_event_latency", "value": round(statistics.median(latencies) * 1000, 3),
+                             "unit": "ms (median)", "p90_ms": round(latencies[int(0.9 * len(latencies))] * 1000, 3),
+                             "events": len(latencies),
+                             "cpu_ms_per_event_server_and_client": round(cpu_per_event * 1000, 4)})
+                await stream.aclose()
+                nursery.cancel_scope.cancel()
         return rows
 
 

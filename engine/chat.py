@@ -28,6 +28,10 @@ Stop sequences apply to what is not constrained: without tools they end the raw
 output; with tools, the message text only (`MessageStop`: a call is never cut);
 with `json_schema` they are not applied (they could cut the document; the server
 refuses the combination).
+
+Reading the request path: lmsp_min/app.py calls both; `generate_chat` reads the
+tokens of engine/generate.py's `Generation`, and its events go to
+lmsp_min/events.py (`ResponseRun.events`).
 """
 
 from __future__ import annotations

@@ -59,6 +59,13 @@ class QueueFull(EngineError):
         super().__init__(f"{queued} requests are already waiting for this model; retry in {retry_after} s")
 
 
+class ModelClosed(EngineError):
+    """The model was closed (`Model.close`): it generates nothing more."""
+
+    def __init__(self):
+        super().__init__("the model is closed")
+
+
 class ChatTemplateError(EngineError):
     """The model's chat template does not compile, or cannot render these messages
     (the template called raise_exception, e.g. "roles must alternate user/assistant")."""

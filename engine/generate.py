@@ -18,6 +18,9 @@ returns a `Generation`: `async for token in generation` yields `Token(id, text)`
   (unless text was held back until then: it comes with that last Token).
   So does a constraint that reports `is_done()`, after its last token.
 - `finish_reason` is "stop" or "length" once the iteration is over.
+
+Reading the request path: engine/chat.py's `generate_chat` reads a Generation;
+a Generation reads the steps of its request in engine/scheduler.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ architecture from the metadata and wraps each weight matrix in a quantized
 `Weight` (engine/quants.py) without a float32 copy. The `Model` it returns is
 what the rest of the program talks to: tokenize, detokenize, logits, chat
 template, and (engine/generate.py, engine/chat.py) generation.
+
+A model owns a worker thread (its scheduler's, while it generates) and, when
+acceleration is on, what `accel` holds: `close()` ends both, and a model used as
+`with load_model(path) as model:` is closed when the block ends.
 """
 
 from __future__ import annotations
@@ -98,12 +102,27 @@ class Model:
             add_eos=tokenizer.add_eos,
         )
         self.helper: Helper | None = None      # computes part of each decode matmul (engine/helper.py)
+        self.accel = None                      # what speeds up its matmuls, closed with it (or None)
         self.steps = 0                       # forward steps run so far (tests watch it)
         self._forward_lock = threading.Lock()  # one forward at a time over the shared weights
         self.scheduler = Scheduler(self)       # batches the forward steps of concurrent generations
         self.info = self._make_info()
 
     # --- the public API ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop generating: the requests still running end (ModelClosed), the scheduler's
+        thread is joined, the acceleration's resources are released. Idempotent. It
+        blocks for up to one forward step: async code calls it in a worker thread."""
+        self.scheduler.close()
+        if self.accel is not None:
+            self.accel.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)

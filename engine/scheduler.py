@@ -28,7 +28,14 @@ Threads: the numpy work runs in one worker thread per model, never on the trio
 loop. The worker starts when a request arrives and ends when none is left. It
 hands each sampled token to the request's trio memory channel through the trio
 token of the loop that submitted it (`run_sync_soon`, so a slow reader never
-stalls the batch); the caller reads them with `async for`.
+stalls the batch); the caller reads them with `async for`. The worker serves
+requests from any trio loop, so it is not a task of one: its owner is the
+scheduler, whose `close()` (called by `Model.close`) ends the requests still
+there (`ModelClosed`) and joins it, the step it is in finished first.
+
+Reading the request path: engine/generate.py reads a `StepStream` (one
+generation's tokens); this file is where the path ends, in `Model.step`
+(engine/model.py, then engine/architectures.py for the forward itself).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import trio
 
-from .errors import QueueFull
+from .errors import ModelClosed, QueueFull
 from .kv_cache import INITIAL_CAPACITY, Sequence
 from .prefix_cache import PrefixCache
 
@@ -100,6 +107,11 @@ class StepStream:
         """"stop" when a stop id ended it, "length" at max_tokens or a full context, else None."""
         return self._request.finish_reason
 
+    @property
+    def preempted(self) -> int:
+        """Times the request left the batch to make room in the KV budget (and resumed)."""
+        return self._request.preempted
+
     def __aiter__(self) -> StepStream:
         return self
 
@@ -136,14 +148,17 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.interleave_chunk = interleave_chunk
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        self._lock = threading.Lock()          # guards _waiting and _worker
+        self._lock = threading.Lock()          # guards _waiting, _running and _closed
         self._waiting: deque[Request] = deque()
-        self._worker: threading.Thread | None = None
+        self._running = False                  # a worker thread is stepping the requests
+        self._worker: threading.Thread | None = None  # the latest worker thread, which close() joins
+        self._closed = False
 
     def submit(self, prompt: list[int], *, pick: Pick, max_tokens: int,
                stop_ids: frozenset[int] = frozenset(),
                stop_when: Callable[[], bool] | None = None) -> StepStream:
-        """Queue a generation; call from a trio task. Raises QueueFull when the queue is full.
+        """Queue a generation; call from a trio task. Raises QueueFull when the queue is
+        full, ModelClosed once the scheduler is closed.
 
         The generation ends ("stop") after a token in `stop_ids` or a token after
         which `stop_when()` is true (a complete constraint: asked in the worker
@@ -160,13 +175,38 @@ class Scheduler:
         request = Request(list(prompt), pick, max_tokens, frozenset(stop_ids), stop_when, send,
                           trio.lowlevel.current_trio_token())
         with self._lock:
+            if self._closed:
+                raise ModelClosed()
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(len(self._waiting))
             self._waiting.append(request)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="lmsp-scheduler", daemon=True)
+            if not self._running:
+                self._running = True
+                self._worker = threading.Thread(target=self._run, name="lmsp-scheduler")
                 self._worker.start()
         return StepStream(self, request, receive)
+
+    @property
+    def running(self) -> bool:
+        """Whether a worker thread is stepping requests (it stops when none is left)."""
+        with self._lock:
+            return self._running
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests queued, not in the batch (new ones, and preempted ones to resume)."""
+        with self._lock:
+            return len(self._waiting)
+
+    def close(self) -> None:
+        """End every request still here (their readers raise ModelClosed) and wait for
+        the worker thread to stop: after the step it is in, if any. Idempotent; blocks
+        for at most one forward step, so call it from a worker thread in async code."""
+        with self._lock:
+            self._closed = True
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
 
     def _cancel(self, request: Request) -> None:
         with self._lock:
@@ -184,6 +224,11 @@ class Scheduler:
                 bounded = self.kv_cache_bytes is not None
                 kv_bytes = sum(self._kv_bytes(r) for r in active if not r.cancelled) if bounded else 0
                 with self._lock:
+                    if self._closed:
+                        stranded = active + list(self._waiting)
+                        self._waiting.clear()
+                        self._running = False
+                        break
                     joining = []
                     while self._waiting and len(active) + len(joining) < self.max_batch:
                         need = self._joining_bytes(self._waiting[0])
@@ -192,7 +237,7 @@ class Scheduler:
                         kv_bytes += need
                         joining.append(self._waiting.popleft())
                     if not active and not joining:
-                        self._worker = None
+                        self._running = False
                         return
                 for request in joining:
                     try:
@@ -213,10 +258,12 @@ class Scheduler:
             with self._lock:
                 stranded = active + list(self._waiting)
                 self._waiting.clear()
-                self._worker = None
+                self._running = False
             for request in stranded:
                 _fail(request, exc)
             raise
+        for request in stranded:               # closed: nobody is left to step them
+            _fail(request, ModelClosed())
 
     def _kv_bytes(self, request: Request) -> int:
         """The bytes of an active request's KV cache after the next step, at most: grown for

@@ -13,12 +13,21 @@ method_not_allowed` with `Allow`. Every handler is
         # before anything is generated)
     generation.events()
         # the LMSP events (events.ResponseRun), from response.created to a final event
+
+The generation holds its model's admission (registry.Admission): whoever owns it
+releases it explicitly, `generation.release()`, once it is over or will never
+start (a synchronous response when it returns, a stream when the HTTP layer
+closes its body, a task when its runner ends).
+
+Reading the request path: lmsp_min/http.py calls `App` here; the request is
+validated in lmsp_min/validate.py, prepared by engine/chat.py (`prepare_chat`),
+and its events come from lmsp_min/events.py (`ResponseRun.events`) fed by
+engine/chat.py (`generate_chat`); `_sse` below turns them into the SSE body.
 """
 
 import json
 import re
-import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -26,9 +35,10 @@ from urllib.parse import unquote
 import trio
 
 from lmsp_min import idempotency, openai_dialect
-from lmsp_min.events import SSE_KEEPALIVE, ResponseRun, ServiceStopping
+from lmsp_min.events import SSE_KEEPALIVE, Event, ResponseRun, ServiceStopping
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.problems import Problem, shutting_down
+from lmsp_min.registry import Admission
 from lmsp_min.validate import (
     ResponsesRequest,
     items_to_messages,
@@ -207,52 +217,50 @@ class PreparedResponse:
     model: object  # the engine model
     prepared: object  # the engine's prepared chat (prompt tokens, constraints)
     run: ResponseRun
-    count_out: Callable[[], None]  # ends the admission (ModelEntry.admit) of this response
+    admission: Admission  # of this response's model (ModelEntry.admit), released by `release`
     in_progress: GenerationsInProgress  # the service's, which ends it if the service stops first
 
-    def __post_init__(self):
-        # Counted out when its events end; one whose events never start (a stream whose
-        # client left before its body, a task that could not be created) when it is dropped.
-        weakref.finalize(self, self.count_out)
+    def events(self) -> AsyncIterator[Event]:
+        """The LMSP events of this response (start it once): the engine's chat events
+        made LMSP events by `ResponseRun.events`. Its admission is released as soon as
+        the engine's events end."""
+        return self.run.events(self._engine_events())
 
-    async def events(self):
-        """The LMSP events of this response (start it once)."""
+    def release(self) -> None:
+        """Release the admission (again: nothing). The owner calls it when the response
+        is over, or will never be generated."""
+        self.admission.release()
+
+    async def _engine_events(self):
+        """The engine's chat events, asked for only when the first one is wanted.
+
+        So that an engine refusing to start fails inside the event generator, where it
+        becomes a failed response, like any generation failure. A service that stops
+        cuts the wait for the next event (never a yield: the consumer runs outside the
+        cancel scope), and ServiceStopping ends the response. A schema whose bound only
+        the output reaches (engine/constrain/matcher.py) is the Problem it is while preparing.
+        """
+        from engine.errors import SchemaError
+
         try:
-            engine_events = _engine_events(self.model, self.prepared, self.request, self.in_progress)
-            async with aclosing(self.run.events(engine_events)) as events:
-                async for event in events:
+            chat = self.model.generate_chat(self.prepared)
+            try:
+                while True:
+                    with self.in_progress.engine_wait() as wait:
+                        try:
+                            event = await chat.__anext__()
+                        except StopAsyncIteration:
+                            return
+                        except SchemaError as exc:
+                            raise _schema_problem(exc, self.request) from None
+                    if wait.cancelled_caught:
+                        raise ServiceStopping
                     yield event
+            finally:
+                if hasattr(chat, "aclose"):
+                    await chat.aclose()
         finally:
-            self.count_out()
-
-
-async def _engine_events(model, prepared, request: ResponsesRequest, in_progress: GenerationsInProgress):
-    """The engine's chat events, asked for only when the first one is wanted.
-
-    So that an engine refusing to start fails inside the event generator, where it
-    becomes a failed response, like any generation failure. A service that stops
-    cuts the wait for the next event (never a yield: the consumer runs outside the
-    cancel scope), and ServiceStopping ends the response. A schema whose bound only
-    the output reaches (engine/constrain/matcher.py) is the Problem it is while preparing.
-    """
-    from engine.errors import SchemaError
-
-    chat = model.generate_chat(prepared)
-    try:
-        while True:
-            with in_progress.engine_wait() as wait:
-                try:
-                    event = await chat.__anext__()
-                except StopAsyncIteration:
-                    return
-                except SchemaError as exc:
-                    raise _schema_problem(exc, request) from None
-            if wait.cancelled_caught:
-                raise ServiceStopping
-            yield event
-    finally:
-        if hasattr(chat, "aclose"):
-            await chat.aclose()
+            self.release()
 
 
 async def prepare_generation(body: dict, principal: str, service) -> PreparedResponse:
@@ -294,9 +302,9 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
-    count_out = entry.admit()  # nothing is awaited from here until the PreparedResponse holds it
     run = ResponseRun(entry.id, log=service.log, counts=prepared.counts)
-    return PreparedResponse(request, principal, items, model, prepared, run, count_out, service.generations)
+    admission = entry.admit()  # (the caller owns it from here, through the PreparedResponse)
+    return PreparedResponse(request, principal, items, model, prepared, run, admission, service.generations)
 
 
 def _schema_problem(exc, request: ResponsesRequest) -> Problem:
@@ -363,18 +371,38 @@ async def create_response(request: Request, service):
 async def _respond(body: dict, request: Request, service):
     generation = await prepare_generation(body, request.principal, service)
     if generation.request.stream:
-        return StreamingResponse(_sse(generation, request, service), idle_chunk=SSE_KEEPALIVE,
+        return StreamingResponse(_SSEBody(generation, request, service), idle_chunk=SSE_KEEPALIVE,
                                  idle_interval=service.config.limits.stream_keepalive)
     request.cancel_on_disconnect()  # nobody left to read the response: stop generating
-    async with aclosing(generation.events()) as events:
-        async for event in events:
-            if event.is_final:
-                await _finish(generation, request, service)
+    with generation.admission:
+        async with aclosing(generation.events()) as events:
+            async for event in events:
+                if event.is_final:
+                    await _finish(generation, request, service)
     run = generation.run
     if run.status == "failed":
         retry = [("Retry-After", "5")] if run.error["code"] == "model_unavailable" else None  # stopping
         raise Problem(run.error["code"], run.error["detail"], param=run.error.get("param"), headers=retry)
     return json_response(run.response_object())
+
+
+class _SSEBody:
+    """The body of a streamed response (`_sse`), which releases the generation's
+    admission when closed: the HTTP layer closes a body however the response ends,
+    even one that never started (its client left before the head was sent)."""
+
+    def __init__(self, generation: PreparedResponse, request: Request, service):
+        self._generation = generation
+        self._chunks = _sse(generation, request, service)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            self._generation.release()
 
 
 async def _sse(generation: PreparedResponse, request: Request, service) -> AsyncIterator[bytes]:
@@ -387,27 +415,29 @@ async def _sse(generation: PreparedResponse, request: Request, service) -> Async
     """
     run = generation.run
     finished = False  # _finish done: noted, and stored if asked
-    async with aclosing(generation.events()) as events:
-        try:
-            async for event in events:
-                if event.is_final:
-                    await _finish(generation, request, service)
-                    finished = True
-                yield event.sse()
-        except Exception as exc:
-            service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
-            yield run.error_event(Problem("internal_error", "an unexpected error occurred")).sse()
-        except BaseException:  # cancelled (the client left) or closed (GeneratorExit), mid-response
-            if not finished and generation.request.store:
-                with trio.CancelScope(shield=True):
-                    await events.aclose()  # the generation ends first (D4), not after the write
-                    if run.status == "in_progress":
-                        run.cancelled()
-                    try:
+    with generation.admission:  # (released here once started; _SSEBody if it never starts)
+        async with aclosing(generation.events()) as events:
+            try:
+                async for event in events:
+                    if event.is_final:
                         await _finish(generation, request, service)
-                    except Exception as exc:  # (the client is gone either way)
-                        service.log(f"error: storing {run.id}, whose client left, failed: {type(exc).__name__}: {exc}")
-            raise
+                        finished = True
+                    yield event.sse()
+            except Exception as exc:
+                service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
+                yield run.error_event(Problem("internal_error", "an unexpected error occurred")).sse()
+            except BaseException:  # cancelled (the client left) or closed (GeneratorExit), mid-response
+                if not finished and generation.request.store:
+                    with trio.CancelScope(shield=True):
+                        await events.aclose()  # the generation ends first (D4), not after the write
+                        if run.status == "in_progress":
+                            run.cancelled()
+                        try:
+                            await _finish(generation, request, service)
+                        except Exception as exc:  # (the client is gone either way)
+                            service.log(f"error: storing {run.id}, whose client left, failed: "
+                                        f"{type(exc).__name__}: {exc}")
+                raise
 
 
 async def _finish(generation: PreparedResponse, request: Request, service) -> None:

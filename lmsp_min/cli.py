@@ -175,11 +175,18 @@ def cmd_run(args) -> int:
         raise CommandError("no PROMPT, and stdin is closed: there is no chat to read")
     path = resolve_model(args.model)
 
+    from engine import load_model
+
+    with load_model(path, n_ctx=args.ctx) as model:  # (closed at the end: its threads end with it)
+        return _chat(args, path, model)
+
+
+def _chat(args, path, model) -> int:
+    """`lmsp-min run` with its model loaded: one answer to PROMPT, or a chat on stdin."""
     import trio
 
-    from engine import ChatRequest, ContextLengthExceeded, SamplingParams, load_model
+    from engine import ChatRequest, ContextLengthExceeded, SamplingParams
 
-    model = load_model(path, n_ctx=args.ctx)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
     )

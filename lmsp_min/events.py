@@ -20,6 +20,10 @@ The event sequence it produces, for a reasoning model answering in text:
 and for a tool call (the engine gives out whole calls): output_item.added
 (arguments ""), then output_item.done (the complete call). Ids count from 1
 and only grow.
+
+Reading the request path: lmsp_min/app.py hands `events()` the engine's chat
+events (engine/chat.py `generate_chat`); what it yields goes back to app.py,
+which writes each one as SSE (`Event.sse`), or to lmsp_min/tasks.py's log.
 """
 
 import json

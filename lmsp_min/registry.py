@@ -27,9 +27,7 @@ in name order) and the other is reported at start-up.
 import functools
 import re
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,9 +91,9 @@ class ModelEntry:
     context_cap: int | None = None  # `serve --ctx`: the window is at most this (D4)
     kv_cache_bytes: int | None = None  # `serve --kv-cache-mib`: its running requests' KV caches together
     model: object | None = None
-    admitted: int = 0  # requests of this model admitted (`admit`) and not yet counted out
+    admitted: int = 0  # requests of this model admitted (`admit`) and not yet released
     _load_lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
-    _admit_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _loaded_here: bool = field(default=False, repr=False)  # `load` made the model: `close` closes it
 
     @classmethod
     def from_file(cls, path: Path, context_cap: int | None = None,
@@ -140,7 +138,8 @@ class ModelEntry:
         }
 
     async def load(self, log=None):
-        """The engine model, loaded in a worker thread on first use; 503 if it cannot be."""
+        """The engine model, loaded in a worker thread on first use; 503 if it cannot be.
+        The entry owns a model it loaded: `close` closes it."""
         if self.model is not None:
             return self.model
         async with self._load_lock:  # concurrent first requests wait for one load
@@ -155,44 +154,68 @@ class ModelEntry:
                     if log is not None:
                         log(f"error: model {self.id} failed to load: {type(exc).__name__}: {exc}")
                     raise Problem("model_unavailable", f"model '{self.id}' could not be loaded") from None
-                info = model.info
-                self.capabilities = tuple(info.capabilities)
-                self.context_window = info.context_length
-                self.model = model
+                self.use(model)
+                self._loaded_here = True
                 if log is not None:
                     log(f"loaded model {self.id} in {time.perf_counter() - started:.1f}s")
         return self.model
+
+    def use(self, model) -> None:
+        """Serve an engine model loaded elsewhere (tests share one across services): what
+        it says of itself replaces what the header said. Its owner closes it, not `close`."""
+        info = model.info
+        self.capabilities = tuple(info.capabilities)
+        self.context_window = info.context_length
+        self.model = model
+
+    def close(self) -> None:
+        """Close the model `load` loaded (it blocks for up to one forward step: async code
+        calls it in a worker thread); the next `load` loads it again."""
+        if self._loaded_here:
+            model, self.model, self._loaded_here = self.model, None, False
+            model.close()
 
     @property
     def full(self) -> bool:
         """Whether `admit` would refuse now (asked once the model is loaded)."""
         return self.admitted >= self.model.scheduler.max_queue
 
-    def admit(self) -> Callable[[], None]:
+    def admit(self) -> "Admission":
         """Count in one more request of this (loaded) model, or 429 past its scheduler's
-        queue (D9); returns the function that counts it out (once).
+        queue (D9); the `Admission` returned counts it out when released.
 
         Requests are counted when admitted, not when they reach the engine's queue: a
         burst of concurrent requests all passed a look at the queue before any of them
         was in it, and got a 200 or a 202 whose response then failed `rate_limited`.
         At most `max_queue` are admitted, running or waiting, so the scheduler's queue,
         which fills in a burst before its first step moves any of them into the batch,
-        never refuses one of them.
+        never refuses one of them. Admitting and releasing happen on the trio loop.
         """
-        with self._admit_lock:  # the count-out may come from another thread (a finalizer)
-            if self.full:
-                raise Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
-                              headers=[("Retry-After", "1")])
-            self.admitted += 1
-        counted_out = []
+        if self.full:
+            raise Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
+                          headers=[("Retry-After", "1")])
+        self.admitted += 1
+        return Admission(self)
 
-        def count_out() -> None:
-            with self._admit_lock:
-                if not counted_out:
-                    counted_out.append(True)
-                    self.admitted -= 1
 
-        return count_out
+class Admission:
+    """One admitted request of a model (`ModelEntry.admit`). Its owner releases it
+    explicitly (`release`, or `with admission:`) once the request's generation is
+    over or will never start; releasing again does nothing."""
+
+    def __init__(self, entry: ModelEntry):
+        self._entry: ModelEntry | None = entry
+
+    def release(self) -> None:
+        if self._entry is not None:
+            self._entry.admitted -= 1
+            self._entry = None
+
+    def __enter__(self) -> "Admission":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
 
 
 class Registry:

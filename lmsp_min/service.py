@@ -2,19 +2,28 @@
 
 A trio program runs one like this:
 
-    service = await Service.open(ServiceConfig(model_paths=[path]))
-    async with trio.open_nursery() as nursery:
-        addresses = await nursery.start(lmsp_min.serve, service, "127.0.0.1", 8080)
+    async with Service.open(ServiceConfig(model_paths=[path])) as service:
+        async with trio.open_nursery() as nursery:
+            addresses = await nursery.start(lmsp_min.serve, service, "127.0.0.1", 8080)
 
 `lmsp-min serve` does exactly that. On SIGINT or SIGTERM it stops cleanly:
 no new connection, idle ones closed, requests in progress given
 SHUTDOWN_GRACE seconds to finish (`Service.drain`), then those still generating
 ended `failed` (model_unavailable), and everything cancelled.
+
+Every piece has an owner that ends it. `serve` runs the HTTP server and the
+tasks in its nursery, so once it returns no request or task is left; then the
+service's `async with` closes the models it loaded (engine/model.py
+`Model.close`: their scheduler threads joined), then the store.
+
+Reading the request path starts here: `serve` runs lmsp_min/http.py's HTTPServer,
+whose handler is lmsp_min/app.py's `App`.
 """
 
 import os
 import signal
 import sys
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,8 +75,7 @@ class Service:
 
     `store` (lmsp_min/store.py) is optional: without one, `previous_response_id`
     is `unsupported_capability` and `store: true` is ignored (D2). `tasks` (set
-    by `open`) runs the background responses; `nursery` is where background
-    work lives while `serve` runs.
+    by `open`) runs the background responses, in `serve`'s nursery.
     """
 
     def __init__(self, registry: Registry, *, auth: Auth | None = None, store=None,
@@ -77,15 +85,17 @@ class Service:
         self.store = store
         self.config = config or ServiceConfig()
         self.tasks = None
-        self.nursery: trio.Nursery | None = None
         self.http: HTTPServer | None = None  # set by serve()
         self.router = default_router()
         self.log = log
         self.generations = GenerationsInProgress()  # ended `failed` if the service stops first
 
     @classmethod
-    async def open(cls, config: ServiceConfig, log=stderr_log) -> "Service":
-        """Read the model headers and the tokens file (ValueError: a message for the user)."""
+    @asynccontextmanager
+    async def open(cls, config: ServiceConfig, log=stderr_log):
+        """`async with Service.open(config) as service:` reads the model headers and the
+        tokens file (ValueError: a message for the user) and opens the store; at the end
+        it closes the models loaded meanwhile, then the store."""
         registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap,
                                        config.kv_cache_bytes)
         auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
@@ -93,7 +103,11 @@ class Service:
         service = cls(registry, auth=auth, store=store, config=config, log=log)
         service.tasks = Tasks(store, event_retention=config.event_retention,
                               stores_responses=service.stores_responses, log=log)
-        return service
+        try:
+            yield service
+        finally:
+            with trio.CancelScope(shield=True):  # (closing is cleanup: a cancelled service still does it)
+                await service.aclose()
 
     async def drain(self, grace: float = SHUTDOWN_GRACE) -> None:
         """Stop taking requests; give those in progress up to `grace` seconds to finish.
@@ -111,10 +125,16 @@ class Service:
                 self.generations.stop()
                 await self.http.drain(LAST_WORDS)
 
-    def close(self) -> None:
-        """Close the store (--no-store's database is in memory: nothing is left)."""
-        if self.store is not None:
-            self.store.close()
+    async def aclose(self) -> None:
+        """Close the models the registry loaded, each in a worker thread (a model ends the
+        forward step it is in), then the store (--no-store's database is in memory:
+        nothing is left). `open`'s `async with` calls it."""
+        try:
+            for entry in self.registry:
+                await trio.to_thread.run_sync(entry.close)
+        finally:
+            if self.store is not None:
+                self.store.close()
 
     @property
     def stores_responses(self) -> bool:
@@ -175,7 +195,6 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 8080, *,
     log = service.log if service.config.access_log else _errors_only(service.log)
     service.http = HTTPServer(app, limits=service.config.limits, log=log)
     async with trio.open_nursery() as nursery:
-        service.nursery = nursery
         if service.tasks is not None:  # tasks a crash left running are failed before any request
             await nursery.start(service.tasks.run)
         addresses = await nursery.start(service.http.serve, host, port)
@@ -228,8 +247,7 @@ def _only(exc: BaseException, kind: type | tuple[type, ...]) -> BaseException | 
 
 async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> None:
     """Serve until a signal; then finish what is in progress (a second signal: stop now)."""
-    service = await Service.open(config)
-    try:
+    async with Service.open(config) as service:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 addresses = await nursery.start(serve, service, host, port)
@@ -249,8 +267,6 @@ async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> No
                                f"(at most {SHUTDOWN_GRACE + LAST_WORDS:.0f} s; signal again to stop now)")
                     draining = True
                     nursery.start_soon(drain_then_stop)
-    finally:
-        service.close()
     stderr_log("stopped")
 
 

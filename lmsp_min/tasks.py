@@ -19,6 +19,9 @@ usage unknown) from what its log holds; so does this process (`internal_error`)
 if a failing write (a full disk) kept its runner from ending it. A task another
 process runs is followed by polling the database, and cancelled by a request
 its owner polls for.
+
+A task owns its generation (app.PreparedResponse) from `Tasks.start` on, and its
+runner releases the generation's admission when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -221,11 +224,20 @@ class Tasks:
     async def start(self, generation, body: dict) -> TaskRow:
         """Create a task for a prepared generation (app.PreparedResponse) and start it.
 
-        Once this returns, the task is in the database (durably) and running."""
-        if self._nursery is None:
-            raise RuntimeError("Tasks.run is not running: tasks cannot start")
-        if self._stopping:
-            raise shutting_down()
+        Once this returns, the task is in the database (durably) and running. The task
+        owns the generation from the call on: its runner releases the generation's
+        admission when it ends, and so does `start` itself when it cannot start it."""
+        try:
+            if self._nursery is None:
+                raise RuntimeError("Tasks.run is not running: tasks cannot start")
+            if self._stopping:
+                raise shutting_down()
+            return await self._start(generation, body)
+        except BaseException:
+            generation.release()
+            raise
+
+    async def _start(self, generation, body: dict) -> TaskRow:
         task_id = new_id("task")
         run = generation.run
         running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))
@@ -284,6 +296,7 @@ class Tasks:
             if len(errors) < len(leaves):
                 raise next(leaf for leaf in leaves if not isinstance(leaf, Exception)) from None
         finally:
+            generation.release()  # (its events, if they started, released it already)
             if not event_log.done:
                 # The runner failed, or was cancelled from outside (the service stopped at
                 # once, without a drain): end the task now, from its committed events as a

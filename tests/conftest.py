@@ -5,6 +5,7 @@ The real models are fetched on first use exactly as `lmsp-min pull` fetches them
 them are marked `slow`.
 """
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,13 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     return _real_model("gemma3:270m-q4_k_m")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def close_shared_models():
+    """At the end of the session, close the engine models tests/server_harness.py shared
+    between services: no model's scheduler thread outlives the tests."""
+    yield
+    harness = sys.modules.get("server_harness")
+    if harness is not None:
+        harness.close_loaded_models()

@@ -1,5 +1,6 @@
 """A real lmsp-min server in a test's nursery, and a small HTTP client over real sockets.
 
+    service = await make_service([model_path])         # Service.open, closed when the server stops
     server = await start_server(nursery, service)      # listens on 127.0.0.1:<random port>
     reply = await server.request("GET", "/lmsp/v1/models")
     async with server.connection() as client:          # one keep-alive connection
@@ -13,7 +14,7 @@ can be sent too, for malformed, pipelined or slow requests.
 """
 
 import json
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,29 +25,55 @@ import trio
 from lmsp_min.http import Limits
 from lmsp_min.service import Service, ServiceConfig, serve
 
-_loaded_models: dict[Path, object] = {}
+_loaded_models: dict[Path, object] = {}  # closed at the end of the session (close_loaded_models)
+_open_services: dict[int, AsyncExitStack] = {}  # id(service) -> what closes it (close_service)
 
 
 async def make_service(model_paths: list[Path], *, tokens_file: Path | None = None,
                        limits: Limits | None = None, log=None, data_dir: Path | None = None,
                        event_retention: float = 3600.0) -> Service:
-    """A service over `model_paths` whose engine models are loaded once per test session.
+    """A service over `model_paths` (entered `Service.open`), whose engine models are
+    loaded once per test session: the service serves them but does not own them.
+    `start_server` closes it when the server stops; a test that does not serve it
+    calls `close_service`.
 
     Without `data_dir` it stores nothing (--no-store: a throw-away database)."""
+    import engine
+
     lines: list[str] = []
     config = ServiceConfig(model_paths=list(model_paths), models_dir=None, tokens_file=tokens_file,
                            limits=limits or Limits(), data_dir=data_dir, store=data_dir is not None,
                            event_retention=event_retention)
-    service = await Service.open(config, log=log or lines.append)
+    service = await open_service(config, log=log or lines.append)
     service.log_lines = lines
     for entry in service.registry:
         if entry.path not in _loaded_models:
-            _loaded_models[entry.path] = await entry.load()
-        else:
-            entry.model = _loaded_models[entry.path]
-            entry.capabilities = tuple(entry.model.info.capabilities)
-            entry.context_window = entry.model.info.context_length
+            _loaded_models[entry.path] = await trio.to_thread.run_sync(
+                lambda: engine.load_model(entry.path, entry.context_cap, kv_cache_bytes=entry.kv_cache_bytes))
+        entry.use(_loaded_models[entry.path])
     return service
+
+
+async def open_service(config: ServiceConfig, log=None) -> Service:
+    """`Service.open(config)` entered, to be left by `close_service` (which `start_server`
+    calls when the server stops): a test's service outlives the fixture that makes it."""
+    stack = AsyncExitStack()
+    service = await stack.enter_async_context(Service.open(config, log=log or (lambda line: None)))
+    _open_services[id(service)] = stack
+    return service
+
+
+async def close_service(service: Service) -> None:
+    """End a service made by `make_service` (its `async with Service.open`); again: nothing."""
+    stack = _open_services.pop(id(service), None)
+    if stack is not None:
+        await stack.aclose()
+
+
+def close_loaded_models() -> None:
+    """Close the engine models the session's services shared (conftest calls it at the end)."""
+    while _loaded_models:
+        _loaded_models.popitem()[1].close()
 
 
 @dataclass
@@ -216,4 +243,4 @@ async def _serve_then_close(service: Service, task_status=trio.TASK_STATUS_IGNOR
     try:
         await serve(service, "127.0.0.1", 0, task_status=task_status)
     finally:
-        service.close()
+        await close_service(service)

@@ -145,7 +145,8 @@ def tiny_chat(tmp_path_factory):
 def tiny_chat_model(tiny_chat):
     from engine import load_model
 
-    return load_model(tiny_chat)
+    with load_model(tiny_chat) as model:
+        yield model
 
 
 @pytest.fixture
@@ -158,6 +159,7 @@ def load_once(tiny_chat, tiny_chat_model, monkeypatch):
         return tiny_chat_model
 
     monkeypatch.setattr(engine, "load_model", load_model)
+    monkeypatch.setattr(tiny_chat_model, "close", lambda: None)  # (`run` closes it; the module does, at its end)
 
 
 def test_run_answers_a_prompt(tiny_chat, load_once, capsys):

@@ -145,11 +145,14 @@ class FakeServer:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,))
+        self.thread.start()
 
     def close(self):
-        self.httpd.shutdown()
+        self.httpd.shutdown()  # (returns once serve_forever has)
         self.httpd.server_close()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the fake server's thread did not stop within 10 s"
 
 
 @pytest.fixture
@@ -600,18 +603,15 @@ def running_server(model_path, data_dir, **config):
     async def main():
         try:
             settings = ServiceConfig(model_paths=[model_path], models_dir=None, data_dir=data_dir, access_log=False, **config)
-            service = await Service.open(settings, log=lambda line: None)
+            async with Service.open(settings, log=lambda line: None) as service:
+                async with trio.open_nursery() as nursery:
+                    addresses = await nursery.start(serve, service, "127.0.0.1", 0)
+                    started.put((addresses[0][1], trio.lowlevel.current_trio_token(), nursery.cancel_scope))
         except BaseException as e:
-            started.put(e)
+            started.put(e)  # (read only if it failed to start)
             raise
-        try:
-            async with trio.open_nursery() as nursery:
-                addresses = await nursery.start(serve, service, "127.0.0.1", 0)
-                started.put((addresses[0][1], trio.lowlevel.current_trio_token(), nursery.cancel_scope))
-        finally:
-            service.close()
 
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread = threading.Thread(target=trio.run, args=(main,))
     thread.start()
     result = started.get(timeout=120)
     if isinstance(result, BaseException):
@@ -622,6 +622,7 @@ def running_server(model_path, data_dir, **config):
     finally:
         trio.from_thread.run_sync(scope.cancel, trio_token=token)
         thread.join(10)
+        assert not thread.is_alive(), "the server did not stop within 10 s"
 
 
 @pytest.fixture(scope="module")

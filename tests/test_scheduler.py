@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 
-from engine.errors import QueueFull
+from engine.errors import ModelClosed, QueueFull
 from engine.kv_cache import KVCache, Sequence
 from engine.model import Model, load_model
 from engine.prefix_cache import PrefixCache
@@ -26,7 +26,31 @@ NEAR_TIE = 0.01  # nats between the top two logits
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / f"tiny-{request.param}.gguf"
-    return load_model(write_tiny_model(path, request.param))
+    with load_model(write_tiny_model(path, request.param)) as model:
+        yield model
+
+
+@pytest.fixture
+def schedulers(model):
+    """Make schedulers over the model, each closed (its thread joined) when the test ends."""
+    made = []
+
+    def make(**settings) -> Scheduler:
+        made.append(Scheduler(model, **settings))
+        return made[-1]
+
+    yield make
+    for scheduler in made:
+        scheduler.close()
+
+
+async def wait_until(condition, what: str, seconds: float = 30) -> None:
+    """Wait for `condition()` to hold, looking every few milliseconds; fail after `seconds`."""
+    with trio.move_on_after(seconds):
+        while not condition():
+            await trio.sleep(0.005)
+        return
+    pytest.fail(f"{what}: not within {seconds} s")
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -37,9 +61,15 @@ def prompt(n: int, seed: int) -> list[int]:
     return [1] + np.random.default_rng(seed).integers(2, 40000, n - 1).tolist()
 
 
-async def generate(scheduler: Scheduler, prompt_ids: list[int], n: int) -> tuple[list[int], int]:
+async def generate(scheduler: Scheduler, prompt_ids: list[int], n: int,
+                   decoding: trio.Event | None = None) -> tuple[list[int], int]:
+    """Greedy tokens and cached prompt tokens; `decoding` is set at the first token."""
     with scheduler.submit(prompt_ids, pick=greedy, max_tokens=n) as generation:
-        tokens = [step.token async for step in generation]
+        tokens = []
+        async for step in generation:
+            tokens.append(step.token)
+            if decoding is not None:
+                decoding.set()
     return tokens, generation.cached_tokens
 
 
@@ -62,20 +92,23 @@ def alone(model) -> Scheduler:
 PROMPTS = [(3, 1), (40, 2), (150, 3), (300, 4), (9, 5)]  # (length, seed): some longer than a chunk
 
 
-async def test_batched_generation_equals_alone(model):
+async def test_batched_generation_equals_alone(model, schedulers):
     expected = [await generate(alone(model), prompt(n, s), 12) for n, s in PROMPTS]
 
-    scheduler = Scheduler(model, max_batch=4, prefill_chunk=128, interleave_chunk=32, prefix_cache_bytes=0)
+    scheduler = schedulers(max_batch=4, prefill_chunk=128, interleave_chunk=32, prefix_cache_bytes=0)
     got = [None] * len(PROMPTS)
+    decoding = [trio.Event() for _ in PROMPTS]
 
     async def run(i: int, n: int, seed: int) -> None:
-        await trio.sleep(0.01 * i)   # join at different steps, while others decode
-        got[i] = await generate(scheduler, prompt(n, seed), 12)
+        if i:
+            await decoding[i - 1].wait()   # each joins once the one before it decodes
+        got[i] = await generate(scheduler, prompt(n, seed), 12, decoding[i])
 
     steps = model.steps
-    async with trio.open_nursery() as nursery:
-        for i, (n, seed) in enumerate(PROMPTS):
-            nursery.start_soon(run, i, n, seed)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for i, (n, seed) in enumerate(PROMPTS):
+                nursery.start_soon(run, i, n, seed)
     for (n, seed), (want, _), (tokens, cached) in zip(PROMPTS, expected, got):
         assert cached == 0
         assert_same_greedy(model, prompt(n, seed), want, tokens)
@@ -101,12 +134,13 @@ async def test_prefix_cache_gives_the_same_tokens(model):
 
 
 @pytest.mark.parametrize("prefix_cache_bytes", [256 << 20, 0])  # resumed from the prefix cache, or recomputed
-async def test_kv_budget_preempts_the_newest_and_changes_no_output(model, monkeypatch, prefix_cache_bytes):
+async def test_kv_budget_preempts_the_newest_and_changes_no_output(model, schedulers, monkeypatch,
+                                                                   prefix_cache_bytes):
     """Two requests fit the KV budget when they join, not once their caches grow: the newer
     one leaves the batch, waits, and resumes where it was, with the tokens it gives alone."""
     per_position = model.kv_bytes_per_position
     budget = 900 * per_position  # both at 256 positions, one at 512 beside one at 256; not both at 512
-    scheduler = Scheduler(model, kv_cache_bytes=budget, prefix_cache_bytes=prefix_cache_bytes)
+    scheduler = schedulers(kv_cache_bytes=budget, prefix_cache_bytes=prefix_cache_bytes)
     prompts = [prompt(100, 21), prompt(100, 22)]
     expected = [(await generate(alone(model), p, 300))[0] for p in prompts]
     together = []
@@ -118,46 +152,52 @@ async def test_kv_budget_preempts_the_newest_and_changes_no_output(model, monkey
 
     monkeypatch.setattr(model, "step", step)
     generations, got = [], [None, None]
+    first_decodes = trio.Event()
 
     async def run(i: int) -> None:
-        await trio.sleep(0.05 * i)  # the second joins while the first decodes
+        if i:
+            await first_decodes.wait()  # the second joins while the first decodes
         with scheduler.submit(prompts[i], pick=greedy, max_tokens=300) as generation:
             generations.append(generation)
-            got[i] = [s.token async for s in generation]
+            got[i] = []
+            async for step in generation:
+                got[i].append(step.token)
+                first_decodes.set()
 
-    async with trio.open_nursery() as nursery:
-        for i in range(2):
-            nursery.start_soon(run, i)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(run, i)
     for p, want, tokens in zip(prompts, expected, got):
         assert_same_greedy(model, p, want, tokens)
     assert together and max(together) <= budget   # they did share steps, within the budget
-    assert [g._request.preempted for g in generations] == [0, 1]
+    assert [g.preempted for g in generations] == [0, 1]
     assert [g.cached_tokens for g in generations] == [0, 0]  # its own tokens are not "cached" prompt
 
 
-async def test_a_preempted_request_cancelled_while_it_waits_is_gone(model):
-    scheduler = Scheduler(model, kv_cache_bytes=900 * model.kv_bytes_per_position)
+async def test_a_preempted_request_cancelled_while_it_waits_is_gone(model, schedulers):
+    scheduler = schedulers(kv_cache_bytes=900 * model.kv_bytes_per_position)
     first = scheduler.submit(prompt(100, 25), pick=greedy, max_tokens=300)
-    await trio.sleep(0.05)
+    with trio.fail_after(30):
+        await first.__anext__()       # it decodes
     with scheduler.submit(prompt(100, 26), pick=greedy, max_tokens=300) as second:
-        with trio.fail_after(30):
-            while not second._request.preempted:  # it waits at the head of the queue
-                await trio.sleep(0.01)
+        await wait_until(lambda: second.preempted, "the second request preempted")  # it waits, first in the queue
     # cancelled while it waits: the first runs to its end, and the worker stops
-    assert len([s async for s in first]) == 300
-    with trio.fail_after(10):
-        while scheduler._worker is not None:
-            await trio.sleep(0.01)
-    assert not scheduler._waiting
+    with trio.fail_after(30):
+        assert len([s async for s in first]) == 299
+    await wait_until(lambda: not scheduler.running, "the worker stopped")
+    assert scheduler.n_waiting == 0
 
 
-async def test_a_request_cancelled_while_it_is_preempted_does_not_go_back_to_the_queue(model, monkeypatch):
+async def test_a_request_cancelled_while_it_is_preempted_does_not_go_back_to_the_queue(model, schedulers,
+                                                                                       monkeypatch):
     """A cancel that comes while the worker preempts the request (storing its cache, before
     it is queued again) found it in no queue: it must not be queued all the same, where it
     would hold a place in `max_queue`, and the head of the queue, for nobody."""
-    scheduler = Scheduler(model, kv_cache_bytes=900 * model.kv_bytes_per_position)
+    scheduler = schedulers(kv_cache_bytes=900 * model.kv_bytes_per_position)
     first = scheduler.submit(prompt(100, 27), pick=greedy, max_tokens=300)
-    await trio.sleep(0.05)
+    with trio.fail_after(30):
+        await first.__anext__()       # it decodes
     second = scheduler.submit(prompt(100, 28), pick=greedy, max_tokens=300)
     store, step, stale = scheduler.prefix_cache.store, scheduler._step, []
 
@@ -175,8 +215,8 @@ async def test_a_request_cancelled_while_it_is_preempted_does_not_go_back_to_the
     with trio.fail_after(30):
         async for _ in second:         # its stream ends: nothing more will come
             pass
-        assert len([s async for s in first]) == 300
-    assert second._request.preempted == 1 and not stale
+        assert len([s async for s in first]) == 299
+    assert second.preempted == 1 and not stale
 
 
 async def test_a_request_over_the_kv_budget_runs_alone(model):
@@ -209,10 +249,11 @@ async def test_queue_full_raises_and_frees_on_cancel(model):
     scheduler.submit(prompt(5, 1), pick=greedy, max_tokens=1).cancel()   # room again
 
 
-async def test_cancelled_request_leaves_the_batch(model):
-    scheduler = Scheduler(model, max_batch=4)
+async def test_cancelled_request_leaves_the_batch(model, schedulers):
+    scheduler = schedulers(max_batch=4)
     other_prompt = prompt(20, 11)
     expected, _ = await generate(alone(model), other_prompt, 30)
+    steps = model.steps
 
     async def other() -> list[int]:
         return (await generate(scheduler, other_prompt, 30))[0]
@@ -225,9 +266,9 @@ async def test_cancelled_request_leaves_the_batch(model):
                 if i == 3:
                     break
     assert_same_greedy(model, other_prompt, expected, result[0])
-    steps = model.steps
-    await trio.sleep(0.2)
-    assert model.steps == steps   # nothing left running: the cancelled one is out
+    # nothing left running: the cancelled one is out (it would have run hundreds more steps)
+    await wait_until(lambda: not scheduler.running, "the worker stopped")
+    assert model.steps - steps < 60
 
 
 async def test_a_failing_pick_fails_only_its_own_request(model):
@@ -268,6 +309,25 @@ async def test_a_sequence_that_cannot_be_made_fails_only_its_own_request(model, 
                 await generate(scheduler, bad, 5)
         assert_same_greedy(model, prompt(12, 4), expected, result[0][0])
         assert (await generate(scheduler, prompt(12, 4), 6))[0] == result[0][0]   # it still serves
+
+
+async def test_close_ends_the_requests_and_stops_the_worker(model, schedulers):
+    """Closing a scheduler (as Model.close does) ends the requests still running, returns
+    once its worker thread has stopped, and refuses new requests."""
+    scheduler = schedulers()
+    generation = scheduler.submit(prompt(20, 30), pick=greedy, max_tokens=400)
+    waiting = scheduler.submit(prompt(20, 31), pick=greedy, max_tokens=400)
+    with trio.fail_after(30):
+        await generation.__anext__()
+        await trio.to_thread.run_sync(scheduler.close)
+        assert not scheduler.running and scheduler.n_waiting == 0
+        for stream in (generation, waiting):
+            with pytest.raises(ModelClosed):
+                async for _ in stream:
+                    pass
+    with pytest.raises(ModelClosed):
+        scheduler.submit(prompt(5, 1), pick=greedy, max_tokens=1)
+    scheduler.close()  # (again: nothing)
 
 
 async def test_context_full_ends_with_length(model):
@@ -316,23 +376,23 @@ def test_prefix_cache_keeps_what_an_entry_holds_not_the_room_it_grew():
 @pytest.mark.slow
 async def test_real_model_batched_and_cached_equal_alone(smollm2_path):
     """SmolLM2: three chats alone, then at once, then the first again from the prefix cache."""
-    model = load_model(smollm2_path)
-    chats = [model.tokenize(model.apply_chat_template([{"role": "user", "content": q}]), parse_special=True)
-             for q in ("What is the capital of France?", "Name three fruits.", "Write a haiku about rain.")]
-    expected = [(await generate(alone(model), ids, 12))[0] for ids in chats]
-    got = [None] * len(chats)
+    with load_model(smollm2_path) as model:
+        chats = [model.tokenize(model.apply_chat_template([{"role": "user", "content": q}]), parse_special=True)
+                 for q in ("What is the capital of France?", "Name three fruits.", "Write a haiku about rain.")]
+        expected = [(await generate(alone(model), ids, 12))[0] for ids in chats]
+        got = [None] * len(chats)
 
-    async def run(i: int) -> None:
-        got[i] = (await generate(model.scheduler, chats[i], 12))[0]
+        async def run(i: int) -> None:
+            got[i] = (await generate(model.scheduler, chats[i], 12))[0]
 
-    async with trio.open_nursery() as nursery:
-        for i in range(len(chats)):
-            nursery.start_soon(run, i)
-    for ids, want, tokens in zip(chats, expected, got):
-        assert_same_greedy(model, ids, want, tokens)
-    again, cached = await generate(model.scheduler, chats[0], 12)
-    assert cached == len(chats[0]) - 1
-    assert_same_greedy(model, chats[0], expected[0], again)
+        async with trio.open_nursery() as nursery:
+            for i in range(len(chats)):
+                nursery.start_soon(run, i)
+        for ids, want, tokens in zip(chats, expected, got):
+            assert_same_greedy(model, ids, want, tokens)
+        again, cached = await generate(model.scheduler, chats[0], 12)
+        assert cached == len(chats[0]) - 1
+        assert_same_greedy(model, chats[0], expected[0], again)
 
 
 async def _collect(fn, out: list) -> None:

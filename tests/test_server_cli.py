@@ -43,6 +43,12 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(tmp_path, tiny_path):
                 assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
                 time.sleep(0.1)
         assert [model["id"] for model in listing["data"]] == ["tiny:chat-q8_0"]
+        body = json.dumps({"model": "tiny:chat-q8_0", "input": [{"role": "user", "content": "Hi"}],
+                           "max_output_tokens": 2}).encode()
+        generate = urllib.request.Request(f"http://127.0.0.1:{port}/lmsp/v1/responses", body,
+                                          {"Content-Type": "application/json"})
+        with urllib.request.urlopen(generate, timeout=30) as reply:  # the model loaded, its scheduler run
+            assert json.load(reply)["status"] in ("completed", "incomplete")
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=30)
     finally:
@@ -54,7 +60,8 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(tmp_path, tiny_path):
     assert "auth: none (loopback only" in stderr
     blas = f"numpy's BLAS: OpenBLAS with its {threads.blas_kernel()} kernels"
     assert f"compute: {threads.num_threads()} threads; {blas}" in stderr
-    assert "GET /lmsp/v1/models 200" in stderr and "stopped" in stderr
+    assert "GET /lmsp/v1/models 200" in stderr and "loaded model tiny:chat-q8_0" in stderr
+    assert stderr.rstrip().endswith("stopped")  # (the model closed, its threads joined: the process ends)
 
 
 def test_serve_refuses_a_public_address_without_tokens(tiny_path):

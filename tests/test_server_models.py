@@ -13,7 +13,7 @@ import trio
 from engine.gguf_header import read_header
 from lmsp_min.registry import ModelEntry, Registry, model_id_for
 from lmsp_min.service import Service, ServiceConfig
-from server_harness import make_service, server, start_server, tiny_path  # noqa: F401
+from server_harness import make_service, open_service, server, start_server, tiny_path  # noqa: F401
 
 TINY_ID = "tiny:chat-q8_0"
 MODEL_FIELDS = {"id", "object", "created_at", "owned_by", "capabilities", "context_window",
@@ -116,7 +116,7 @@ async def test_listing_does_not_load_models(nursery, tmp_path, tiny_path):
         writer.close()
     (models / "notes.txt").write_text("not a model")
     lines = []
-    service = await Service.open(ServiceConfig(models_dir=models, store=False), log=lines.append)
+    service = await open_service(ServiceConfig(models_dir=models, store=False), log=lines.append)
     server = await start_server(nursery, service)
     reply = await server.request("GET", "/lmsp/v1/models")
     assert [m["id"] for m in reply.json()["data"]] == ["smollm2:135m-instruct-q4_1"]
@@ -185,7 +185,7 @@ async def test_a_model_that_fails_to_load_is_503(monkeypatch, nursery, tiny_path
 
     monkeypatch.setattr(engine, "load_model", broken)
     lines = []
-    service = await Service.open(ServiceConfig(model_paths=[tiny_path], store=False), log=lines.append)
+    service = await open_service(ServiceConfig(model_paths=[tiny_path], store=False), log=lines.append)
     server = await start_server(nursery, service)
     reply = await server.responses({"model": TINY_ID, "input": [{"role": "user", "content": "hi"}]})
     assert reply.status == 503
@@ -214,7 +214,7 @@ async def test_a_model_that_appears_in_the_models_directory_is_served_without_a_
     models.mkdir()
     lines = []
     config = ServiceConfig(models_dir=models, store=False)
-    server = await start_server(nursery, await Service.open(config, log=lines.append))
+    server = await start_server(nursery, await open_service(config, log=lines.append))
     assert (await server.request("GET", "/lmsp/v1/models")).json()["data"] == []
     os.link(tiny_path, models / "later-chat-q8_0.gguf")  # as pull does, on one file system
     reply = await server.request("GET", "/lmsp/v1/models/later:chat-q8_0")
@@ -230,8 +230,8 @@ async def test_a_model_that_appears_in_the_models_directory_is_served_without_a_
 
 async def test_ctx_caps_the_context_window_of_every_model(nursery, tiny_path):
     """D4: the window is the model's trained length, capped by configuration (`serve --ctx`)."""
-    service = await Service.open(ServiceConfig(model_paths=[tiny_path], store=False, context_cap=64),
-                                 log=lambda line: None)
+    service = await open_service(ServiceConfig(model_paths=[tiny_path], store=False, context_cap=64),
+                                log=lambda line: None)
     server = await start_server(nursery, service)
     listed = await server.request("GET", f"/lmsp/v1/models/{TINY_ID}")
     assert listed.json()["context_window"] == 64  # from the header, before the model is loaded
@@ -269,8 +269,8 @@ def test_serve_passes_the_kv_cache_bound_on(monkeypatch, tiny_path):
 
 
 async def test_the_kv_cache_bound_reaches_the_loaded_models_scheduler(nursery, tiny_path):
-    service = await Service.open(ServiceConfig(model_paths=[tiny_path], store=False, kv_cache_bytes=3 << 20),
-                                 log=lambda line: None)
+    service = await open_service(ServiceConfig(model_paths=[tiny_path], store=False, kv_cache_bytes=3 << 20),
+                                log=lambda line: None)
     server = await start_server(nursery, service)
     body = {"model": TINY_ID, "input": [{"role": "user", "content": "Hello there!"}], "max_output_tokens": 2}
     assert (await server.responses(body)).status == 200

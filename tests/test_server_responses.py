@@ -1,7 +1,6 @@
 """POST /lmsp/v1/responses end to end: sync objects, event streams, stop sequences, cancellation."""
 
 import json
-import threading
 import time
 from contextlib import aclosing
 
@@ -274,9 +273,9 @@ def _handled(server) -> int:
     return sum("POST /lmsp/v1/responses" in line for line in server.service.log_lines)
 
 
-def _engine_idle() -> bool:
-    """The scheduler's worker thread has ended: no generation is running."""
-    return not any(thread.name == "lmsp-scheduler" for thread in threading.enumerate())
+def _engine_idle(model):
+    """Whether the model's scheduler has stopped stepping: no generation is running."""
+    return lambda: not model.scheduler.running
 
 
 async def test_stream_client_disconnect_stops_generation(server):
@@ -296,7 +295,7 @@ async def test_stream_client_disconnect_stops_generation(server):
     await _wait_for(lambda: _handled(server) > done_before)  # the handler has been cancelled
     assert "client disconnected" in server.service.log_lines[-1]
     steps_at_cancel = model.steps
-    await _wait_for(_engine_idle)
+    await _wait_for(_engine_idle(model))
     assert model.steps - steps_at_cancel <= 2  # the step in flight, at most one more
     assert model.steps - steps_before < 400
 
@@ -423,7 +422,7 @@ async def test_sync_client_disconnect_stops_generation(server, pipelined):
     await _wait_for(lambda: _handled(server) > done_before)
     assert "client disconnected" in server.service.log_lines[-1]
     steps_at_cancel = model.steps
-    await _wait_for(_engine_idle)
+    await _wait_for(_engine_idle(model))
     assert model.steps - steps_at_cancel <= 2
     assert model.steps - steps_before < 400
 
@@ -451,16 +450,25 @@ async def test_a_silent_stream_gets_keep_alive_comments(nursery, tiny_path, monk
     service = await make_service([tiny_path], limits=Limits(stream_keepalive=0.05))
     server = await start_server(nursery, service)
     model = service.registry.get(TINY_ID).model
+    kept_alive = trio.Event()
 
     async def slow_start(prepared):
-        await trio.sleep(0.3)  # a long prompt, a queue: nothing to send for a while
+        await kept_alive.wait()  # a long prompt, a queue: nothing to send until a keep-alive came
         yield TextDelta("late")
         yield Finished("stop", prepared.input_tokens, 1)
 
     monkeypatch.setattr(model, "generate_chat", slow_start)
-    reply = await server.responses({**request(), "stream": True})
-    assert b"\n\n: keep-alive\n\n" in reply.body
-    events = parse_sse(reply.body)
+    body = b""
+    with trio.fail_after(20):
+        async with server.connection() as client:
+            await client.send("POST", "/lmsp/v1/responses", json_body={**request(), "stream": True})
+            assert (await client.read_head()).status == 200
+            async for chunk in client.read_chunks():
+                body += chunk
+                if b"\n\n: keep-alive\n\n" in body:
+                    kept_alive.set()
+    assert kept_alive.is_set()
+    events = parse_sse(body)
     assert check_stream(events) == "late"
 
 
@@ -509,3 +517,31 @@ async def test_concurrent_requests_are_all_answered(server):
             for index in range(12):
                 nursery.start_soon(one, index)
     assert len(set(results)) == 12
+
+
+# -- admission: released by whoever owns the response, never left to the garbage collector ---
+
+
+@pytest.mark.parametrize("how", ["sync", "stream", "stream left at once", "stream left mid-way"])
+async def test_every_response_releases_its_admission(server, how):
+    """The model's admission count (what 429s past its queue) is back to zero after a
+    response however it ended, with the garbage collector off."""
+    import gc
+
+    entry = server.service.registry.get(TINY_ID)
+    body = request(max_output_tokens=4 if how in ("sync", "stream") else 400, stream=how != "sync")
+    gc.disable()
+    try:
+        with trio.fail_after(20):
+            async with server.connection() as client:
+                await client.send("POST", "/lmsp/v1/responses", json_body=body)
+                if how == "stream left mid-way":
+                    assert (await client.read_head()).status == 200
+                    async for chunk in client.read_chunks():
+                        if b"output_text.delta" in chunk:
+                            break
+                elif how != "stream left at once":
+                    assert (await client.read_reply()).status == 200
+            await _wait_for(lambda: entry.admitted == 0)
+    finally:
+        gc.enable()

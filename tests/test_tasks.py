@@ -1,6 +1,7 @@
 """Tasks (D3) over real sockets: create, follow, resume, cancel, expire, fan out, recover."""
 
 import json
+import math
 import random
 import sqlite3
 import time
@@ -16,7 +17,7 @@ from lmsp_min.problems import Problem
 from lmsp_min.store import LoggedEvent, Store, StoreError
 from lmsp_min.service import _only
 from lmsp_min.tasks import Tasks
-from server_harness import SSE, make_service, parse_sse, start_server, tiny_path  # noqa: F401
+from server_harness import SSE, close_service, make_service, parse_sse, start_server, tiny_path  # noqa: F401
 
 TASKS = "/lmsp/v1/tasks"
 FINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
@@ -40,12 +41,15 @@ async def create(server, body: dict, headers=None) -> dict:
     return task
 
 
-async def wait_final(server, task_id: str) -> dict:
-    while True:
-        task = (await server.request("GET", f"{TASKS}/{task_id}")).json()
-        if task["status"] in ("completed", "incomplete", "failed", "cancelled"):
-            return task
-        await trio.sleep(0.02)
+async def wait_final(server, task_id: str, seconds: float = 30) -> dict:
+    """The task once final, polled every few milliseconds; the test fails after `seconds`."""
+    with trio.move_on_after(seconds):
+        while True:
+            task = (await server.request("GET", f"{TASKS}/{task_id}")).json()
+            if task["status"] in ("completed", "incomplete", "failed", "cancelled"):
+                return task
+            await trio.sleep(0.02)
+    pytest.fail(f"task {task_id} not final within {seconds} s")
 
 
 async def follow(client, task_id: str, headers=None, query: str = ""):
@@ -79,17 +83,42 @@ def message_text(response: dict) -> str:
                    for part in item["content"])
 
 
-def paced(model, monkeypatch, seconds: float) -> None:
-    """Make the model's chat events come at most one per `seconds` (the same events)."""
+class Gate:
+    """Lets the model's chat events through only as the test allows: a task runs for
+    exactly as long as a test needs it to (no sleeps raced against the generation)."""
+
+    def __init__(self):
+        self._allowed = 0.0
+        self._changed = trio.Event()
+
+    def allow(self, n: float = 1) -> None:
+        """Let `n` more events that carry text through (math.inf: all of them)."""
+        self._allowed += n
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self) -> None:
+        while self._allowed < 1:
+            await self._changed.wait()
+        self._allowed -= 1
+
+
+def gated(model, monkeypatch) -> Gate:
+    """Hold the model's chat events at a Gate (the same events). Only those that carry text
+    wait there (each gives at least one LMSP event); the others (an empty delta, which
+    gives none; Finished, which comes after the last allowed one) pass."""
+    gate = Gate()
     generate_chat = model.generate_chat
 
-    async def slower(prepared):
+    async def held(prepared):
         async with aclosing(generate_chat(prepared)) as events:
             async for event in events:
-                await trio.sleep(seconds)
+                if getattr(event, "text", ""):
+                    await gate.wait()
                 yield event
 
-    monkeypatch.setattr(model, "generate_chat", slower)
+    monkeypatch.setattr(model, "generate_chat", held)
+    return gate
 
 
 async def test_a_task_runs_in_the_background_and_its_events_replay(server):
@@ -176,17 +205,19 @@ async def test_a_body_nested_too_deeply_is_400(server, depth):
 
 
 async def test_cancel_stops_a_running_task(server, monkeypatch):
-    paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.002)  # >= 0.8 s
+    gate = gated(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch)
+    gate.allow(3)  # then it waits, running, until cancelled
     task = await create(server, task_body(max_output_tokens=400, store=True))
-    async with server.connection() as client:
-        events = follow(client, task["id"])
-        first = await events.__anext__()
-        assert first.event == "response.created"
-        seen = [await events.__anext__() for _ in range(3)]
-        reply = await server.request("POST", f"{TASKS}/{task['id']}/cancel")
-        assert reply.status == 200
-        cancelled = reply.json()
-        rest = [e async for e in events if e is not None]
+    with trio.fail_after(30):
+        async with server.connection() as client:
+            events = follow(client, task["id"])
+            first = await events.__anext__()
+            assert first.event == "response.created"
+            seen = [await events.__anext__() for _ in range(3)]
+            reply = await server.request("POST", f"{TASKS}/{task['id']}/cancel")
+            assert reply.status == 200
+            cancelled = reply.json()
+            rest = [e async for e in events if e is not None]
     assert cancelled["status"] == "cancelled" and cancelled["response"]["status"] == "cancelled"
     assert rest[-1].event == "response.cancelled" and rest[-1].data["status"] == "cancelled"
     # 6.2: usage is what was consumed until the cancel (each delta cost at least one token)
@@ -207,10 +238,15 @@ async def test_cancel_stops_a_running_task(server, monkeypatch):
 async def test_keepalive_comments_while_idle(nursery, tiny_path, tmp_path, monkeypatch):
     monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.02)
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
-    paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.1)  # idle gaps
+    gate = gated(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch)  # idle until opened
     task = await create(server, task_body(max_output_tokens=4))
-    async with server.connection() as client:
-        seen = [event async for event in follow(client, task["id"])]
+    seen = []
+    with trio.fail_after(30):
+        async with server.connection() as client:
+            async for event in follow(client, task["id"]):
+                seen.append(event)
+                if seen.count(None) == 4:
+                    gate.allow(math.inf)
     assert seen.count(None) >= 4 and seen[-1].event in FINAL
 
 
@@ -247,14 +283,14 @@ async def test_events_expire_after_the_retention_period(nursery, tiny_path, tmp_
 async def test_fan_out_with_drops_and_resumes(server, monkeypatch):
     """50 followers, each dropping its connection at random points and resuming
     from its last id: every one reassembles exactly the final text."""
-    paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.005)  # >= 0.3 s
+    gate = gated(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch)
     task = await create(server, task_body(max_output_tokens=60))
     texts: dict[int, str] = {}
     live_or_not = set()  # was the task running when a follower (re)connected?
+    connected = set()  # the followers that have connected once: the task runs on when all have
 
     async def follower(n: int) -> None:
         rng = random.Random(n)
-        await trio.sleep(rng.random() * 0.05)
         last, events = 0, []
         use_query = rng.random() < 0.5
         while not events or events[-1].event not in FINAL:
@@ -262,6 +298,9 @@ async def test_fan_out_with_drops_and_resumes(server, monkeypatch):
             headers = None if use_query or not last else {"Last-Event-ID": str(last)}
             query = f"?after={last}" if use_query and last else ""
             live_or_not.add(server.service.tasks.is_running(task["id"]))
+            connected.add(n)
+            if len(connected) == 50:
+                gate.allow(math.inf)
             async with server.connection() as client:
                 async for event in follow(client, task["id"], headers=headers, query=query):
                     if event is None:
@@ -274,10 +313,11 @@ async def test_fan_out_with_drops_and_resumes(server, monkeypatch):
                         break  # drop the connection mid-stream
         texts[n] = text_of(events)
 
-    async with trio.open_nursery() as nursery:
-        for n in range(50):
-            nursery.start_soon(follower, n)
-    final = await wait_final(server, task["id"])
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for n in range(50):
+                nursery.start_soon(follower, n)
+        final = await wait_final(server, task["id"])
     assert len(texts) == 50 and set(texts.values()) == {message_text(final["response"])}
     assert any(live_or_not)  # followers joined the live broadcast, not only the replay
 
@@ -416,12 +456,13 @@ async def test_a_follower_through_another_process_gets_keepalives_on_time(nurser
 async def test_a_task_is_cancelled_through_another_process(nursery, tiny_path, tmp_path, monkeypatch):
     first = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
     second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
-    paced(first.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.05)
+    gated(first.service.registry.get("tiny:chat-q8_0").model, monkeypatch).allow(2)  # then it waits
     task = await create(first, task_body(max_output_tokens=200))
-    async with second.connection() as client:  # wait until it runs
-        stream = follow(client, task["id"])
-        while (await stream.__anext__()).event != "response.output_text.delta":
-            pass
+    with trio.fail_after(30):
+        async with second.connection() as client:  # wait until it runs
+            stream = follow(client, task["id"])
+            while (await stream.__anext__()).event != "response.output_text.delta":
+                pass
     reply = await second.request("POST", f"{TASKS}/{task['id']}/cancel")
     assert reply.status == 200 and reply.json()["status"] == "cancelled"
     events = await all_events(second, task["id"])
@@ -550,11 +591,12 @@ async def test_task_events_are_those_of_a_direct_stream(nursery, tiny_path):
 async def test_a_service_that_stops_fails_its_running_tasks_at_once(tiny_path, tmp_path, monkeypatch):
     async with trio.open_nursery() as nursery:
         server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
-        paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.01)
+        gated(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch).allow(3)  # then it waits
         task = await create(server, task_body(max_output_tokens=300))
         async with server.connection() as client:
             stream = follow(client, task["id"])
-            seen = [await stream.__anext__() for _ in range(4)]
+            with trio.fail_after(30):
+                seen = [await stream.__anext__() for _ in range(4)]
             nursery.cancel_scope.cancel()  # the service stops (and closes its store)
     store = await Store.open(tmp_path)
     row = await store.get_task(task["id"], None)
@@ -606,7 +648,7 @@ async def test_a_task_created_once_the_service_has_stopped_at_once_ends_as_it_st
     row = await service.store.get_task(created[0], None)
     assert row.status == "failed" and row.object()["response"]["error"]["code"] == "model_unavailable"
     assert [e.event for e in await service.store.read_events(created[0], 0)] == ["response.failed"]
-    service.close()
+    await close_service(service)
 
 
 async def test_a_runner_failing_as_a_forced_stop_cancels_it_lets_the_service_stop(tiny_path, tmp_path,
@@ -638,18 +680,19 @@ async def test_a_runner_failing_as_a_forced_stop_cancels_it_lets_the_service_sto
     monkeypatch.setattr(service.store, "append_events", append_events)  # the disk has room again
     assert await Tasks(service.store).recover() == [task.id]  # as the next start does
     assert (await service.store.get_task(task.id, None)).status == "failed"
-    service.close()
+    await close_service(service)
 
 
 async def test_a_draining_service_sends_followers_the_final_event(nursery, tiny_path, tmp_path, monkeypatch):
     """SIGTERM drains the service: its tasks end failed first, so that the clients
     following them get the final event before their streams close."""
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
-    paced(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch, 0.02)
+    gated(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch).allow(3)  # then it waits
     task = await create(server, task_body(max_output_tokens=300, store=True))
     async with server.connection() as client:
         stream = follow(client, task["id"])
-        seen = [await stream.__anext__() for _ in range(4)]
+        with trio.fail_after(30):
+            seen = [await stream.__anext__() for _ in range(4)]
         async with trio.open_nursery() as draining:
             draining.start_soon(server.service.drain, 5.0)
             rest = [event async for event in stream if event is not None]
@@ -727,3 +770,25 @@ async def test_failing_periodic_work_is_logged_once_a_round(monkeypatch):
     recoveries = sum(line.startswith("error: recovering tasks failed: OperationalError") for line in lines)
     assert len(lines) == recoveries + 1 and 1 <= recoveries <= rounds + 1  # (one a round, not a spin)
     store.close()
+
+
+async def test_a_task_that_cannot_be_created_releases_its_admission(server, monkeypatch):
+    """The task owns its generation from `Tasks.start` on: a row that cannot be written
+    (a full disk) releases the model's admission at once, with the garbage collector off."""
+    import gc
+
+    async def disk_full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(server.service.store, "create_task", disk_full)
+    entry = server.service.registry.get("tiny:chat-q8_0")
+    gc.disable()
+    try:
+        reply = await server.request("POST", TASKS, json_body=task_body())
+        assert reply.status == 500 and entry.admitted == 0
+    finally:
+        gc.enable()
+    monkeypatch.undo()
+    task = await create(server, task_body(max_output_tokens=2))
+    await wait_final(server, task["id"])
+    assert entry.admitted == 0

@@ -99,23 +99,25 @@ class FakeRequest:
 
 async def test_a_repeat_while_the_first_runs_is_409(tmp_path):
     store = await Store.open(tmp_path)
-    release = trio.Event()
+    running, release = trio.Event(), trio.Event()
 
     async def slow():
+        running.set()
         await release.wait()
         return Response(200, b"{}")
 
     async def first():
         assert (await idempotency.run_once(store, FakeRequest("k"), "R", {"a": 1}, slow)).body == b"{}"
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(first)
-        await trio.sleep(0.05)
-        for body, code in (({"a": 1}, "idempotency_conflict"), ({"a": 2}, "idempotency_key_reused")):
-            with pytest.raises(Problem) as raised:
-                await idempotency.run_once(store, FakeRequest("k"), "R", body, slow)
-            assert raised.value.code == code
-        release.set()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            await running.wait()  # the first holds the key
+            for body, code in (({"a": 1}, "idempotency_conflict"), ({"a": 2}, "idempotency_key_reused")):
+                with pytest.raises(Problem) as raised:
+                    await idempotency.run_once(store, FakeRequest("k"), "R", body, slow)
+                assert raised.value.code == code
+            release.set()
     replay = await idempotency.run_once(store, FakeRequest("k"), "R", {"a": 1}, slow)
     assert replay.headers == [("Idempotent-Replayed", "true")]
     store.close()

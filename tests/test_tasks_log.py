@@ -88,6 +88,12 @@ async def test_fast_generation_is_group_committed(store):
     assert commits < 500
 
 
+async def until(condition) -> None:
+    """Wait for `condition()`, looking every few milliseconds (the caller bounds the wait)."""
+    while not condition():
+        await trio.sleep(0.005)
+
+
 async def follow_into(seen: list, log: LiveLog, after: int) -> None:
     """Follow the log from `after`, noting each event, and None for each keep-alive."""
     async for batch in log.follow(after):
@@ -98,17 +104,23 @@ async def test_keepalive_while_idle_and_abandon_releases_followers(store, monkey
     monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.05)
     log = LiveLog(store, "task_1")
     seen = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(log.write_loop)
-        nursery.start_soon(follow_into, seen, log, 0)
-        log.append(LoggedEvent(1, "response.created", "{}"))
-        with pytest.raises(ValueError):
-            log.append(LoggedEvent(3, "response.output_text.delta", "{}"))
-        await trio.sleep(0.18)
-        log.abandon()
-        nursery.cancel_scope.deadline = trio.current_time() + 5
-        await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
+    released = trio.Event()
+
+    async def follower() -> None:
+        await follow_into(seen, log, 0)
+        released.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.write_loop)
+            nursery.start_soon(follower)
+            log.append(LoggedEvent(1, "response.created", "{}"))
+            with pytest.raises(ValueError):
+                log.append(LoggedEvent(3, "response.output_text.delta", "{}"))
+            await until(lambda: seen.count(None) >= 2)  # idle: keep-alives
+            log.abandon()
+            await released.wait()  # the follower's stream ends
+            nursery.cancel_scope.cancel()
     assert seen[0].seq == 1 and seen[1:] == [None] * (len(seen) - 1) and len(seen) >= 3
 
 
@@ -119,7 +131,20 @@ async def test_a_follower_resumed_past_the_last_event_gets_keepalives(store, mon
     monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.05)
     log = LiveLog(store, "task_1")
     seen = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(follow_into, seen, log, 1000)
-        await run_task(log, 20, 0.02)  # 0.4 s
+
+    async def publish_until_four_keepalives() -> None:  # an event every 0.02 s, until then
+        async with trio.open_nursery() as writer:
+            writer.start_soon(log.write_loop)
+            seq = 0
+            while seen.count(None) < 4:
+                seq += 1
+                log.append(LoggedEvent(seq, "response.output_text.delta", json.dumps({"delta": "x"})))
+                await trio.sleep(0.02)
+            await log.finish("completed", '{"id":"resp_1","status":"completed"}',
+                             LoggedEvent(seq + 1, "response.completed", '{"status":"completed"}'))
+
+    with trio.fail_after(10):  # (without keep-alives it would publish for good)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow_into, seen, log, 1000)
+            await publish_until_four_keepalives()
     assert seen == [None] * len(seen) and len(seen) >= 4
