@@ -57,8 +57,13 @@ def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int |
     weights = load_weights(file, hp)
     accel.single_threaded_blas()  # the accelerator's threads split the work, not BLAS (engine/accel/threads.py)
     accelerator = accel.install(weights, accel.num_threads())  # its helper process starts ...
-    tokenizer = Tokenizer.from_metadata(file.metadata)  # ... while this runs
-    model = Model(file, hp, weights, tokenizer, n_ctx)
+    try:
+        tokenizer = Tokenizer.from_metadata(file.metadata)  # ... while this runs
+        model = Model(file, hp, weights, tokenizer, n_ctx)
+    except BaseException:
+        if accelerator is not None:
+            accelerator.close()
+        raise
     model.scheduler.kv_cache_bytes = kv_cache_bytes
     model.accel = accelerator
     accel.release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd

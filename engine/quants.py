@@ -235,15 +235,14 @@ class QuantWeight(Weight):
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         x = self._input(x)
-        y = self.padded_output(x.shape[0])
-        if x.shape[0] == 0:
-            pass
-        elif x.shape[0] <= DECODE_MAX_ROWS:
+        n = x.shape[0]
+        y = self.padded_output(n)
+        if 0 < n <= DECODE_MAX_ROWS:
             self._decode_tiles(x, y, 0, self.n_tiles)
             mins_part = self._mins_part(x)
             if mins_part is not None:
                 y += mins_part
-        else:
+        elif n > DECODE_MAX_ROWS:
             self._prefill_tiles(x, y, 0, self.n_tiles)
         return y[:, : self.shape[0]]
 
