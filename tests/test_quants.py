@@ -230,6 +230,30 @@ def test_a_closed_accelerator_joins_its_threads_and_computes_on_the_caller(monke
     np.testing.assert_array_equal(plain.matmul(x), y)
 
 
+def test_an_accelerator_dropped_without_close_ends_its_threads():
+    import gc
+
+    before = set(threading.enumerate())
+    accelerator = accel.Accelerator(n_threads=2)
+    (worker,) = set(threading.enumerate()) - before
+    del accelerator
+    gc.collect()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+
+
+def test_a_stacked_weight_is_shared_out_part_by_part(two_threads):
+    parts = [weight_and_reference(t, n_out=600, seed=i) for i, t in enumerate([T.Q4_K, T.F16, T.Q8_0])]
+    plain = concat_weights([w for w, _ in parts])
+    assert isinstance(plain, quants.StackedWeight)
+    wrapped = two_threads.wrap(plain)
+    assert isinstance(wrapped, quants.StackedWeight)
+    assert all(isinstance(part, accel.Accelerated) for part in wrapped.parts)
+    x = np.random.default_rng(7).standard_normal((2, N_IN)).astype(np.float32)
+    assert_matmul_close(wrapped.matmul(x), x @ np.concatenate([r for _, r in parts]).T)
+    np.testing.assert_array_equal(wrapped.rows([0, 700, 1799]), plain.rows([0, 700, 1799]))
+
+
 def test_one_thread_installs_nothing(tmp_path, monkeypatch):
     from engine import load_model
     from tiny import write_tiny_model
