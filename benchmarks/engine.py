@@ -12,7 +12,7 @@ For each model, in a child process of its own (so memory figures are its own):
 - memory: the bytes of the weight matrices as the kernels hold them (the
   figure to compare with the file: issue 3 asks for at most 2x), resident set size after loading, the weights' share of it (RSS after
   load minus RSS before, split into shared memory and heap — the unpacked weights,
-  shared when a helper process maps them (engine/helper.py) — and pages of the
+  shared when a helper process maps them (engine/accel/helper.py) — and pages of the
   memory-mapped file, which the kernel can drop), and the peak RSS of the
   whole run, against the file size.
 Timings on a shared machine are noisy; run it when the machine is quiet.

@@ -7,7 +7,7 @@ between them (attention, norms). This measures the first part with nothing aroun
 each quantized matrix of the model, in the order a step uses them, through the decode
 kernel (QuantWeight._decode_tiles and the mins' part) at `rows` rows of random x, over
 and over for `--seconds`. Each pass runs in a child process of its own with one thread
-(LMSP_THREADS=1: no helper process, no split over threads); with `--processes 2`, two
+(LMSP_THREADS=1: no accelerator, so no helper process and no split over threads); with `--processes 2`, two
 such children run at once, as both cores are busy in a step. It prints the milliseconds
 of one pass and nanoseconds per weight, by matrix, and a pass shared out over that many
 processes: what the matmuls of a step would take with a perfect split and no cost for
@@ -45,6 +45,8 @@ def passes(path: str, rows: int, seconds: float) -> dict:
     from engine.quants import QuantWeight
 
     model = load_model(path)
+    if model.accel is not None:
+        raise RuntimeError("benchmarks.floor times the plain kernels: run its children with LMSP_THREADS=1")
     chosen = [(role, w) for role, w in matrices(model) if isinstance(w, QuantWeight)]
     skipped = sorted({role for role, w in matrices(model) if not isinstance(w, QuantWeight)})
     rng = np.random.default_rng(0)
@@ -82,7 +84,7 @@ def passes(path: str, rows: int, seconds: float) -> dict:
 
 def run(path: str, rows: int, n_processes: int, seconds: float) -> list[dict]:
     """n_processes children doing passes at the same time; their results."""
-    env = {**os.environ, "LMSP_THREADS": "1"}  # one thread, so no helper either (BLAS: one thread always)
+    env = {**os.environ, "LMSP_THREADS": "1"}  # one thread: the plain kernels (BLAS: one thread, set at load)
     root = Path(__file__).resolve().parent.parent
     children = [subprocess.Popen([sys.executable, "-m", "benchmarks.floor", "--child", path, str(rows), str(seconds)],
                                  cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

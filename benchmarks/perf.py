@@ -97,7 +97,7 @@ def engine_worker(name: str) -> None:
     from engine import load_model
     from engine.chat import ChatRequest
     from engine.sampling import SamplingParams
-    from engine.threads import blas_kernel
+    from engine.accel import blas_kernel
 
     reply = worker.take_stdout()
     path = prompts.model_path(name)
@@ -155,8 +155,8 @@ def engine_worker(name: str) -> None:
             "rss_anon_mb": rss_after["RssAnon"] - rss_before["RssAnon"],  # weights, tokenizer, buffers
             "rss_file_mb": rss_after["RssFile"] - rss_before["RssFile"],  # pages of the GGUF read while loading
             "rss_shmem_mb": rss_after["RssShmem"] - rss_before["RssShmem"],  # the weights, shared with the helper
-            "helper_rss_anon_mb": rss_mb(model.helper.process.pid)["RssAnon"]
-            if model.helper and model.helper.process.poll() is None else 0.0,
+            "helper_rss_anon_mb": rss_mb(helper.process.pid)["RssAnon"]
+            if (helper := model.accel and model.accel.helper) and helper.process.poll() is None else 0.0,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
 

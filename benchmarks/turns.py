@@ -6,12 +6,12 @@ compare the machine's moods more than the code. Here each setting loads the mode
 over and over, so that every setting meets the same moods; the medians compare.
 
     python -m benchmarks.turns smollm2:135m-instruct-q4_1 --rows 1,8 \\
-        --setting "" --setting engine.helper.SPIN_SECONDS=0.002
+        --setting "" --setting engine.accel.tuning.SPIN_SECONDS=0.002
 
 A setting is a comma-separated list of `module.NAME=value` (value a Python literal),
 "" for the defaults. Its values hold while its model loads and while its steps run,
 in this process, and in its helper process from its start (the helper reads
-engine.helper's constants itself). A value the code reads only at load
+engine.accel.tuning's constants itself). A value the code reads only at load
 (engine.quants.TILE_VALUES) takes effect through the load; one read at each matmul
 (engine.quants.DECODE_MAX_ROWS) through the steps. Each setting's model is its own
 load: memory is that of one model per setting.
@@ -34,7 +34,7 @@ MAX_LENGTH = 300     # a block's sequences start again from the prompt past this
 
 
 def parse_setting(text: str) -> list[Assignment]:
-    """"engine.helper.SPIN_SECONDS=0.002,engine.helper.CONVERT_AHEAD=6" -> its assignments."""
+    """"engine.accel.tuning.SPIN_SECONDS=0.002,engine.accel.tuning.CONVERT_AHEAD=6" -> its assignments."""
     assignments = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         target, sep, value = part.partition("=")
@@ -62,19 +62,21 @@ def apply(assignments: list[Assignment]) -> list[Assignment]:
 
 
 def helper_main(assignments: list[Assignment]) -> str:
-    """engine.helper's start-up code with the assignments made first (in the helper process)."""
-    from engine import helper
+    """The helper process's start-up code with the assignments made first (in the helper process)."""
+    from engine.accel import helper
 
-    start = "from engine.helper import serve"
+    start = "from engine.accel.helper import serve"
     if start not in helper._HELPER_MAIN:
-        raise RuntimeError(f"engine.helper._HELPER_MAIN no longer says {start!r}: settings cannot reach the helper")
+        raise RuntimeError(f"engine.accel.helper._HELPER_MAIN no longer says {start!r}: "
+                           "settings cannot reach the helper")
     lines = "".join(f"setattr(importlib.import_module({m!r}), {n!r}, {v!r}); " for m, n, v in assignments)
     return helper._HELPER_MAIN.replace(start, f"import importlib; {lines}{start}")
 
 
 def load(path: Path, assignments: list[Assignment]):
     """The model loaded with the setting's values (restored afterwards), with its helper ready."""
-    from engine import helper, load_model
+    from engine import load_model
+    from engine.accel import helper
 
     main = helper._HELPER_MAIN
     undo = apply(assignments)
@@ -84,9 +86,8 @@ def load(path: Path, assignments: list[Assignment]):
     finally:
         helper._HELPER_MAIN = main
         apply(undo)
-    deadline = time.monotonic() + 60
-    while model.helper is not None and not model.helper.alive and time.monotonic() < deadline:
-        time.sleep(0.02)
+    if model.accel is not None and model.accel.helper is not None:
+        model.accel.helper.wait_ready(timeout=60)
     return model
 
 

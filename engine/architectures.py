@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from .kv_cache import Sequence
-from .threads import parallel_for
+from .accel import tuning
+from .accel.threads import parallel_for
 
 
 @dataclass(frozen=True)
@@ -236,14 +237,11 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
 
 # Queries per block when a chunk is long. A block reads the keys up to its last query, so
 # smaller blocks compute less of the causal mask's hidden half (a 512-token prefill: 56%
-# of the full square at 64, 62.5% at 128) in GEMMs still big enough: attention per prefill
-# took 6% less at 64 than at 128 for both real models on a Zen 3 VM (16 prefills each,
-# taking turns); 32 was no better.
+# of the full square at 64, 62.5% at 128) in GEMMs still big enough (docs/performance.md).
 ATTENTION_BLOCK = 64
 # From this many keys on, one query's scores are computed as keys @ q.T: OpenBLAS computes
-# q @ keys.T for a single query 2x slower once the cache is long (SmolLM2's heads, 520
-# keys: 136 against 73 us; 2,000: 587 against 284; the step comes at 300 to 450 keys,
-# depending on the head size), and keys @ q.T costs about 5 us more below that.
+# q @ keys.T for a single query about 2x slower once the cache is long, and keys @ q.T
+# costs a few us more below that (docs/performance.md).
 KEYS_FIRST_MIN_KEYS = 256
 
 
@@ -346,12 +344,9 @@ def attend_one_each(q: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray]], 
     return out.reshape(S, n_head * hd_v)                       # (S, n_head*hd_v)
 
 
-POSITION_WISE_MIN_VALUES = 1 << 18  # below this (decode) a position-wise op runs on the calling thread
-
-
 def position_wise(n_row_args: int = 0):
     """Decorate an op that treats each position (row) on its own, so that a big batch
-    (a prefill chunk) is cut into row blocks shared out over the threads.
+    (a prefill chunk) is cut into row blocks shared out over the threads (engine/accel).
 
     The op's first argument, and the n_row_args positional ones after it, are per-row
     arrays (rows on axis 0); the op writes its result, of the first argument's shape,
@@ -360,7 +355,7 @@ def position_wise(n_row_args: int = 0):
     def decorate(op):
         @functools.wraps(op)
         def run(x: np.ndarray, *args, **kwargs):
-            if x.size < POSITION_WISE_MIN_VALUES:
+            if x.size < tuning.POSITION_WISE_MIN_VALUES:  # decode: not worth the threads
                 return op(x, *args, out=None, **kwargs)
             out = np.empty(x.shape, np.float32)
 
@@ -403,7 +398,7 @@ def rope_pairs(x: np.ndarray, turns: np.ndarray, out: np.ndarray | None) -> np.n
     """Rotate adjacent pairs (2i, 2i+1) of each head's first rope_dim dimensions (RoPE).
 
     Read as a complex number x_2i + i x_2i+1, a pair turned by an angle is that number
-    times e^(i angle): one complex multiply instead of six real ones (4x faster).
+    times e^(i angle): one complex multiply instead of six real ones.
     x: (n, heads, hd), turns: (n, rope_dim/2) complex64 (Batch.rope_turns).
     """
     d = 2 * turns.shape[1]

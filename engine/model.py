@@ -22,17 +22,15 @@ from typing import Any
 import numpy as np
 from gguf.quants import dequantize
 
-from . import architectures, describe
+from . import accel, architectures, describe
 from .architectures import Block, Hyperparameters, Weights
 from .chat_template import ChatTemplate
 from .constrain import can_constrain
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .kv_cache import INITIAL_CAPACITY, KVCache, Sequence
-from .helper import Helper, start as start_helper
-from .quants import QuantWeight, StackedWeight, concat_weights, load_weight, reorder_rows
+from .quants import concat_weights, load_weight, reorder_rows
 from .scheduler import PREFILL_CHUNK, Scheduler
-from .threads import num_threads, release_freed_memory
 from .tokenizer import Tokenizer
 
 
@@ -59,26 +57,19 @@ def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int |
     file = GGUFFile(path)
     hp = read_hyperparameters(file)
     weights = load_weights(file, hp)
-    helper = start_helper(quantized_matrices(weights), num_threads())
-    tokenizer = Tokenizer.from_metadata(file.metadata)  # while the helper process starts
-    model = Model(file, hp, weights, tokenizer, n_ctx)
+    accel.single_threaded_blas()  # the accelerator's threads split the work, not BLAS (engine/accel/threads.py)
+    accelerator = accel.install(weights, accel.num_threads())  # its helper process starts ...
+    try:
+        tokenizer = Tokenizer.from_metadata(file.metadata)  # ... while this runs
+        model = Model(file, hp, weights, tokenizer, n_ctx)
+    except BaseException:
+        if accelerator is not None:
+            accelerator.close()
+        raise
     model.scheduler.kv_cache_bytes = kv_cache_bytes
-    model.helper = helper
-    release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd
+    model.accel = accelerator
+    accel.release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd
     return model
-
-
-def quantized_matrices(weights: Weights) -> list[QuantWeight]:
-    """Every quantized matrix of the model, once each (the output matrix may be the embeddings)."""
-    found: dict[int, QuantWeight] = {}
-    matrices = [weights.token_embd, weights.output]
-    for blk in weights.blocks:
-        matrices += [blk.qkv, blk.attn_output, blk.gate_up, blk.ffn_down]
-    for m in matrices:
-        for part in (m.parts if isinstance(m, StackedWeight) else [m]):
-            if isinstance(part, QuantWeight):
-                found[id(part)] = part
-    return list(found.values())
 
 
 class Model:
@@ -101,8 +92,7 @@ class Model:
             add_bos=tokenizer.add_bos,
             add_eos=tokenizer.add_eos,
         )
-        self.helper: Helper | None = None      # computes part of each decode matmul (engine/helper.py)
-        self.accel = None                      # what speeds up its matmuls, closed with it (or None)
+        self.accel: accel.Accelerator | None = None  # shares the matmuls out: threads, helper (engine/accel)
         self.steps = 0                       # forward steps run so far (tests watch it)
         self._forward_lock = threading.Lock()  # one forward at a time over the shared weights
         self.scheduler = Scheduler(self)       # batches the forward steps of concurrent generations

@@ -21,8 +21,7 @@ ONCE into one uniform representation, and one pair of kernels serves every forma
     F32: 4 (the memory-mapped file), F16 / BF16: 2 (kept half-size, converted per tile)
 
 against 0.33 (Q2_K) to 1.06 (Q8_0) bytes per weight in the file: 1.06x the file for
-Q8_0, 2.0x for Q4_0 and Q4_1, 2.2x for Q4_K, 2.9x for Q3_K and 4.6x for Q2_K. Files mix
-formats (SmolLM2 Q4_1 keeps its embeddings in Q8_0: 1.67x; Gemma 3 Q4_K_M: 1.21x). No
+Q8_0, 2.0x for Q4_0 and Q4_1, 2.2x for Q4_K, 2.9x for Q3_K and 4.6x for Q2_K. No
 float32 copy of a quantized matrix is ever kept.
 
 The kernels, for `y = x @ W.T` with x float32 (n, in):
@@ -30,12 +29,14 @@ The kernels, for `y = x @ W.T` with x float32 (n, in):
   at a time, then BLAS computes the per-group partial dot products
   P[k, r] = x[group k] . codes[group k, r], and y[r] = sum_k scales[k, r] * P[k, r]
   (+ sum_k mins[k, r] * sum(x[group k])): no pass multiplies the weights by scales.
-  With a helper process (engine/helper.py) it computes part of the tiles; otherwise
-  big enough matmuls are split over threads.
 - many rows (prefill): a few tiles at a time are dequantized (codes * scales + mins)
   into a float32 buffer and multiplied with one BLAS GEMM, so the dequantization cost
-  is shared by all n rows of x; the tiles are split over threads (engine/threads.py).
-Every thread has its own scratch buffers, so several threads may call matmul at once.
+  is shared by all n rows of x.
+They run on the calling thread, and several threads may call them at once (every
+call has its own buffers). Both work tile by tile through `_decode_tiles` and
+`_prefill_tiles`, which compute any range of tiles on its own: the acceleration layer
+(engine/accel) shares a matmul's tiles out between threads and a helper process
+through them, and gets the same floats.
 
 The unpackers read the block layouts as numpy views, the way gguf-py's quants.py
 does; `gguf.quants.dequantize` is the reference the tests compare against.
@@ -44,46 +45,26 @@ does; `gguf.quants.dequantize` is the reference the tests compare against.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from engine.errors import UnsupportedModelError
 from engine.gguf_file import Tensor, release_pages
-from engine.threads import parallel_for, scratch
 
-# Decode tiles hold about this many values (512 KiB of codes, 2 MiB as float32). Bigger
-# tiles mean fewer numpy calls, and numpy streams codes from memory faster in long runs:
-# on an AMD EPYC (Zen 4, 1 MiB of L2 per core), converting int8 codes to float32 ran at
-# 6.7 G values/s in tiles of 2^17 and 9.7 in tiles of 2^19, and a decode step took 12-16%
-# less (SmolLM2 19.3 against 23.1 ms, Gemma 3 33.5 against 38.5, medians of 150 steps
-# taking turns in one process). 2^20 was slower again: too few tiles to share.
+# The kernels' sizes (docs/performance.md has the measurements behind each).
+# Values of a stored tile (512 KiB of codes, 2 MiB as float32): numpy converts codes
+# faster in long runs, and a matrix needs enough tiles to be shared out.
 TILE_VALUES = 1 << 19
-# The decode kernel scales and sums the partial sums of a span of tiles at once: as many
-# tiles as keep them within this many values (256 KiB), or one. Small enough to stay in
-# L2 between the matmuls that write them and the einsum that reads them: a step of 8
-# sequences took 3-20% less than with spans as big as a tile (SmolLM2 40.0-42.7 against
-# 43.8-50.7 ms, three pairs of runs); one sequence's step, the same.
+# The decode kernel scales and sums the partial sums of as many tiles at once as fit in
+# this many values (256 KiB), or one: they stay in L2 until the einsum reads them back.
 PARTIAL_VALUES = 1 << 16
-# Prefill dequantizes up to this many values for one GEMM: BLAS blocks a GEMM for the
-# caches itself.
+# Prefill dequantizes up to this many values for one GEMM (BLAS blocks it for the caches).
 PREFILL_TILE_VALUES = 1 << 20
-# The threads share a prefill matmul out in chunks of about this many values (a few ms of
-# GEMM for 512 tokens): smaller chunks balance the threads better but make BLAS slower
-# (2^18 values per chunk: 741 tok/s on Gemma 3, 2^20: 809).
-PREFILL_CHUNK_VALUES = 1 << 20
-# Up to this many rows of x (decode, a batch of decoding sequences) the decode kernel is
-# used, above it the dequantize-and-GEMM one. The two cost about the same at 48 rows
-# (measured, noisily); 32 stays on the side of the crossover where the decode kernel
-# surely wins.
+# Up to this many rows of x the decode kernel runs, above it dequantize-and-GEMM: the two
+# cost about the same near 48 rows, and 32 stays where the decode kernel surely wins.
 DECODE_MAX_ROWS = 32
-# The decode kernel splits a matmul over threads only from this much work (values of W
-# times rows of x): each thread's GIL hand-offs between its short numpy calls cost more
-# than the split saves below that (on 2 cores, one row of x times a 960x576 matrix took
-# 0.13 ms on one thread and 0.23 ms on two; a SmolLM2 step of 8 sequences, every matrix
-# split, took 68 ms against 86 ms on one thread).
-DECODE_PARALLEL_MIN_WORK = 1 << 21
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,16 +87,10 @@ class Weight(ABC):
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x float32 (n, in) -> x @ W.T float32 (n, out)."""
-        n_out, n_in = self.shape
         x = self._input(x)
-        y = np.empty((x.shape[0], n_out), np.float32)
-        if y.size == 0:
-            return y
-        if x.shape[0] <= DECODE_MAX_ROWS:
-            parallel_for(lambda r0, r1: self._decode_rows(x, y, r0, r1), n_out, n_out * n_in,
-                         DECODE_PARALLEL_MIN_WORK // x.shape[0])
-        else:
-            self._prefill(x, y)
+        y = np.empty((x.shape[0], self.shape[0]), np.float32)
+        if y.size:
+            self._matmul_rows(x, y, 0, self.shape[0])
         return y
 
     def _input(self, x: np.ndarray) -> np.ndarray:
@@ -124,19 +99,13 @@ class Weight(ABC):
             raise ValueError(f"matmul of a {self.shape} weight with x of shape {x.shape}")
         return np.ascontiguousarray(x, dtype=np.float32)
 
-    def _decode_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
-        """y[:, r0:r1] = x @ W[r0:r1].T for a few rows of x, one cache-sized tile at a time."""
-        self._tiled_matmul(x, y, r0, r1, TILE_VALUES)
-
-    def _prefill(self, x: np.ndarray, y: np.ndarray) -> None:
-        """y = x @ W.T for many rows of x: big tiles, rows split over the threads."""
-        parallel_for(lambda r0, r1: self._tiled_matmul(x, y, r0, r1, PREFILL_TILE_VALUES),
-                       self.shape[0], self.shape[0] * self.shape[1])
-
-    def _tiled_matmul(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int, tile_values: int) -> None:
+    def _matmul_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
+        """y[:, r0:r1] = x @ W[r0:r1].T, W's rows converted to float32 a tile at a time
+        (bigger tiles for many rows of x: one GEMM per tile)."""
         n_in = self.shape[1]
+        tile_values = TILE_VALUES if x.shape[0] <= DECODE_MAX_ROWS else PREFILL_TILE_VALUES
         tile_rows = max(1, tile_values // n_in)
-        buf = scratch("tile", min(tile_rows, r1 - r0) * n_in)
+        buf = np.empty(min(tile_rows, r1 - r0) * n_in, np.float32)
         for t0 in range(r0, r1, tile_rows):
             t1 = min(t0 + tile_rows, r1)
             w = buf[: (t1 - t0) * n_in].reshape(t1 - t0, n_in)  # (rows, in) float32
@@ -185,11 +154,11 @@ class DenseWeight(Weight):
         else:
             np.copyto(out, self.data[rows])
 
-    def _tiled_matmul(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int, tile_values: int) -> None:
+    def _matmul_rows(self, x: np.ndarray, y: np.ndarray, r0: int, r1: int) -> None:
         if self.kind == T.F32:  # BLAS reads float32 weights as they are
             np.matmul(x, self.data[r0:r1].T, out=y[:, r0:r1])
         else:
-            super()._tiled_matmul(x, y, r0, r1, tile_values)
+            super()._matmul_rows(x, y, r0, r1)
 
 
 def _tile_rows(n_out: int, n_in: int) -> int:
@@ -221,11 +190,8 @@ class QuantWeight(Weight):
       and scales and mins broadcast along the inner axis.
     (Row-major codes would need a transposing copy of every tile, and a plain
     transposed (in, out) array makes a tile of a wide matrix hundreds of short runs
-    far apart: 2x slower for a 49k-row output matrix.)
+    far apart.)
     """
-
-    helper = None       # an engine.helper.Helper that computes part of decode matmuls, if any
-    helper_index = -1   # this weight's number in that helper
 
     def __init__(self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, n_out: int):
         self.codes = codes  # (n_tiles, in, tile_rows) int8: W's codes, transposed, tile by tile
@@ -268,33 +234,27 @@ class QuantWeight(Weight):
             np.add(w, self.mins[:, None, rows], out=w)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        n_out, n_in = self.shape
         x = self._input(x)
-        helper = self.helper
-        if (helper is not None and 0 < x.shape[0] <= DECODE_MAX_ROWS and self.n_tiles > 1
-                and n_out * n_in * x.shape[0] >= helper.min_work and helper.alive):
-            y = helper.matmul(self, x)
-            if y is not None:  # else the helper is busy: this one is computed here
-                return y
-        y = np.empty((x.shape[0], self.n_tiles * self.tile_rows), np.float32)  # padded
-        if x.shape[0] == 0:
-            return y[:, :n_out]
-        if x.shape[0] <= DECODE_MAX_ROWS:
-            parallel_for(lambda b0, b1: self._decode_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
-                         DECODE_PARALLEL_MIN_WORK // x.shape[0])
+        n = x.shape[0]
+        y = self.padded_output(n)
+        if 0 < n <= DECODE_MAX_ROWS:
+            self._decode_tiles(x, y, 0, self.n_tiles)
             mins_part = self._mins_part(x)
             if mins_part is not None:
                 y += mins_part
-        else:
-            parallel_for(lambda b0, b1: self._prefill_tiles(x, y, b0, b1), self.n_tiles, n_out * n_in,
-                         items_per_chunk=max(1, PREFILL_CHUNK_VALUES // (n_in * self.tile_rows)))
-        return y[:, :n_out] if y.shape[1] > n_out else y
+        elif n > DECODE_MAX_ROWS:
+            self._prefill_tiles(x, y, 0, self.n_tiles)
+        return y[:, : self.shape[0]]
+
+    def padded_output(self, n: int) -> np.ndarray:
+        """An uninitialized y (n, n_tiles * tile_rows): the kernels write whole tiles."""
+        return np.empty((n, self.n_tiles * self.tile_rows), np.float32)
 
     def _prefill_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
         """y[:, tiles b0:b1] = x @ W[those rows].T: dequantize a few tiles at once, one GEMM."""
         n_in, rows = self.shape[1], self.tile_rows
         step = max(1, PREFILL_TILE_VALUES // (n_in * rows))  # tiles per GEMM
-        buf = scratch("tile", n_in * rows * min(step, b1 - b0))
+        buf = np.empty(n_in * rows * min(step, b1 - b0), np.float32)
         for c0 in range(b0, b1, step):
             c1 = min(c0 + step, b1)
             r0, r1 = c0 * rows, c1 * rows
@@ -303,60 +263,51 @@ class QuantWeight(Weight):
             self._scale(w, slice(r0, r1))
             np.matmul(x, w, out=y[:, r0:r1])
 
-    def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int,
-                      converted: dict[int, np.ndarray] | None = None,
-                      claim: Callable[[int], bool] | None = None) -> int:
+    def _decode_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
         """y[:, tiles b0:b1] = x @ W[those rows].T for a few rows of x, without dequantizing
         (formats with mins: but for their part, `_mins_part`).
 
-        The loop over tiles is two numpy calls on prepared views: with several threads
-        every return from numpy waits for the GIL, so Python work between them costs
-        twice. `converted` may hold tiles already converted to float32 (flat, by tile
-        index: the helper process converts ahead while it waits). `claim(b)`, when
-        given, is asked before each tile b: the work stops at the first tile it refuses
-        (the helper's tiles that the model's process took over). Returns the end of the
-        tiles computed: b1, or the refused tile.
+        Each tile's codes are converted to float32 and multiplied with x group by group;
+        the partial sums of a span of tiles are then scaled and summed in one pass. The
+        loop over tiles is two numpy calls on views prepared before it: when several
+        threads share the work, each return from numpy waits for the GIL, so Python work
+        between the calls would cost twice.
         """
-        n, n_in = x.shape
-        g, rows = self.group, self.tile_rows
-        n_groups = n_in // g
-        xg = np.ascontiguousarray(x.reshape(n, n_groups, g).transpose(1, 0, 2))  # (groups, n, g)
-        w = scratch("tile", n_in * rows)
-        w_codes, w_groups = w.reshape(n_in, rows), w.reshape(n_groups, g, rows)  # one tile, as float32
-        # the partial sums of a span of tiles are scaled and reduced together
-        span = max(1, min(b1 - b0, PARTIAL_VALUES // (n_groups * n * rows)))
-        p = scratch("partial", span * n_groups * n * rows).reshape(span, n_groups, n, rows)
-        end = b1
+        xg, span, partials = self._decode_buffers(x, b1 - b0)
+        tile = np.empty((self.shape[1], self.tile_rows), np.float32)  # one tile's codes as float32
+        tile_groups = tile.reshape(xg.shape[0], self.group, self.tile_rows)  # (groups, g, rows)
         for s0 in range(b0, b1, span):
             m = min(span, b1 - s0)
             for j in range(m):
-                if claim is not None and not claim(s0 + j):
-                    m, end = j, s0 + j
-                    break
-                ready = converted.get(s0 + j) if converted else None
-                if ready is None:
-                    np.copyto(w_codes, self.codes[s0 + j])
-                    tile = w_groups
-                else:
-                    tile = ready[: n_in * rows].reshape(n_groups, g, rows)
-                np.matmul(xg, tile, out=p[j])  # p[j, k, :, r] = x[:, group k] . codes[group k, r]
-            r0, r1 = s0 * rows, (s0 + m) * rows
-            scales = self.scales[:, r0:r1].reshape(n_groups, m, rows).transpose(1, 0, 2)  # (m, groups, rows)
-            # y[:, r] = sum_k scales[k, r] * p[k, :, r], in one pass over p
-            np.einsum("mknr,mkr->mnr", p[:m], scales,
-                      out=y[:, r0:r1].reshape(n, m, rows).transpose(1, 0, 2))
-            if end < b1:
-                break
-        return end
+                np.copyto(tile, self.codes[s0 + j])
+                np.matmul(xg, tile_groups, out=partials[j])  # [k, :, r] = x[:, group k] . codes[group k, r]
+            self._scale_and_sum(partials[:m], y, s0)
+
+    def _decode_buffers(self, x: np.ndarray, n_tiles: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """What the decode kernel needs for n_tiles tiles: x by groups (groups, n, g), the
+        span of tiles whose partial sums are summed at once, and a buffer for them
+        (span, groups, n, tile_rows)."""
+        n, n_in = x.shape
+        n_groups = n_in // self.group
+        xg = np.ascontiguousarray(x.reshape(n, n_groups, self.group).transpose(1, 0, 2))
+        span = max(1, min(n_tiles, PARTIAL_VALUES // (n_groups * n * self.tile_rows)))
+        return xg, span, np.empty((span, n_groups, n, self.tile_rows), np.float32)
+
+    def _scale_and_sum(self, partials: np.ndarray, y: np.ndarray, s0: int) -> None:
+        """y[:, r] = sum_k scales[k, r] * partials[j, k, :, r] for the span of tiles from s0
+        (partials (m, groups, n, tile_rows)), in one pass over them."""
+        m, n_groups, n, rows = partials.shape
+        r0, r1 = s0 * rows, (s0 + m) * rows
+        scales = self.scales[:, r0:r1].reshape(n_groups, m, rows).transpose(1, 0, 2)  # (m, groups, rows)
+        np.einsum("mknr,mkr->mnr", partials, scales, out=y[:, r0:r1].reshape(n, m, rows).transpose(1, 0, 2))
 
     def _mins_part(self, x: np.ndarray) -> np.ndarray | None:
         """The decode kernel's last part (formats with mins), to add to y once every tile
         is done: sum_k mins[k, r] * sum(x[:, group k]), (n, padded out); None without mins.
 
-        One product over all of y's (padded) columns, never per share of the tiles:
-        BLAS may give a column other floats depending on where in the product it
-        falls, so the floats would move with how the tiles were shared out (between
-        threads, or with the helper process, which shares them as timing goes).
+        One product over all of y's (padded) columns, never per range of tiles: BLAS may
+        give a column other floats depending on where in the product it falls, so the
+        floats would move with how the tiles were shared out.
         """
         if self.mins is None:
             return None
@@ -586,18 +537,14 @@ def load_weight(tensor: Tensor) -> Weight:
     scales = np.zeros((n_in // g, n_tiles * rows), np.float32)
     mins = np.zeros((n_in // g, n_tiles * rows), np.float32) if tensor.type in _HAS_MIN else None
     step = max(1, _UNPACK_ROWS // rows)  # tiles unpacked at once
-
-    def unpack_tiles(b0: int, b1: int) -> None:
-        for c0 in range(b0, b1, step):
-            c1 = min(c0 + step, b1)
-            r0, r1 = c0 * rows, min(c1 * rows, n_out)
-            c, s, m = unpack(raw[r0:r1])  # (r1 - r0, in), (r1 - r0, in // g) x 2
-            _store_tiles(codes, c0, c)
-            scales[:, r0:r1] = s.T
-            if mins is not None:
-                mins[:, r0:r1] = m.T
-
-    parallel_for(unpack_tiles, n_tiles, n_out * n_in)
+    for c0 in range(0, n_tiles, step):
+        c1 = min(c0 + step, n_tiles)
+        r0, r1 = c0 * rows, min(c1 * rows, n_out)
+        c, s, m = unpack(raw[r0:r1])  # (r1 - r0, in), (r1 - r0, in // g) x 2
+        _store_tiles(codes, c0, c)
+        scales[:, r0:r1] = s.T
+        if mins is not None:
+            mins[:, r0:r1] = m.T
     release_pages(tensor.data)  # unpacked: the file's bytes are not needed in memory
     return QuantWeight(codes, scales, mins, n_out)
 

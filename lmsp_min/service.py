@@ -290,7 +290,7 @@ def _banner(service: Service, addresses) -> None:
 def _compute() -> str:
     """The engine's threads and the BLAS kernels behind its prefill, which an environment
     variable can make older than the CPU's (docs/performance.md says how much slower)."""
-    from engine.threads import blas_kernel, num_threads
+    from engine.accel import blas_kernel, num_threads
 
     kernel = blas_kernel()
     blas = f"OpenBLAS with its {kernel} kernels" if kernel else "not OpenBLAS"

@@ -80,8 +80,8 @@ def test_a_setting_reaches_the_helper_process():
     """The helper's start-up code makes the setting's assignments before it serves."""
     from benchmarks import turns
 
-    code = turns.helper_main([("engine.helper", "SPIN_SECONDS", 0.002)])
-    code = code.replace("serve()", "print(importlib.import_module('engine.helper').SPIN_SECONDS)")
+    code = turns.helper_main([("engine.accel.tuning", "SPIN_SECONDS", 0.002)])
+    code = code.replace("serve()", "print(importlib.import_module('engine.accel.tuning').SPIN_SECONDS)")
     done = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0.002"

@@ -1,6 +1,9 @@
-"""Every weight format and kernel against gguf-py's reference dequantization."""
+"""Every weight format and kernel against gguf-py's reference dequantization, plain and
+shared out over threads (engine/accel)."""
 
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -8,7 +11,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as ref_quants
 
-from engine import quants, threads
+from engine import accel, quants
+from engine.accel import threads, tuning
 from engine.gguf_file import SUPPORTED_TYPES, GGUFFile, Tensor
 from engine.quants import concat_weights, load_weight
 
@@ -103,22 +107,28 @@ def test_resident_bytes():
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """Split matmuls over two threads whatever the machine's load, in many small chunks."""
-    monkeypatch.setattr(threads, "CHUNK_VALUES", 1 << 17)
-    monkeypatch.setattr(quants, "DECODE_PARALLEL_MIN_WORK", 1 << 16)
-    threads.set_num_threads(2)
-    yield
-    threads.set_num_threads(None)
+    """An accelerator of two threads that splits matmuls whatever the machine's load, in many
+    small chunks (its `wrap` gives a weight whose matmul is shared out)."""
+    monkeypatch.setattr(tuning, "CHUNK_VALUES", 1 << 17)
+    monkeypatch.setattr(tuning, "DECODE_PARALLEL_MIN_WORK", 1 << 16)
+    with accel.Accelerator(n_threads=2) as accelerator:
+        yield accelerator
 
 
 @pytest.mark.parametrize("n_out", [1001, 1013])  # 1013: tiles of 169 rows, the last one padded
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16, T.F32], ids=lambda t: t.name)
 def test_large_matrix_uses_tiles_and_threads(qtype, n_out, two_threads):
-    """Bigger than a scratch tile, a thread chunk and the threading threshold, odd sizes."""
-    weight, reference = weight_and_reference(qtype, n_out=n_out, n_in=768)
+    """Bigger than a tile, a thread chunk and the threading threshold, odd sizes. Quantized:
+    the same floats on two threads as on one (a tile is computed the same wherever it runs)."""
+    plain, reference = weight_and_reference(qtype, n_out=n_out, n_in=768)
+    weight = two_threads.wrap(plain)
+    assert weight is not plain and weight.shape == plain.shape and weight.nbytes == plain.nbytes
     for n in (1, 3, 65):
         x = np.random.default_rng(n).standard_normal((n, 768)).astype(np.float32)
-        assert_matmul_close(weight.matmul(x), x @ reference.T)
+        y = weight.matmul(x)
+        assert_matmul_close(y, x @ reference.T)
+        if isinstance(plain, quants.QuantWeight):
+            np.testing.assert_array_equal(y, plain.matmul(x))
     ids = [n_out - 1, 0, 500]
     np.testing.assert_allclose(weight.rows(ids), reference[ids], rtol=1e-6, atol=0)
 
@@ -126,6 +136,7 @@ def test_large_matrix_uses_tiles_and_threads(qtype, n_out, two_threads):
 def test_concurrent_matmuls_from_several_threads(two_threads):
     weights = [weight_and_reference(qtype, n_out=600, n_in=512, seed=i)
                for i, qtype in enumerate([T.Q4_1, T.Q6_K, T.F16, T.Q8_0])]
+    weights += [(two_threads.wrap(w), reference) for w, reference in weights]
     x = np.random.default_rng(3).standard_normal((1, 512)).astype(np.float32)
     errors = []
 
@@ -136,12 +147,12 @@ def test_concurrent_matmuls_from_several_threads(two_threads):
             except AssertionError as e:
                 errors.append(e)
 
-    threads = [threading.Thread(target=run, args=wr) for wr in weights]
-    for t in threads:
+    callers = [threading.Thread(target=run, args=wr) for wr in weights]
+    for t in callers:
         t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    for t in callers:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in callers)
 
 
 @pytest.mark.parametrize("types", [
@@ -195,31 +206,89 @@ def test_an_error_in_any_chunk_reaches_the_caller(two_threads):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        threads.parallel_for(fn, 100, 1 << 20)
+        two_threads.pool.parallel_for(fn, 100, 1 << 20)
     assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == 100  # every chunk ran
     weight, reference = weight_and_reference(T.Q8_0, n_out=1024)
     x = np.ones((1, N_IN), np.float32)
-    assert_matmul_close(weight.matmul(x), x @ reference.T)  # the workers are still there
+    assert_matmul_close(two_threads.wrap(weight).matmul(x), x @ reference.T)  # the workers are still there
 
 
-def test_single_thread_gives_the_same_result(two_threads):
-    weight, reference = weight_and_reference(T.Q5_K, n_out=512, n_in=1024)
+def test_a_closed_accelerator_joins_its_threads_and_computes_on_the_caller(monkeypatch):
+    monkeypatch.setattr(tuning, "DECODE_PARALLEL_MIN_WORK", 1 << 16)
+    before = set(threading.enumerate())
+    accelerator = accel.Accelerator(n_threads=3)
+    workers = set(threading.enumerate()) - before
+    assert len(workers) == 2
+    plain, reference = weight_and_reference(T.Q5_K, n_out=512, n_in=1024)
+    weight = accelerator.wrap(plain)
     x = np.random.default_rng(5).standard_normal((2, 1024)).astype(np.float32)
     y = weight.matmul(x)
-    threads.set_num_threads(1)
-    np.testing.assert_array_equal(weight.matmul(x), y)
+    accelerator.close()
+    accelerator.close()  # idempotent
+    assert not any(t.is_alive() for t in workers)
+    np.testing.assert_array_equal(weight.matmul(x), y)  # the same floats, now on this thread alone
+    np.testing.assert_array_equal(plain.matmul(x), y)
 
 
-def test_openblas_runs_on_the_calling_thread_alone():
-    """We split matmuls over our threads ourselves (engine/threads.py says why)."""
-    (get_num_threads,) = threads._openblas_functions("get_num_threads")
-    assert get_num_threads() == 1
+def test_an_accelerator_dropped_without_close_ends_its_threads():
+    import gc
+
+    before = set(threading.enumerate())
+    accelerator = accel.Accelerator(n_threads=2)
+    (worker,) = set(threading.enumerate()) - before
+    del accelerator
+    gc.collect()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+
+
+def test_a_stacked_weight_is_shared_out_part_by_part(two_threads):
+    parts = [weight_and_reference(t, n_out=600, seed=i) for i, t in enumerate([T.Q4_K, T.F16, T.Q8_0])]
+    plain = concat_weights([w for w, _ in parts])
+    assert isinstance(plain, quants.StackedWeight)
+    wrapped = two_threads.wrap(plain)
+    assert isinstance(wrapped, quants.StackedWeight)
+    assert all(isinstance(part, accel.Accelerated) for part in wrapped.parts)
+    x = np.random.default_rng(7).standard_normal((2, N_IN)).astype(np.float32)
+    assert_matmul_close(wrapped.matmul(x), x @ np.concatenate([r for _, r in parts]).T)
+    np.testing.assert_array_equal(wrapped.rows([0, 700, 1799]), plain.rows([0, 700, 1799]))
+
+
+def test_one_thread_installs_nothing(tmp_path, monkeypatch):
+    from engine import load_model
+    from tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
+    monkeypatch.setenv("LMSP_THREADS", "1")
+    model = load_model(path)
+    assert model.accel is None and not isinstance(model.weights.blocks[0].ffn_down, accel.Accelerated)
+    monkeypatch.setenv("LMSP_THREADS", "2")
+    model = load_model(path)
+    assert model.accel is not None and model.accel.n_threads == 2 and model.accel.helper is None  # tiny
+    model.accel.close()
+
+
+def test_import_leaves_blas_alone_and_loading_a_model_keeps_it_to_one_thread(tmp_path):
+    """We split matmuls over our threads ourselves (engine/accel/threads.py says why); that is
+    set when a model is loaded, not by importing the engine."""
+    from tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
+    code = ("import sys, numpy; from threadpoolctl import threadpool_info\n"
+            "def blas(): return [lib['num_threads'] for lib in threadpool_info() if lib['user_api'] == 'blas']\n"
+            "before = blas(); import engine, engine.accel; imported = blas()\n"
+            "engine.load_model(sys.argv[1]); print(before == imported, blas())\n")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split(None, 1) == ["True", "[1]\n"]
 
 
 def test_blas_kernel_names_the_kernels_openblas_runs():
     """numpy's wheels bring OpenBLAS: its kernels have a name, the one OPENBLAS_CORETYPE
     asks for when that is set (some machines set it; see benchmarks/perf.py)."""
-    kernel = threads.blas_kernel()
+    kernel = accel.blas_kernel()
     assert isinstance(kernel, str) and kernel
     if os.environ.get("OPENBLAS_CORETYPE"):
         assert kernel.lower() == os.environ["OPENBLAS_CORETYPE"].lower()
@@ -227,16 +296,15 @@ def test_blas_kernel_names_the_kernels_openblas_runs():
 
 def test_decode_floats_do_not_depend_on_how_the_tiles_are_shared(monkeypatch):
     """Threads, and the helper process with the tiles it gives back as it goes, share a
-    decode matmul's tiles out differently from call to call: every way gives the same
+    decode matmul's tiles out differently from call to call (through the plain kernel's
+    tile ranges): every way gives the same
     floats (the mins' part too, which BLAS may sum differently by where a column falls
     in a product: it is added once, over every column)."""
     monkeypatch.setattr(quants, "TILE_VALUES", 1 << 17)
     weight, _ = weight_and_reference(T.Q4_1, n_out=576, n_in=1536)
     assert (weight.n_tiles, weight.tile_rows) == (8, 72)  # tiles that do not start at multiples of 16
     x = np.random.default_rng(6).standard_normal((3, 1536)).astype(np.float32)
-    whole = np.zeros((3, 576), np.float32)
-    weight._decode_tiles(x, whole, 0, 8)
-    whole += weight._mins_part(x)
+    whole = weight.matmul(x)
     for cuts in ([1], [3], [5], [1, 6], [2, 3, 7]):
         y = np.zeros((3, 576), np.float32)
         for b0, b1 in zip([0, *cuts], [*cuts, 8]):
@@ -263,7 +331,7 @@ def test_memory_a_thread_freed_goes_back_to_the_os():
     worker.start()
     worker.join()
     before = _rss_anon_mib()
-    threads.release_freed_memory()
+    accel.release_freed_memory()
     assert before - _rss_anon_mib() > 200  # of the 400 MB freed
 
 

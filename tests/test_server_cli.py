@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from engine import threads
+from engine import accel
 from lmsp_min.store import Store
 from server_harness import tiny_path  # noqa: F401
 
@@ -58,8 +58,8 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(tmp_path, tiny_path):
     assert process.returncode == 0
     assert f"on http://127.0.0.1:{port}" in stderr and "tiny:chat-q8_0" in stderr
     assert "auth: none (loopback only" in stderr
-    blas = f"numpy's BLAS: OpenBLAS with its {threads.blas_kernel()} kernels"
-    assert f"compute: {threads.num_threads()} threads; {blas}" in stderr
+    blas = f"numpy's BLAS: OpenBLAS with its {accel.blas_kernel()} kernels"
+    assert f"compute: {accel.num_threads()} threads; {blas}" in stderr
     assert "GET /lmsp/v1/models 200" in stderr and "loaded model tiny:chat-q8_0" in stderr
     assert stderr.rstrip().endswith("stopped")  # (the model closed, its threads joined: the process ends)
 

@@ -1,12 +1,10 @@
 """A helper process that computes part of every decode matmul.
 
 Why a process and not one more thread: numpy releases the GIL inside its loops, but a
-decode matmul is many short numpy calls (per tile of about 100k weights: one int8 ->
-float32 conversion and one small batched matmul, ~10 us each), and every return from
-numpy has to take the GIL back. Two threads splitting such a matmul spend their time
-handing the GIL to each other. Measured on 2 cores, the matmuls of one SmolLM2 decode
-step took 44 ms on one thread, 42 ms split over two threads and 31 ms split with a
-second process (docs/performance.md, with today's kernels).
+decode matmul is many short numpy calls (per tile: one int8 -> float32 conversion and
+one small batched matmul, ~10 us each), and every return from numpy has to take the
+GIL back. Two threads splitting such a matmul spend their time handing the GIL to each
+other; a second process has a GIL of its own.
 
 So on Linux, with two or more threads configured, `start` moves a model's quantized
 weights into shared memory (a memfd: no file, no /dev/shm size limit) and starts a
@@ -18,23 +16,23 @@ matmul (`Helper.matmul`):
     "weight i, n rows, tiles b0:b1" -> pipe ->  reads the command
     computes tiles 0:b0 into the I/O area       computes tiles b0:b1 into the I/O area,
     computes the mins' part (formats with       claiming each one first, and stops at
-      mins: one product over all columns)         the first one taken back
+      mins: one product over all columns)         the first one taken back (_helper_tiles)
     takes back tiles from b1 down while the
       helper is behind (_take_back)
     waits on the answer pipe, briefly   <-      writes one byte
     copies y out of the I/O area                converts ahead the first tiles of the
     runs the ops up to the next matmul          matmul it expects next (_ConvertAhead)
 
-Nothing depends on the helper being there: until it has said it is ready, or once it
-has died, the model computes every tile itself, on threads, exactly as without a
-helper (the same kernel on the same tiles: the same floats). Nor does the model wait
-for a helper whose core another process took: when the helper's last tile is not
-answered within a grace (about one tile's time, 0.3 to 1 ms), the model computes the
-helper's tiles itself, in its own buffer (the helper may still write the I/O area), and
-computes the next matmuls alone until the helper has answered and rested
-(`Helper._late`); one that has not answered within HELPER_TIMEOUT is killed. The
-helper exits when its command pipe closes: the model was dropped, or this process
-ended, however it ended.
+Both sides compute a tile with the same numpy calls as QuantWeight._decode_tiles
+(engine/quants.py), so the floats are those of the plain kernel however the tiles were
+shared. Nothing depends on the helper being there: until it has said it is ready, or
+once it has died, the model computes every tile itself. Nor does the model wait for a
+helper whose core another process took: when the helper's last tile is not answered
+within a grace (about one tile's time), the model computes the helper's tiles itself, in
+its own buffer (the helper may still write the I/O area), and computes the next matmuls
+alone for a while (`Rests`); one that has not answered within HELPER_TIMEOUT is killed.
+The helper exits when its command pipe closes: `close()`, the model dropped, or this
+process ended, however it ended. The constants are in engine/accel/tuning.py.
 """
 
 from __future__ import annotations
@@ -53,39 +51,30 @@ import weakref
 
 import numpy as np
 
-from .quants import DECODE_MAX_ROWS, QuantWeight
+from engine import quants
+from engine.quants import QuantWeight
 
-HELPER_TIMEOUT = 30.0        # seconds a helper may owe the answer to a matmul before it is killed
-HELPER_GRACE = 0.0003        # seconds a matmul waits for the helper's last tile, at least ...
-GRACE_TILES = 1.5            # ... and at least this many of its tiles' time (see Helper._answered),
-HELPER_GRACE_MAX = 0.001     # ... but at most this (tiles slow because we were descheduled)
-HELPER_REST = 0.005          # seconds of matmuls without the helper after it was late (see _late)
-HELPER_REST_MAX = 1.0        # ... at most, doubling while it is late again soon after
-HELPER_MIN_VALUES = 1 << 24  # smaller models (tests' tiny ones) are not worth a process
-HELPER_MIN_WORK = 1 << 18    # values of W times rows of x: below this a matmul stays here
-SHARE_STEP = 0.01            # how fast the helper's share of the tiles adapts
-SPIN_SECONDS = 0.0003        # a wait on a pipe polls this long before it sleeps (see _poll)
-ASLEEP_AFTER = 0.001         # a helper without a command for this long is taken to sleep (see _answered)
-CONVERT_AHEAD = 3            # tiles of its next matmul the helper converts while it waits (_ConvertAhead)
+from . import tuning
+
 _COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
 _READY, _DONE = b"r", b"d"
 # the claims at the start of the I/O area (int64): one past the helper's latest tile, and
 # the first of the tiles the model's process took back from the end (Helper._take_back)
 _HELPER_NEXT, _TAKEN_FROM = 0, 1
 _ALIGN = 64
-_HELPER_MAIN = "import sys; sys.path.insert(0, sys.argv[1]); from engine.helper import serve; serve()"
+_HELPER_MAIN = "import sys; sys.path.insert(0, sys.argv[1]); from engine.accel.helper import serve; serve()"
 
 
 def start(weights: list[QuantWeight], n_threads: int) -> Helper | None:
     """A helper for a model with these quantized weights, or None where it would not pay.
 
-    Only on Linux (memfd), with at least two threads configured (`LMSP_THREADS`), for
-    models of HELPER_MIN_VALUES weights or more, and not with `LMSP_HELPER=0`. A helper
-    that cannot be started is no error: the model computes everything itself.
+    Only on Linux (memfd), with at least two threads configured, for models of
+    HELPER_MIN_VALUES weights or more, and not with `LMSP_HELPER=0`. A helper that
+    cannot be started is no error: the model computes everything itself.
     """
-    if not (sys.platform == "linux" and hasattr(os, "memfd_create") and n_threads >= 2
+    if not (sys.platform == "linux" and hasattr(os, "memfd_create") and n_threads >= 2 and weights
             and os.environ.get("LMSP_HELPER", "1") != "0"
-            and sum(w.shape[0] * w.shape[1] for w in weights) >= HELPER_MIN_VALUES):
+            and sum(w.shape[0] * w.shape[1] for w in weights) >= tuning.HELPER_MIN_VALUES):
         return None
     try:
         return Helper(weights)
@@ -93,16 +82,68 @@ def start(weights: list[QuantWeight], n_threads: int) -> Helper | None:
         return None
 
 
+class Rests:
+    """When the model leaves the helper alone after it was late: the times, given, decide.
+
+    A late helper's core is most likely held by another process, which may go on
+    holding it: trying the helper at every matmul would then cost a grace and a redone
+    share each time. So the model rests from it for HELPER_REST, twice as long each
+    time it is late again within two rests' length after its last one, up to
+    HELPER_REST_MAX. A helper that had no command for ASLEEP_AFTER sleeps on its pipe
+    and may take long to wake (on a VM whose idle core went back to the host): late
+    then says nothing of its core, so it is no reason to rest; but it counts as the
+    last late answer, so that a helper late again at once rests longer.
+    """
+
+    def __init__(self) -> None:
+        self.rest = 0.0                  # seconds of the current (or last) rest
+        self.late_at = -math.inf         # when the helper was last late (awake)
+        self.asleep_late_at = -math.inf  # when it was last late after sleeping
+        self.answer_read_at = -math.inf  # when its latest answer was read
+
+    def answered(self, now: float) -> None:
+        self.answer_read_at = now
+
+    def asleep(self, sent_at: float) -> bool:
+        """Whether a command sent at sent_at found the helper asleep."""
+        return sent_at - self.answer_read_at > tuning.ASLEEP_AFTER
+
+    def late(self, sent_at: float, now: float) -> None:
+        """The answer to the command sent at sent_at was late (noticed at now)."""
+        if self.asleep(sent_at):
+            self.asleep_late_at = now
+            return
+        again = now - max(self.late_at, self.asleep_late_at) < 2 * self.rest
+        self.rest = min(tuning.HELPER_REST_MAX, 2 * self.rest) if again else tuning.HELPER_REST
+        self.late_at = now
+
+    def resting(self, now: float) -> bool:
+        return now < self.late_at + self.rest
+
+
+def grace(tile_seconds: float) -> float:
+    """Seconds to wait for the helper's last tile when ours took tile_seconds each.
+
+    When we get there the helper holds at most the one tile it is computing: waiting
+    much longer than we would take for that tile is wasted, and a shorter wait gives up
+    on a helper merely a little slower this once.
+    """
+    return min(tuning.HELPER_GRACE_MAX, max(tuning.HELPER_GRACE, tuning.GRACE_TILES * tile_seconds))
+
+
 class Helper:
-    """The model's side of a helper process (see the module docstring)."""
+    """The model's side of a helper process (see the module docstring).
+
+    `weights[i]` is the matrix that command `i` names; they move into shared memory.
+    """
 
     def __init__(self, weights: list[QuantWeight]):
         child_fds: list[int] = []  # the helper's ends: closed here once it has its copies, or failed to start
         own_fds: list[int] = []    # ours: closed here only if it failed to start
         try:
             weights_fd, weights_size, layout = _share(weights, child_fds)
-            self.x_values = DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
-            y_values = DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
+            self.x_values = quants.DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
+            y_values = quants.DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
             io_size = _ALIGN + 4 * (self.x_values + y_values)
             io_fd = _memfd("lmsp-helper-io", io_size, child_fds)
             self.claims, self.io = _map_io(io_fd, io_size)
@@ -110,7 +151,7 @@ class Helper:
             self._answers, ans_w = _pipe(own_fds, child_fds)
             # the helper must run this very code: its package's directory goes first on its
             # path, before the working directory, which `python -c` puts first
-            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             # in a session of its own: a Ctrl-C at the terminal goes to the model's process,
             # which decides what it means (stop an answer, drain the server); the helper
             # would only die of it, with a traceback. It ends when its command pipe closes.
@@ -130,17 +171,12 @@ class Helper:
                              "io": (io_fd, io_size, self.x_values), "commands": cmd_r, "answers": ans_w}, stdin)
         except OSError:  # it died at once: the model works without it
             pass
-        self.min_work = HELPER_MIN_WORK
-        self.share = 0.5  # of each matrix's tiles, computed by the helper
+        self.weights = weights
+        self.share = tuning.HELPER_SHARE  # of each matrix's tiles, computed by the helper
+        self.rests = Rests()
         self._owed_since: float | None = None  # when the command it has not answered yet was sent
-        self._rest = 0.0         # seconds of matmuls without it after it was last late
-        self._late_at = -math.inf  # when that was
-        self._answer_read_at = -math.inf  # when we last read an answer (it may have come earlier)
-        self._asleep_late_at = -math.inf  # when it was last late after sleeping (see _late)
         self._state = "starting"
         self._lock = threading.Lock()
-        for i, w in enumerate(weights):
-            w.helper, w.helper_index = self, i
         self._finalizer = weakref.finalize(self, _stop, self.process, self._cmd, self._answers)
 
     @property
@@ -150,39 +186,43 @@ class Helper:
             self._state = "ready" if os.read(self._answers, 1) == _READY else "dead"
         return self._state == "ready"
 
-    def matmul(self, w: QuantWeight, x: np.ndarray) -> np.ndarray | None:
-        """x @ w.T for a few rows of x, the last `share` of w's tiles given to the helper;
-        None while the helper owes the answer to an earlier matmul (the caller computes
-        this one alone).
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for a starting helper to be ready; whether it is."""
+        if self._state == "starting":
+            select.select([self._answers], [], [], timeout)
+        return self.alive
 
-        The two cores of a VM need not be equally fast (here one often ran the same
-        tiles 1.5x slower than the other), nor equally free, so the share follows
-        what happens: when the helper's answer is already there as we finish our
-        part, it gets more next time, otherwise less. And rather than wait for a
-        helper that is behind, we take back its last tiles until we meet it
-        (`_take_back`), and if even its last tile is not answered within about one
-        tile's time (another process holds its core; see `_answered`), we do it too.
+    def matmul(self, i: int, x: np.ndarray) -> np.ndarray | None:
+        """x @ weights[i].T for a few rows of x, the last `share` of its tiles given to the
+        helper; None while the helper owes the answer to an earlier matmul or rests (the
+        caller computes this one without it).
+
+        The two cores of a VM need not be equally fast, nor equally free, so the share
+        follows what happens: when the helper's answer is already there as we finish our
+        part, it gets more next time, otherwise less. And rather than wait for a helper
+        that is behind, we take back its last tiles until we meet it (`_take_back`), and
+        if even its last tile is not answered within `grace`, we do it too.
         """
         with self._lock:
             if not self._idle():
                 return None
+            w = self.weights[i]
             n = x.shape[0]
             split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - self.share))))
             xs, ys = _io_views(self.io, self.x_values, w, n)
             xs[...] = x
             self.claims[:] = split, w.n_tiles
             sent_at = time.perf_counter()
-            if not self._send(_COMMAND.pack(w.helper_index, n, split, w.n_tiles)):
+            if not self._send(_COMMAND.pack(i, n, split, w.n_tiles)):
                 return None
             w._decode_tiles(xs, ys, 0, split)
             tile_seconds = (time.perf_counter() - sent_at) / split
             mins_part = w._mins_part(xs)  # meanwhile the helper goes on with its tiles
             early = bool(select.select([self._answers], [], [], 0)[0])
-            self.share = min(0.9, max(0.1, self.share + (SHARE_STEP if early else -SHARE_STEP)))
+            low, high = tuning.SHARE_BOUNDS
+            self.share = min(high, max(low, self.share + (tuning.SHARE_STEP if early else -tuning.SHARE_STEP)))
             taken = w.n_tiles if early else self._take_back(w, xs, ys, split)
-            grace = min(HELPER_GRACE_MAX, max(HELPER_GRACE, GRACE_TILES * tile_seconds))
-            answered = self._answered(sent_at, grace,
-                                      asleep=sent_at - self._answer_read_at > ASLEEP_AFTER)
+            answered = self._answered(sent_at, grace(tile_seconds))
             y = ys.copy()  # a late helper's writes go to the I/O area, not here
             # answered: the tile each of us may have left to the other (see _take_back);
             # not answered: all of its tiles
@@ -196,7 +236,7 @@ class Helper:
     def _take_back(self, w: QuantWeight, xs: np.ndarray, ys: np.ndarray, split: int) -> int:
         """Compute the helper's tiles from the end while it is behind; the first tile taken.
 
-        Each time we take half of what it has left, as one span of tiles (taken one
+        Each time we take half of what it has left, as one range of tiles (taken one
         by one, each would cost its own scaling and summing), until we meet it. Each
         side says which tiles it takes before it looks at the other's claims
         (claims[_HELPER_NEXT] is one past the helper's latest, claims[_TAKEN_FROM] the
@@ -217,7 +257,7 @@ class Helper:
         return taken
 
     def close(self) -> None:
-        """Stop the helper (the model keeps working without it)."""
+        """Stop the helper and reap it (the model keeps working without it); idempotent."""
         with self._lock:  # not in the middle of a matmul
             self._state = "dead"
             self._finalizer()
@@ -232,68 +272,34 @@ class Helper:
 
     def _idle(self) -> bool:
         """Whether the helper has answered every command sent (reading a late answer, and
-        killing a helper that has owed one for HELPER_TIMEOUT) and is not resting (see _late)."""
+        killing a helper that has owed one for HELPER_TIMEOUT) and is not resting."""
+        if self._state != "ready" and not self.alive:
+            return False
         now = time.perf_counter()
         if self._owed_since is not None:
             if not select.select([self._answers], [], [], 0)[0]:
-                if now - self._owed_since > HELPER_TIMEOUT:
+                if now - self._owed_since > tuning.HELPER_TIMEOUT:
                     self._give_up()
                 return False
             if not self._read_answer():
                 return False
-        return now >= self._late_at + self._rest
+        return not self.rests.resting(now)
 
-    def _answered(self, sent_at: float, grace: float, asleep: bool) -> bool:
-        """Whether the helper answers the command sent at `sent_at` within `grace` seconds;
-        if not, it owes that answer (see _idle).
-
-        When we get here the helper holds at most the one tile it is computing, so the
-        grace is about one tile's time (GRACE_TILES of ours, within HELPER_GRACE and
-        HELPER_GRACE_MAX): waiting much longer than it would take us to compute that
-        tile is wasted, and a shorter wait gives up on a helper merely a little
-        slower this once (at 8 rows a tile of SmolLM2's takes 0.3-0.5 ms on a Zen 3 VM,
-        so a fixed 0.3 ms gave up on its last tile several times a step, and every
-        give-up made it rest). A helper that was `asleep` (no command for ASLEEP_AFTER,
-        longer than its spin) when the command came may also take long to wake: on a VM
-        whose idle core went back to the host, 0.1 to 1 ms and more. That alone says
-        nothing of its core being taken, so it is no reason to rest; but a helper late
-        again soon after is (see _late).
-        """
-        if _poll(self._answers, grace, 0):
+    def _answered(self, sent_at: float, grace_seconds: float) -> bool:
+        """Whether the helper answers the command sent at `sent_at` within `grace_seconds`;
+        if not, it owes that answer (see _idle) and the model may rest from it (Rests)."""
+        if _poll(self._answers, grace_seconds, 0):
             return self._read_answer()
         self._owed_since = sent_at
-        if asleep:
-            self._asleep_late_at = time.perf_counter()  # see _late
-        else:
-            self._late()
+        self.rests.late(sent_at, time.perf_counter())
         return False
-
-    def _late(self) -> None:
-        """The helper was late: compute without it for a while.
-
-        Its core is held by another process, which may go on holding it: trying the
-        helper at every matmul would then cost a grace and a redone share each time it is
-        descheduled (SmolLM2 beside a process holding a whole core: 98-102 ms a step,
-        against 61-65 without a helper). So the model rests from it for HELPER_REST,
-        twice as long each time it is late again within a rest's length after its last
-        rest, up to HELPER_REST_MAX; on a quiet machine a late answer is rare (8 in 24,000
-        matmuls) and each costs a few ms without the helper. A late answer after sleeping
-        (which does not make it rest) counts as the last late one here: a helper woken
-        after its rest on a held core is late at once and again soon after, and that
-        must make the next rest longer (beside a Python loop holding a core, a one-sequence
-        SmolLM2 step took 131 ms when it did not, 82 when it did).
-        """
-        now = time.perf_counter()
-        again = now - max(self._late_at, self._asleep_late_at) < 2 * self._rest
-        self._rest = min(HELPER_REST_MAX, 2 * self._rest) if again else HELPER_REST
-        self._late_at = now
 
     def _read_answer(self) -> bool:
         """Read the answer waiting on the pipe: True for "done", False (and the helper
         killed) for the end of the pipe, when it died."""
         if os.read(self._answers, 1) == _DONE:
             self._owed_since = None
-            self._answer_read_at = time.perf_counter()
+            self.rests.answered(time.perf_counter())
             return True
         self._give_up()
         return False
@@ -364,12 +370,18 @@ def _share(weights: list[QuantWeight], fds: list[int]) -> tuple[int, int, list]:
     return fd, size, layout
 
 
+# --- the helper process -----------------------------------------------------------------
+
+
 def serve() -> None:
     """The helper process: map the weights, then compute tiles on command until the pipe closes.
 
     It exits quietly when the model's process is gone, whenever that shows: an
     unfinished start-up message, a closed command pipe, or nobody left to answer.
     """
+    from .threads import single_threaded_blas
+
+    single_threaded_blas()  # one process, one core: its BLAS must not start threads of its own
     try:
         _serve(pickle.load(sys.stdin.buffer))
     except (EOFError, pickle.UnpicklingError, BrokenPipeError):
@@ -390,28 +402,51 @@ def _serve(spec: dict) -> None:
     weights = [QuantWeight(array(c), array(s), array(m), n_out) for c, s, m, n_out in layout]
     io_fd, io_size, x_values = spec["io"]
     claims, io = _map_io(io_fd, io_size)
-
-    def claim(b: int) -> bool:
-        """Take tile b, unless the model's process took it back (see Helper._take_back)."""
-        claims[_HELPER_NEXT] = b + 1
-        return b < claims[_TAKEN_FROM]
-
     commands, answers = spec["commands"], spec["answers"]
-    ahead = _ConvertAhead(weights, CONVERT_AHEAD)
+    ahead = _ConvertAhead(weights, tuning.CONVERT_AHEAD)
     os.write(answers, _READY)
     while True:
         while ahead.todo and not select.select([commands], [], [], 0)[0]:
             ahead.convert_one()
-        _poll(commands, SPIN_SECONDS, None)  # the next matmul is usually microseconds away
+        _poll(commands, tuning.SPIN_SECONDS, None)  # the next matmul is usually microseconds away
         command = _read_exactly(commands, _COMMAND.size)
         if command is None:
             return
         i, n, b0, b1 = _COMMAND.unpack(command)
         w = weights[i]
         x, y = _io_views(io, x_values, w, n)
-        claims[_HELPER_NEXT] = w._decode_tiles(x, y, b0, b1, ahead.received(i, b0, b1), claim)
+        claims[_HELPER_NEXT] = _helper_tiles(w, x, y, b0, b1, ahead.received(i, b0, b1), claims)
         os.write(answers, _DONE)
         ahead.plan(i)
+
+
+def _helper_tiles(w: QuantWeight, x: np.ndarray, y: np.ndarray, b0: int, b1: int,
+                  converted: dict[int, np.ndarray], claims: np.ndarray) -> int:
+    """The helper's share of a decode matmul: QuantWeight._decode_tiles over tiles b0:b1,
+    with the same numpy calls, except that each tile is claimed before it is computed
+    (the work stops at the first one the model's process took back, see Helper._take_back)
+    and the tiles in `converted` (tile -> its codes as float32, flat) are used as they are.
+    Returns the end of the tiles computed: b1, or the first one taken back."""
+    xg, span, partials = w._decode_buffers(x, b1 - b0)
+    n_groups, rows = xg.shape[0], w.tile_rows
+    tile = np.empty((w.shape[1], rows), np.float32)
+    tile_groups = tile.reshape(n_groups, w.group, rows)
+    for s0 in range(b0, b1, span):
+        m = min(span, b1 - s0)
+        for j in range(m):
+            b = s0 + j
+            claims[_HELPER_NEXT] = b + 1
+            if b >= claims[_TAKEN_FROM]:  # taken back: the model's process computes it
+                w._scale_and_sum(partials[:j], y, s0)
+                return b
+            ready = converted.get(b)
+            if ready is None:
+                np.copyto(tile, w.codes[b])
+                np.matmul(xg, tile_groups, out=partials[j])
+            else:
+                np.matmul(xg, ready[: tile.size].reshape(n_groups, w.group, rows), out=partials[j])
+        w._scale_and_sum(partials[:m], y, s0)
+    return b1
 
 
 class _ConvertAhead:
@@ -485,8 +520,8 @@ def _poll(fd: int, spin: float, timeout: float | None) -> bool:
 
     A process that sleeps on a pipe takes tens of microseconds to wake up when the
     data comes (longer on a VM whose idle core was handed back to the host), and a
-    decode step waits on the pipes twice per matmul, ~250 times: for the short waits,
-    asking again costs less than sleeping.
+    decode step waits on the pipes twice per matmul: for the short waits, asking again
+    costs less than sleeping.
     """
     end = time.perf_counter() + spin
     while time.perf_counter() < end:
@@ -504,4 +539,3 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
             return None
         data += chunk
     return data
-

@@ -1,0 +1,113 @@
+"""Acceleration: the plain kernels of engine/quants.py shared out over threads and a helper process.
+
+The engine reads first without this package: engine/quants.py's kernels run on the
+calling thread and know nothing of what is here. At load time, `install` swaps each
+matrix of a model's `Weights` for a wrapper weight (engine/accel/weights.py) with the
+same interface, whose matmul shares the plain kernel's tiles out, and returns the
+`Accelerator` that owns what they share them with:
+
+- threads.py: a pool of worker threads (`WorkerPool`, `parallel_for`), and the process
+  settings they rely on (BLAS on one thread, set by `single_threaded_blas`);
+- helper.py: a second process that computes part of every decode matmul, since
+  threads sharing many short numpy calls mostly hand each other the GIL;
+- tuning.py: their constants, in one table.
+
+`model.accel` is that accelerator (None with one thread). Its `close()` stops the
+helper process and joins the threads; the model keeps working, on its calling thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.quants import DenseWeight, QuantWeight, StackedWeight, Weight
+
+from . import helper as _helper
+from .helper import Helper
+from .threads import (WorkerPool, blas_kernel, num_threads, parallel_for, release_freed_memory,
+                      single_threaded_blas)
+from .weights import Accelerated, SplitRows, SplitTiles
+
+if TYPE_CHECKING:
+    from engine.architectures import Weights
+
+__all__ = ["install", "Accelerator", "Accelerated", "quantized_matrices", "num_threads", "blas_kernel",
+           "single_threaded_blas", "parallel_for", "release_freed_memory", "WorkerPool", "Helper"]
+
+
+class Accelerator:
+    """A model's worker threads and helper process (if any): what its wrapper weights share
+    their work with. `close()` stops both; idempotent."""
+
+    def __init__(self, n_threads: int, helper: Helper | None = None):
+        self.pool = WorkerPool(n_threads)
+        self.helper = helper
+        self._helper_index = {id(w): i for i, w in enumerate(helper.weights)} if helper else {}
+
+    @property
+    def n_threads(self) -> int:
+        return self.pool.n_threads
+
+    def wrap(self, weight: Weight) -> Weight:
+        """The weight with its matmul shared out (StackedWeight: each part's)."""
+        if isinstance(weight, Accelerated):
+            return weight
+        if isinstance(weight, StackedWeight):
+            return StackedWeight([self.wrap(part) for part in weight.parts])
+        if isinstance(weight, QuantWeight):
+            index = self._helper_index.get(id(weight))
+            return SplitTiles(weight, self.pool, self.helper if index is not None else None,
+                              -1 if index is None else index)
+        if isinstance(weight, DenseWeight):
+            return SplitRows(weight, self.pool)
+        return weight
+
+    def close(self) -> None:
+        if self.helper is not None:
+            self.helper.close()
+        self.pool.close()
+
+    def __enter__(self) -> Accelerator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Accelerator(n_threads={self.n_threads}, helper={'yes' if self.helper else 'no'})"
+
+
+def install(weights: Weights, n_threads: int) -> Accelerator | None:
+    """Share the matmuls of a model's weights out over n_threads threads (and a helper
+    process, for big models: see helper.start): every matrix of `weights` is replaced, in
+    place, by its wrapper. None (and the weights left as they are) with one thread."""
+    if n_threads < 2:
+        return None
+    accelerator = Accelerator(n_threads, _helper.start(quantized_matrices(weights), n_threads))
+    wrapped: dict[int, Weight] = {}
+
+    def wrap(weight: Weight) -> Weight:  # once per matrix: the output may be the embeddings
+        if id(weight) not in wrapped:
+            wrapped[id(weight)] = accelerator.wrap(weight)
+        return wrapped[id(weight)]
+
+    weights.token_embd, weights.output = wrap(weights.token_embd), wrap(weights.output)
+    for blk in weights.blocks:
+        blk.qkv, blk.attn_output = wrap(blk.qkv), wrap(blk.attn_output)
+        blk.gate_up, blk.ffn_down = wrap(blk.gate_up), wrap(blk.ffn_down)
+    return accelerator
+
+
+def quantized_matrices(weights: Weights) -> list[QuantWeight]:
+    """Every quantized matrix of a model's weights, once each (the output matrix may be the
+    embeddings), the plain ones behind wrappers included."""
+    found: dict[int, QuantWeight] = {}
+    matrices = [weights.token_embd, weights.output]
+    for blk in weights.blocks:
+        matrices += [blk.qkv, blk.attn_output, blk.gate_up, blk.ffn_down]
+    for m in matrices:
+        for part in (m.parts if isinstance(m, StackedWeight) else [m]):
+            part = part.plain if isinstance(part, Accelerated) else part
+            if isinstance(part, QuantWeight):
+                found[id(part)] = part
+    return list(found.values())
