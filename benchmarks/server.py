@@ -17,8 +17,14 @@ so the figures are the server's own cost, not the model's:
   yielding a text delta to the client receiving that event's bytes from the
   socket (same clock, same process); and the CPU time per event of a stream
   from the stub engine (server and client together).
+- `openai_responses_event`, `openai_chat_event`: what the OpenAI dialect adds per
+  streamed event. The same stub-engine stream of 64 deltas, as /lmsp/v1/responses,
+  /v1/responses and /v1/chat/completions streams, taking turns round after round;
+  the added CPU time per event of the dialect's stream (its events counted as they
+  arrive) against the LMSP stream's, the median over the rounds.
 
-Aims (issue 4): under 2 ms of overhead per request, under 0.2 ms per event.
+Aims (issue 4): under 2 ms of overhead per request, under 0.2 ms per event;
+(issue 26) the dialect adds under 0.1 ms per streamed event.
 """
 
 import argparse
@@ -154,6 +160,47 @@ async def stream_of(client: Client, n_tokens: int) -> None:
         pass
 
 
+# The same streamed request in each dialect, and how its stream marks an event.
+DIALECT_STREAMS = {
+    "lmsp": ("/lmsp/v1/responses", lambda n: body_of(max_output_tokens=n, stream=True), b"\nevent: "),
+    "openai_responses": ("/v1/responses", lambda n: json.dumps(
+        {"model": MODEL_ID, "input": "Hello there!", "max_output_tokens": n, "stream": True,
+         "temperature": 0}).encode(), b"\nevent: "),
+    "openai_chat": ("/v1/chat/completions", lambda n: json.dumps(
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello there!"}], "max_tokens": n,
+         "stream": True, "temperature": 0}).encode(), b"\ndata: "),
+}
+
+
+async def dialect_stream_cpu(client: Client, dialect: str, n_tokens: int) -> tuple[float, int]:
+    """CPU seconds (server and client) of one streamed response in a dialect, and its events."""
+    path, body, marker = DIALECT_STREAMS[dialect]
+    cpu = time.process_time()
+    await client.post(path, body(n_tokens))
+    received = b"\n"
+    async for event, _ in client.events():
+        if type(event) is h11.Response and event.status_code != 200:
+            raise RuntimeError(f"{path}: status {event.status_code}")
+        if type(event) is h11.Data:
+            received += bytes(event.data)
+    return time.process_time() - cpu, received.count(marker)
+
+
+async def dialect_overheads(client: Client, n_tokens: int, rounds: int) -> list[dict]:
+    """The CPU time per event each OpenAI stream adds to the LMSP stream's, in turns."""
+    added = {"openai_responses": [], "openai_chat": []}
+    counts = {}
+    for _ in range(rounds):
+        lmsp_cpu, lmsp_events = await dialect_stream_cpu(client, "lmsp", n_tokens)
+        for dialect in added:
+            cpu, events = await dialect_stream_cpu(client, dialect, n_tokens)
+            added[dialect].append(cpu / events - lmsp_cpu / lmsp_events)
+            counts[dialect] = (events, lmsp_events)
+    return [{"name": f"{dialect}_event", "value": round(statistics.median(values) * 1000, 4),
+             "unit": "ms added/event", "events": counts[dialect][0], "lmsp_events": counts[dialect][1],
+             "rounds": rounds} for dialect, values in added.items()]
+
+
 async def run(n_requests: int) -> list[dict]:
     from tests.tiny import write_tiny_chat_model
 
@@ -199,6 +246,8 @@ async def run(n_requests: int) -> list[dict]:
                 for _ in range(10):
                     await stream_of(client, 64)
                 cpu_per_event = (time.process_time() - cpu) / (10 * 64)
+                await dialect_overheads(client, 64, 2)  # warm up each route
+                rows += await dialect_overheads(client, 64, 20)
                 entry.model = model
                 rows.append({"name": "sse_event_latency", "value": round(statistics.median(latencies) * 1000, 3),
                              "unit": "ms (median)", "p90_ms": round(latencies[int(0.9 * len(latencies))] * 1000, 3),
