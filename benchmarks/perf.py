@@ -2,6 +2,7 @@
 
     python -m benchmarks.perf                  # both models; llama.cpp too when installed
     python -m benchmarks.perf --models smollm2:135m-instruct-q4_1 --no-server
+    python -m benchmarks.perf --no-llama --against ../old   # this checkout against another, in turns
 
 For each model:
 
@@ -32,6 +33,11 @@ minutes apart. Each figure is printed with its ratio to llama.cpp's and the targ
 of issue 7; the run is written as JSON to benchmarks/results/perf-<time>.json, every
 round's figures included (and a PNG chart of the ratios when matplotlib is
 installed). Compare the ratios of one run, not figures across runs.
+
+`--against CHECKOUT` measures a change: another source tree (say, `git worktree add
+../old HEAD~5`) runs its own engine worker and server, which take their turns beside
+this checkout's in every round, and a second table gives this one's speed over the
+other's (above 1 is faster), figure by figure.
 
 The prefill is mostly float32 GEMM in numpy's OpenBLAS, whose speed depends on the
 CPU kernels it runs: the run prints which ran, and says so when OPENBLAS_CORETYPE or
@@ -186,7 +192,7 @@ def peak_rss_of(pid: int) -> float:
 class Server:
     """`lmsp-min serve` with this one model, in a child process: bursts of concurrent streams on request."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, checkout: str | None = None):
         from lmsp_min.client import Client
 
         path = prompts.model_path(name)
@@ -199,7 +205,7 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lmsp_min.cli", "serve", "--models-dir", str(models), "--port", str(port),
              "--no-store", "--data-dir", f"{self._tmp.name}/data"],
-            stdout=subprocess.DEVNULL, stderr=self._log, text=True)
+            stdout=subprocess.DEVNULL, stderr=self._log, text=True, **worker.from_checkout(checkout))
         self.client = Client(f"http://127.0.0.1:{port}")
         self.prompts_sent = 0  # every stream gets a question of its own (see burst)
         try:
@@ -377,25 +383,34 @@ def chart(results: dict, path: Path) -> bool:
 # --- the rounds ------------------------------------------------------------------------
 
 
-def measure_model(name: str, n_rounds: int, with_server: bool, with_llama: bool) -> dict:
+def measure_model(name: str, n_rounds: int, with_server: bool, with_llama: bool,
+                  against: str | None = None) -> dict:
     """Every figure of one model: the engines loaded side by side, measured in turns.
 
     Each round asks every engine for a prefill, then every engine for a decode (TTFT
-    included), then the server for its bursts, alternating who goes first; for each
-    figure the best round counts (benchmarks/worker.py says why). Returns
-    {"engine": ..., "server": ..., "llama.cpp": ..., "llama.cpp 1 thread": ..., "rounds": ...}.
+    included), then each server for its bursts, alternating who goes first; for each
+    figure the best round counts (benchmarks/worker.py says why). With `against` (another
+    checkout's path), that checkout's engine and server take their turns too. Returns
+    {"engine": ..., "server": ..., "llama.cpp": ..., "llama.cpp 1 thread": ...,
+    "against": ..., "against server": ..., "rounds": ...}, the keys of what ran.
     """
     with contextlib.ExitStack() as stack:
         print(f"{name}: loading ...", file=sys.stderr)
-        engine = stack.enter_context(
-            worker.Worker([sys.executable, "-m", "benchmarks.perf", "--engine-worker", name]))
+        command = [sys.executable, "-m", "benchmarks.perf", "--engine-worker", name]
+        engine = stack.enter_context(worker.Worker(command))
         prefill_ids, short_ids = engine.ready["prefill_ids"], engine.ready["short_ids"]
         engines = {"engine": engine}
+        if against:
+            engines["against"] = stack.enter_context(worker.Worker(command, checkout=against))
         if with_llama:
             for threads, key in ((2, "llama.cpp"), (1, "llama.cpp 1 thread")):
                 engines[key] = stack.enter_context(
                     llamacpp.start_worker(prompts.model_path(name), prefill_ids, short_ids, threads))
-        server = stack.enter_context(contextlib.closing(Server(name))) if with_server else None
+        servers = {}
+        if with_server:
+            servers["server"] = stack.enter_context(contextlib.closing(Server(name)))
+            if against:
+                servers["against server"] = stack.enter_context(contextlib.closing(Server(name, against)))
         rounds: list[dict] = []
         for i in range(n_rounds):
             print(f"{name}: round {i + 1} of {n_rounds} ...", file=sys.stderr)
@@ -404,8 +419,8 @@ def measure_model(name: str, n_rounds: int, with_server: bool, with_llama: bool)
             for command in ("prefill", "decode"):
                 for key, w in order:
                     measured[key] |= w.ask(command)
-            if server:
-                measured["server"] = server.bursts()
+            for key, server in list(servers.items())[:: -1 if i % 2 else 1]:
+                measured[key] = server.bursts()
             rounds.append(measured)
         results = {}
         for key, w in engines.items():
@@ -414,10 +429,32 @@ def measure_model(name: str, n_rounds: int, with_server: bool, with_llama: bool)
             results[key] = figures | {
                 "prefill_tokens": len(prefill_ids), "prefill_tok_s": len(prefill_ids) / figures["prefill_s"],
                 "decode_tokens": prompts.N_DECODE, "decode_tok_s": prompts.N_DECODE / figures["decode_s"]}
-        if server:
-            results["server"] = best(r["server"] for r in rounds) | {"server_peak_rss_mb": server.peak_rss_mb()}
+        for key, server in servers.items():
+            results[key] = best(r[key] for r in rounds) | {"server_peak_rss_mb": server.peak_rss_mb()}
         results["rounds"] = rounds
         return results
+
+
+# The figures `--against` compares: speed, where the two checkouts must agree within 5%.
+AGAINST_ROWS = [row for row in ROWS if row[2] in ("tok/s", "s")]
+
+
+def against_table(results: dict, against: str) -> str:
+    """This checkout's figures beside another's, measured in the same turns, with the
+    ratio oriented so that above 1 is this checkout faster, and whether it is within 5%."""
+    lines = [f"against {against}: ratio > 1 is this checkout faster; within 5% is 0.95x or more",
+             f"{'model / figure':<34} {'this':>10} {'against':>10} {'ratio':>7}"]
+    for name, r in results.items():
+        ours = r.get("engine", {}) | r.get("server", {})
+        theirs = r.get("against", {}) | r.get("against server", {})
+        lines.append(name)
+        for key, label, unit, _, _, higher in AGAINST_ROWS:
+            if key not in ours or key not in theirs:
+                continue
+            ratio = ours[key] / theirs[key] if higher else theirs[key] / ours[key]
+            lines.append(f"  {label + ' (' + unit + ')':<32} {fmt(ours[key]):>10} {fmt(theirs[key]):>10} "
+                         f"{fmt_ratio(ratio):>7}  {'ok' if ratio >= 0.95 else 'SLOWER'}")
+    return "\n".join(lines)
 
 
 def best(rounds) -> dict:
@@ -436,6 +473,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of turns; the best of them counts")
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP streams")
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp even when installed")
+    parser.add_argument("--against", metavar="CHECKOUT",
+                        help="another source tree (e.g. a git worktree of an older commit) whose engine and "
+                             "server take their turns beside this one's: a speed change measured in one run")
     parser.add_argument("--engine-worker", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.engine_worker:
@@ -444,9 +484,12 @@ def main(argv: list[str] | None = None) -> None:
 
     with_llama = not args.no_llama and llamacpp.available()
     load_before = os.getloadavg()[0]
-    results = {name: measure_model(name, args.rounds, not args.no_server, with_llama) for name in args.models}
+    results = {name: measure_model(name, args.rounds, not args.no_server, with_llama, args.against)
+               for name in args.models}
     load_after = os.getloadavg()[0]
     print(table(results))
+    if args.against:
+        print(against_table(results, args.against))
     kernels = {r["engine"].get("blas_kernel") for r in results.values() if "engine" in r}
     print(f"numpy's OpenBLAS ran its {', '.join(map(str, sorted(kernels, key=str)))} kernels", end="")
     forced = {k: os.environ[k] for k in OPENBLAS_ENV if k in os.environ}

@@ -14,20 +14,23 @@ answers each command line on its stdin with one JSON line, and exits after `fini
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Callable
 
 
 class Worker:
     """The parent's side: a child process to send commands to."""
 
-    def __init__(self, argv: list[str], job: dict | None = None):
+    def __init__(self, argv: list[str], job: dict | None = None, checkout: str | None = None):
+        """`checkout`: run the child from that source tree instead of this one."""
         self.argv = argv
         self._stderr = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe would block the child
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self._stderr, text=True)
+                                        stderr=self._stderr, text=True, **from_checkout(checkout))
         if job is not None:
             self._send(json.dumps(job))
         self.ready = self._receive()  # the child's setup figures
@@ -70,6 +73,17 @@ class Worker:
         self.process.wait()
         self._stderr.seek(0)
         return RuntimeError(f"{' '.join(self.argv)} exited with {self.process.returncode}:\n{self._stderr.read()}")
+
+
+def from_checkout(checkout: str | None) -> dict:
+    """Popen arguments that run a child's `python -m ...` from another source tree: its
+    working directory and the front of its import path, so its packages shadow the
+    installed ones (benchmarks.perf --against compares two checkouts this way)."""
+    if checkout is None:
+        return {}
+    root = str(Path(checkout).resolve())
+    path = os.environ.get("PYTHONPATH")
+    return {"cwd": root, "env": {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}}
 
 
 def wait_or_kill(process: subprocess.Popen, timeout: float = 30.0) -> None:
