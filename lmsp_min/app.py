@@ -42,6 +42,7 @@ from lmsp_min.registry import Admission
 from lmsp_min.validate import (
     ResponsesRequest,
     items_to_messages,
+    kept_items,
     parse_json_body,
     validate_responses_request,
 )
@@ -213,7 +214,8 @@ class PreparedResponse:
 
     request: ResponsesRequest
     principal: str
-    input_items: list[dict]  # the effective input: previous response's items, then this request's
+    input_items: list[dict]  # the effective input (previous response's items, then this request's),
+                             # as a stored response keeps it (validate.kept_items)
     model: object  # the engine model
     prepared: object  # the engine's prepared chat (prompt tokens, constraints)
     run: ResponseRun
@@ -304,7 +306,8 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
                       param="input") from None
     run = ResponseRun(entry.id, log=service.log, counts=prepared.counts)
     admission = entry.admit()  # (the caller owns it from here, through the PreparedResponse)
-    return PreparedResponse(request, principal, items, model, prepared, run, admission, service.generations)
+    return PreparedResponse(request, principal, kept_items(items), model, prepared, run, admission,
+                            service.generations)
 
 
 def _schema_problem(exc, request: ResponsesRequest) -> Problem:

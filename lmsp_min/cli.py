@@ -10,6 +10,7 @@ import argparse
 import io
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -329,6 +330,19 @@ def _number(kind, low: float, high: float = math.inf, *, above: bool = False):
     return parse
 
 
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd]?)")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """An argparse type: seconds from `30d`, `12h`, `90m`, `45s`, or a bare number of seconds."""
+    match = _DURATION.fullmatch(text)
+    seconds = float(match[1]) * _DURATION_UNITS[match[2]] if match else math.inf
+    if seconds == math.inf:
+        raise argparse.ArgumentTypeError(f"must be a duration such as 30d, 12h, 90m or 0, not {text}")
+    return seconds
+
+
 def add_serve_parser(commands) -> None:
     p = commands.add_parser(
         "serve",
@@ -353,6 +367,9 @@ def add_serve_parser(commands) -> None:
                    help="keep nothing beyond this process (no conversations)")
     p.add_argument("--event-retention", type=_number(float, 0), default=3600.0, metavar="SECONDS",
                    help="how long a finished task's events can be replayed (default 3600)")
+    p.add_argument("--store-retention", type=_duration, default="30d", metavar="DURATION",
+                   help="how long stored responses and finished tasks are kept, then purged: "
+                        "30d, 12h, 90m, 3600s, or 0 to keep them for ever (default 30d)")
     p.add_argument("--max-body-bytes", type=_number(int, 1024), default=4 * 1024 * 1024, metavar="N",
                    help="largest request body accepted (default 4 MiB); at least 1024, as a smaller "
                         "limit would refuse all but the shortest requests")
@@ -377,6 +394,7 @@ def cmd_serve(args) -> int:
         data_dir=args.data_dir,
         store=not args.no_store,
         event_retention=args.event_retention,
+        store_retention=args.store_retention,
         limits=Limits(max_body_bytes=args.max_body_bytes),
         context_cap=args.ctx,
         kv_cache_bytes=args.kv_cache_mib << 20,

@@ -23,6 +23,7 @@ CODES: dict[str, tuple[int, str]] = {
     "not_found": (404, "Not found"),
     "method_not_allowed": (405, "Method not allowed"),
     "idempotency_conflict": (409, "Idempotency conflict"),
+    "task_running": (409, "Task running"),
     "event_history_expired": (410, "Event history expired"),
     "request_too_large": (413, "Request too large"),
     "unsupported_media_type": (415, "Unsupported media type"),

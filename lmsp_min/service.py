@@ -37,7 +37,7 @@ from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem, leaf_exceptions
 from lmsp_min.registry import Registry
 from lmsp_min.store import Store, StoreError
-from lmsp_min.tasks import Tasks
+from lmsp_min.tasks import STORE_RETENTION, Tasks
 from lmsp_min.validate import MAX_INPUT_ITEMS
 
 SHUTDOWN_GRACE = 10.0  # seconds requests in progress get to finish after SIGINT / SIGTERM
@@ -63,6 +63,7 @@ class ServiceConfig:
     data_dir: Path | None = None  # the store's database (None: lmsp_min.paths.data_dir())
     store: bool = True  # False (--no-store): nothing outlives the process
     event_retention: float = 3600.0  # seconds a finished task's events are kept (D3)
+    store_retention: float = STORE_RETENTION  # seconds stored responses and final tasks are kept (0: for ever)
     limits: Limits = field(default_factory=Limits)
     access_log: bool = True  # one line per request on stderr
     context_cap: int | None = None  # --ctx: every model's context window is at most this (D4)
@@ -101,7 +102,7 @@ class Service:
         auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
         store = await Store.open((config.data_dir or paths.data_dir()) if config.store else None)
         service = cls(registry, auth=auth, store=store, config=config, log=log)
-        service.tasks = Tasks(store, event_retention=config.event_retention,
+        service.tasks = Tasks(store, event_retention=config.event_retention, store_retention=config.store_retention,
                               stores_responses=service.stores_responses, log=log)
         try:
             yield service

@@ -71,7 +71,8 @@ MIGRATIONS: list[list[str]] = [
             body TEXT NOT NULL
         )""",
         # A task: `owner` the Store (process) running it; `model` the id of the
-        # model it runs; `request` the request body; `response` the final
+        # model it runs; `request` the request's parameters (tasks.py keeps no
+        # input there, see Tasks._start); `response` the final
         # response object once the task is final; `ended_at` starts the event
         # retention clock; `events_expired` is set when its events were purged.
         """CREATE TABLE tasks (
@@ -121,9 +122,15 @@ MIGRATIONS: list[list[str]] = [
     [
         "ALTER TABLE tasks ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0",
     ],
+    # version 3: what purge_stored looks up (stored responses by age, final tasks by end)
+    [
+        "CREATE INDEX responses_by_age ON responses (created_at)",
+        "CREATE INDEX tasks_by_ended ON tasks (ended_at) WHERE ended_at IS NOT NULL",
+    ],
 ]
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+_FINAL_LIST = ", ".join(f"'{status}'" for status in sorted(FINAL_STATUSES))  # (for SQL's IN)
 
 
 class StoreError(ValueError):
@@ -151,7 +158,7 @@ class TaskRow:
     model: str
     response_id: str
     status: str
-    request: str  # JSON of the request body the task runs
+    request: str  # JSON of the request's parameters (the body without its input)
     response: str | None  # JSON of the final response object, once final
     ended_at: float | None
     events_expired: bool
@@ -533,7 +540,43 @@ class Store:
 
         return await self._read(select)
 
+    async def delete_task(self, task_id: str, principal: str) -> bool:
+        """Delete a final task of `principal` with its event log, in one transaction.
+        False (nothing deleted) if there is no such task, or it is not final: a running
+        task is cancelled first (Tasks.delete says 409). Its stored response, if it made
+        one, is a resource of its own (delete_response)."""
+
+        def delete(conn: sqlite3.Connection) -> bool:
+            deleted = conn.execute(
+                f"DELETE FROM tasks WHERE id = ? AND principal = ? AND status IN ({_FINAL_LIST})",
+                (task_id, principal),
+            ).rowcount == 1
+            if deleted:
+                conn.execute("DELETE FROM task_events WHERE task_id = ?", (task_id,))
+            return deleted
+
+        return await self._write(delete)
+
     # -- expiry ---------------------------------------------------------------------
+
+    async def purge_stored(self, older_than: float) -> tuple[int, int]:
+        """Delete the stored responses created, and the final tasks (with their event logs)
+        ended, at or before `older_than` (Unix seconds): the --store-retention purge.
+        Returns (responses, tasks) deleted. The pages they held go to SQLite's freelist,
+        which later writes reuse: the file stays as large as its fullest retention window."""
+
+        def purge(conn: sqlite3.Connection) -> tuple[int, int]:
+            responses = conn.execute("DELETE FROM responses WHERE created_at <= ?", (older_than,)).rowcount
+            ended = [task_id for (task_id,) in conn.execute(
+                f"SELECT id FROM tasks WHERE ended_at IS NOT NULL AND ended_at <= ? AND status IN ({_FINAL_LIST})",
+                (older_than,),
+            )]
+            for task_id in ended:
+                conn.execute("DELETE FROM task_events WHERE task_id = ?", (task_id,))
+                conn.execute("DELETE FROM tasks WHERE id = ?", (task_id,))
+            return responses, len(ended)
+
+        return await self._write(purge)
 
     async def purge(self, now: float, event_retention: float, idempotency_ttl: float) -> int:
         """Delete the events of tasks that ended more than `event_retention` seconds

@@ -4,6 +4,7 @@
     GET    /lmsp/v1/tasks/{task_id}         tasks:read       the task
     GET    /lmsp/v1/tasks/{task_id}/events  tasks:read       its events as SSE, resumable
     POST   /lmsp/v1/tasks/{task_id}/cancel  tasks:write      the task, once stopped
+    DELETE /lmsp/v1/tasks/{task_id}         tasks:write      forget a final task (409 if it runs)
     GET    /lmsp/v1/responses/{id}          responses:read   a stored response, as served
     DELETE /lmsp/v1/responses/{id}          responses:read   forget it
 
@@ -32,6 +33,7 @@ def add_routes(router: Router) -> None:
     router.add("GET", TASKS + "/{task_id}", "tasks:read", get_task)
     router.add("GET", TASKS + "/{task_id}/events", "tasks:read", task_events)
     router.add("POST", TASKS + "/{task_id}/cancel", "tasks:write", cancel_task)
+    router.add("DELETE", TASKS + "/{task_id}", "tasks:write", delete_task)
     router.add("GET", "/lmsp/v1/responses/{response_id}", "responses:read", get_response)
     router.add("DELETE", "/lmsp/v1/responses/{response_id}", "responses:read", delete_response)
 
@@ -71,6 +73,13 @@ async def get_task(request: Request, service) -> Response:
 async def cancel_task(request: Request, service) -> Response:
     row = await _tasks(service).cancel(request.params["task_id"], request.principal)
     return json_response(row.object())
+
+
+async def delete_task(request: Request, service) -> Response:
+    """The task and its events are gone; a response it stored is not (DELETE /responses/{id})."""
+    task_id = request.params["task_id"]
+    await _tasks(service).delete(task_id, request.principal)
+    return json_response({"id": task_id, "object": "task.deleted", "deleted": True})
 
 
 def resume_point(request: Request) -> int:

@@ -51,6 +51,8 @@ RECOVER_INTERVAL = 5.0
 # and how long that other process waits for the task to end before answering.
 CANCEL_POLL_INTERVAL = 0.25
 CANCEL_WAIT = 10.0
+# How long stored responses and final tasks are kept by default (--store-retention).
+STORE_RETENTION = 30 * 86400.0
 
 
 class LiveLog:
@@ -179,9 +181,11 @@ class Tasks:
     """
 
     def __init__(self, store: Store, *, event_retention: float = 3600.0,
-                 stores_responses: bool = True, log=None):
+                 store_retention: float = STORE_RETENTION, stores_responses: bool = True, log=None):
         self.store = store
         self.event_retention = event_retention
+        self.store_retention = store_retention  # 0: stored responses and tasks are kept for ever
+        self.clock = time.time  # the wall clock retention is measured by (a test moves it on)
         self.stores_responses = stores_responses
         self._log = log or (lambda line: None)
         self._running: dict[str, _Running] = {}
@@ -195,7 +199,8 @@ class Tasks:
             await self.recover()
         except sqlite3.DatabaseError as exc:  # a damaged file: say so, as for one that cannot open
             raise StoreError(f"the database cannot be read: {exc}") from None
-        purge_interval = min(60.0, max(0.5, self.event_retention / 4))
+        retentions = [self.event_retention] + ([self.store_retention] if self.store_retention > 0 else [])
+        purge_interval = min(60.0, max(0.5, min(retentions) / 4))
         next_purge = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -205,7 +210,7 @@ class Tasks:
             while True:
                 if trio.current_time() >= next_purge:
                     next_purge = trio.current_time() + purge_interval
-                    await self._attempt(self.purge, "purging expired events")
+                    await self._attempt(self.purge, "purging what expired")
                 await trio.sleep(min(RECOVER_INTERVAL, purge_interval))
                 await self._attempt(self.recover, "recovering tasks")
 
@@ -240,6 +245,11 @@ class Tasks:
     async def _start(self, generation, body: dict) -> TaskRow:
         task_id = new_id("task")
         run = generation.run
+        # The row keeps the request's parameters, never its input: the runner has the
+        # input in memory, a task whose process died is failed rather than run again, and
+        # a stored response keeps its own (docs/protocol.md D3). So a `store: false` task
+        # leaves no prompt behind, and the row's size is not the input's.
+        parameters = compact_json({name: value for name, value in body.items() if name != "input"})
         running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))
         self._running[task_id] = running
         # Shielded: once the row exists the task must run, even if the client that
@@ -247,7 +257,7 @@ class Tasks:
         with trio.CancelScope(shield=True):
             try:
                 await self.store.create_task(task_id, generation.principal, run.created_at,
-                                             run.model_id, run.id, compact_json(body))
+                                             run.model_id, run.id, parameters)
             except BaseException:
                 del self._running[task_id]
                 raise
@@ -258,7 +268,7 @@ class Tasks:
                 self._release(running)
                 raise shutting_down() from None
         return TaskRow(task_id, generation.principal, self.store.owner, run.created_at, run.model_id,
-                       run.id, "queued", compact_json(body), None, None, False)
+                       run.id, "queued", parameters, None, None, False)
 
     async def _run(self, running: _Running) -> None:
         generation = running.generation
@@ -385,6 +395,19 @@ class Tasks:
                 row = await self.get(task_id, principal)
         return row
 
+    async def delete(self, task_id: str, principal: str) -> None:
+        """Delete a final task with its events (docs/protocol.md D3): a task still queued
+        or running is `409 task_running`, to be cancelled first. Deleting must not stop
+        work behind the back of those following it, nor race the runner's last write."""
+        row = await self.get(task_id, principal)
+        if row.status not in FINAL_STATUSES and task_id not in self._running:
+            await self.recover()  # its process is dead, or it is ours and its runner is gone: failed
+            row = await self.get(task_id, principal)
+        if row.status not in FINAL_STATUSES:
+            raise Problem("task_running", f"task '{task_id[:80]}' is {row.status}: cancel it before deleting it")
+        if not await self.store.delete_task(task_id, principal):  # (deleted meanwhile)
+            raise Problem("task_not_found", f"no task has the id '{task_id[:80]}'")
+
     async def _watch_cancel_requests(self) -> None:
         """Cancel the tasks we run that a cancel sent to another process asked for."""
         while True:
@@ -406,7 +429,7 @@ class Tasks:
         404 for an unknown task or another principal's, 410 once expired)."""
         row = await self.get(task_id, principal)
         if row.events_expired or (
-            row.ended_at is not None and time.time() - row.ended_at > self.event_retention
+            row.ended_at is not None and self.clock() - row.ended_at > self.event_retention
         ):
             raise _history_expired(task_id)
         running = self._running.get(task_id)
@@ -477,9 +500,14 @@ class Tasks:
         return recovered
 
     async def purge(self) -> None:
+        """Expire finished tasks' events, idempotency records and (--store-retention)
+        stored responses and final tasks, by `clock`."""
         from lmsp_min.idempotency import RECORD_TTL
 
-        await self.store.purge(time.time(), self.event_retention, RECORD_TTL)
+        now = self.clock()
+        await self.store.purge(now, self.event_retention, RECORD_TTL)
+        if self.store_retention > 0:
+            await self.store.purge_stored(now - self.store_retention)
 
 
 async def _replay(events: list[LoggedEvent]) -> AsyncIterator[bytes]:

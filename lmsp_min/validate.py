@@ -11,7 +11,8 @@ Choices this module makes where section 6 leaves room:
 - A message's `content` may be a plain string as well as an array of parts.
 - A message item may omit `"type": "message"` (a `role` identifies it).
 - `reasoning` input items (echoed back from an earlier output) are accepted
-  and left out of the prompt.
+  and left out of the prompt; what a stored response keeps of its input is what
+  the prompt reads of it (`kept_items`).
 - Several text parts of one message are joined with a newline.
 - `temperature` is in [0, 2]; `extensions["lmsp-min"]` sampling keys follow
   llama.cpp's ranges (top_p in (0, 1], top_k >= 0, min_p in [0, 1]).
@@ -450,3 +451,35 @@ def items_to_messages(items: list[dict], input_start: int = 0) -> list[dict]:
             messages.append({"role": "tool", "content": item["output"], "tool_call_id": call_id,
                              "name": calls[call_id]})
     return messages
+
+
+# An item's `id` is kept with it up to this length: ours are 30 characters, OpenAI's about 52.
+MAX_KEPT_ID = 64
+_KEPT_KEYS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+              "function_call_output": ("call_id", "output"), "reasoning": ()}
+_ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+
+
+def kept_items(items: list[dict]) -> list[dict]:
+    """Validated input items as a stored response keeps them (docs/protocol.md D6): what
+    the prompt reads of each, and its `id` and `status` when they are short. Keys no
+    template reads, a reasoning item's summary and text parts' other keys (annotations)
+    never reach the prompt, so they are not stored: a 4 MB reasoning item costs a few
+    bytes. A reasoning item stays, empty, where it was: it separates the items around it
+    as it did (items_to_messages joins a call to the message just before it)."""
+    kept = []
+    for item in items:
+        kind = item.get("type", "message")
+        entry = {"type": kind} if "type" in item else {}  # (a message may leave it out)
+        if isinstance(item.get("id"), str) and len(item["id"]) <= MAX_KEPT_ID:
+            entry["id"] = item["id"]
+        if item.get("status") in _ITEM_STATUSES:
+            entry["status"] = item["status"]
+        for key in _KEPT_KEYS[kind]:
+            entry[key] = item[key]
+        if kind == "message" and not isinstance(item["content"], str):
+            entry["content"] = [{"type": part["type"], "text": part["text"]} for part in item["content"]]
+        if kind == "reasoning":
+            entry["summary"] = []
+        kept.append(entry)
+    return kept

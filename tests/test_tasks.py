@@ -763,7 +763,7 @@ async def test_failing_periodic_work_is_logged_once_a_round(monkeypatch):
         monkeypatch.setattr(store, "interrupted_tasks", disk_full)
         start = trio.current_time()
         with trio.fail_after(5):
-            while not any(line.startswith("error: purging expired events failed") for line in lines):
+            while not any(line.startswith("error: purging what expired failed") for line in lines):
                 await trio.sleep(0.01)
         rounds = (trio.current_time() - start) / 0.05
         nursery.cancel_scope.cancel()

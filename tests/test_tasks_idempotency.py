@@ -237,7 +237,7 @@ async def test_keys_are_remembered_for_24_hours(server, monkeypatch):
 
     async def purge_at(moment: float) -> None:
         with monkeypatch.context() as clock:
-            clock.setattr(time, "time", lambda: moment)
+            clock.setattr(server.service.tasks, "clock", lambda: moment)
             await server.service.tasks.purge()
 
     await purge_at(now + 24 * 3600 - 60)

@@ -8,7 +8,8 @@
                                                               `?stream=true&starting_after=N` replays
                                                               and follows a background one's events
                                                               (also needs tasks:read)
-    DELETE /v1/responses/{id}                responses:read   forget a stored response
+    DELETE /v1/responses/{id}                responses:read   forget a stored response, or a final
+                                                              background one (also needs tasks:write)
     GET    /v1/responses/{id}/input_items    responses:read   the input a stored response was made from
     POST   /v1/responses/{id}/cancel         tasks:write      stop a background response
     POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`
@@ -39,7 +40,7 @@ from lmsp_min.openai_dialect import chat, requests, responses
 from lmsp_min.problems import Problem
 from lmsp_min.store import FINAL_STATUSES, TaskRow
 from lmsp_min.tasks import output_from_events
-from lmsp_min.validate import invalid
+from lmsp_min.validate import invalid, kept_items
 
 RESPONSES = "/v1/responses"
 
@@ -180,7 +181,7 @@ async def _prepare_response(call: requests.Translated, principal: str, service) 
     except Problem as problem:
         raise call.rename(problem) from None
     # What a next turn's previous_response_id brings back: not these instructions (as OpenAI's API)
-    generation.input_items = [*previous, *call.input]
+    generation.input_items = kept_items([*previous, *call.input])
     return generation
 
 
@@ -315,18 +316,30 @@ async def _retrieve(response_id: str, principal: str, service) -> dict:
             return body
         echo = _task_echo(row, service) if row is not None else responses.echo_of({}, store=True)
         return responses.response_object(body, echo)
-    if row is None or (row.status in FINAL_STATUSES and _task_stores(json.loads(row.request), service)):
-        raise _not_found(response_id)  # (a stored one that was deleted)
+    if row is None or _stored_and_deleted(row, service):
+        raise _not_found(response_id)
     return await _task_response(row, service)
 
 
+def _stored_and_deleted(row: TaskRow, service) -> bool:
+    """Whether a task's response, which it stored, has been deleted (DELETE /lmsp/v1/responses/{id})."""
+    return row.status in FINAL_STATUSES and _task_stores(json.loads(row.request), service)
+
+
 async def delete_response(request: Request, service) -> Response:
+    """A background response is its task and the response it stored, one resource on this
+    face: both go, as DELETE /lmsp/v1/tasks/{id} would (409 while it runs), then the stored one."""
     response_id = request.params["response_id"]
+    row = await _task_of(response_id, request.principal, service)
     stored = await service.store.get_response(response_id, request.principal) if service.stores_responses else None
-    if stored is None:
-        raise _not_found(response_id)
-    await service.store.delete_response(stored.id, request.principal)
-    return json_response({"id": stored.id, "object": "response.deleted", "deleted": True})
+    if stored is None and (row is None or _stored_and_deleted(row, service)):
+        raise _not_found(response_id)  # (as GET finds it)
+    if row is not None:
+        service.auth.authenticate(request.headers.get("authorization"), "tasks:write", request.headers.get("host"))
+        await service.tasks.delete(row.id, request.principal)
+    if stored is not None:
+        await service.store.delete_response(stored.id, request.principal)
+    return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 async def list_input_items(request: Request, service) -> Response:
