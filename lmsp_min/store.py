@@ -31,6 +31,12 @@ included). Tasks and idempotency claims record their owner; at start-up only
 those of owners whose lock can be taken are recovered. (Without `fcntl`, on
 Windows, every other owner counts as dead: one process per data directory.)
 
+Size. Stored responses and final tasks are deleted once older than the
+retention (`purge_stored`, run periodically by tasks.py), and what is stored of
+a request is what its answer needs (docs/protocol.md D3, D6). The pages deleted
+rows held go to SQLite's freelist, which later writes reuse before the file
+grows: the file stays as large as one retention window's data at its fullest.
+
 The schema is versioned with `PRAGMA user_version`: `MIGRATIONS[i]` takes a
 database from version i to i + 1, so a later release appends to the list.
 """

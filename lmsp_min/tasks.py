@@ -172,10 +172,11 @@ class _Running:
 
 
 class Tasks:
-    """Every task of the service: start, follow, cancel, recover after a crash, expire.
+    """Every task of the service: start, follow, cancel, delete, recover after a crash, expire.
 
     `run` (started in the service's nursery before it serves) first ends the
-    tasks a dead process left running, then purges expired events periodically.
+    tasks a dead process left running, then periodically purges what expired:
+    finished tasks' events, and (--store-retention) stored responses and final tasks.
     Task runners live in the same nursery, never in a request's: the request
     that created a task, and every follower, can go away without touching it.
     """
@@ -193,8 +194,7 @@ class Tasks:
         self._stopping = False  # the service is stopping: running tasks end failed
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Recover, then host the task runners, recover and purge expired events
-        periodically, until cancelled."""
+        """Recover, then host the task runners, recover and purge periodically, until cancelled."""
         try:
             await self.recover()
         except sqlite3.DatabaseError as exc:  # a damaged file: say so, as for one that cannot open
