@@ -224,7 +224,7 @@ async def test_unknown_route(server, path):
     ("PUT", "/lmsp/v1/responses", "POST"),
     # the routes of tasks and stored responses (D3, D6)
     ("GET", "/lmsp/v1/tasks", "POST"),
-    ("DELETE", "/lmsp/v1/tasks/task_x", "GET, HEAD"),
+    ("PUT", "/lmsp/v1/tasks/task_x", "DELETE, GET, HEAD"),
     ("POST", "/lmsp/v1/tasks/task_x/events", "GET, HEAD"),
     ("GET", "/lmsp/v1/tasks/task_x/cancel", "POST"),
     ("POST", "/lmsp/v1/responses/resp_x", "DELETE, GET, HEAD"),
