@@ -37,7 +37,7 @@ import trio
 from lmsp_min import idempotency, openai_dialect
 from lmsp_min.events import SSE_KEEPALIVE, Event, ResponseRun, ServiceStopping
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
-from lmsp_min.problems import Problem, shutting_down
+from lmsp_min.problems import Problem, clipped, quoted, shutting_down
 from lmsp_min.registry import Admission
 from lmsp_min.validate import (
     ResponsesRequest,
@@ -92,24 +92,29 @@ class Router:
             if method not in route.handlers:
                 methods = set(route.handlers) | ({"HEAD"} if "GET" in route.handlers else set())
                 allow = ", ".join(sorted(methods))
-                raise Problem("method_not_allowed", f"{method} is not allowed on this route (allowed: {allow})",
+                raise Problem("method_not_allowed", f"{clipped(method)} is not allowed on this route (allowed: {allow})",
                               headers=[("Allow", allow)])
             scope, handler = route.handlers[method]
             return handler, scope, {name: unquote(value) for name, value in found.groupdict().items()}
         raise Problem("not_found", "no such route")
 
 
+_VERSION_1 = re.compile(r"\s*0*1(?:\.[0-9]+)*\s*")  # a 1.x, as text: "01.2" is 1.2
+MAX_VERSION_CHARS = 64  # an LMSP-Version header longer than this is no version we speak
+
+
 def check_version(value: str | None) -> None:
     """D1: absent means 1.0, any 1.x is fine, another major version is refused.
 
-    A header sent twice arrives joined ("1.0, 1.0"): each value must be a 1.x.
+    A header sent twice arrives joined ("1.0, 1.0"): each value must be a 1.x. The major
+    version is compared as text, never converted: int() of thousands of digits raises
+    (Python's int_max_str_digits), and costs time quadratic in the length before that.
     """
     if value is None:
         return
-    versions = [re.fullmatch(r"\s*(\d+)(\.\d+)*\s*", part) for part in value.split(",")]
-    if not all(version is not None and int(version.group(1)) == 1 for version in versions):
+    if len(value) > MAX_VERSION_CHARS or not all(_VERSION_1.fullmatch(part) for part in value.split(",")):
         raise Problem("unsupported_version",
-                      f"LMSP-Version {value.strip()[:20]!r} is not supported; this service speaks LMSP 1.0")
+                      f"LMSP-Version {quoted(value.strip(), 20)} is not supported; this service speaks LMSP 1.0")
 
 
 class App:
@@ -174,7 +179,7 @@ async def read_json_body(request: Request) -> dict:
     if media_type != "application/json":
         shown = media_type or "none"
         raise Problem("unsupported_media_type",
-                      f"the body must be application/json (Content-Type: {shown[:60]})")
+                      f"the body must be application/json (Content-Type: {clipped(shown)})")
     return parse_json_body(await request.body())
 
 

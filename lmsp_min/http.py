@@ -16,11 +16,13 @@ examples/trio-server.py:
 - Requests on a keep-alive connection are answered one after another, in
   order; pipelined requests simply wait in h11's buffer.
 - Limits are explicit (`Limits`): header size (431), body size (413), number
-  of connections (429), and four timeouts: idle keep-alive (close), headers
+  of connections, in all and from one client address (429), and four timeouts: idle keep-alive (close), headers
   (408 then close), body (408 then close), and a client that stops reading
   what we write (close: its generation is cancelled like a disconnect).
 - A malformed request gets 400 and the connection is closed: after a framing
-  error nothing later on the connection can be trusted.
+  error nothing later on the connection can be trusted. A request line of
+  another HTTP version than 1.0 or 1.1 gets 505. An absolute-form target's
+  authority is the request's host (RFC 9112 3.2.2): `Request.headers["host"]`.
 - When a client may still be sending (a body refused with 413, a request we
   could not read, a connection refused with 429) we close gently: FIN first,
   then what it sends is read and dropped for a moment, so that the answer
@@ -72,6 +74,8 @@ class Limits:
     max_header_bytes: int = 16 * 1024  # request line + headers; past it: 431
     max_body_bytes: int = 4 * 1024 * 1024  # past it: 413 request_too_large
     max_connections: int = 256  # past it: 429 rate_limited, then close
+    max_connections_per_client: int = 64  # from one client address; past it: 429 too, so that
+    # one client holding many connections open cannot lock the others out
     idle_timeout: float = 15.0  # keep-alive: wait this long for a next request
     header_timeout: float = 10.0  # from a request's first byte to the end of its headers
     body_timeout: float = 30.0  # to receive a whole request body
@@ -138,10 +142,8 @@ class Request:
 
     def __init__(self, event: h11.Request, connection: "_Connection"):
         self.method = event.method.decode("ascii")
-        target = event.target.decode("ascii")
-        path, _, query = target.partition("?")
-        if path.startswith(("http://", "https://")):  # absolute-form target
-            path = "/" + path.split("/", 3)[3] if path.count("/") >= 3 else "/"
+        authority, target = _split_target(event.target)
+        path, _, query = target.decode("ascii").partition("?")
         self.path = path
         self.query: dict[str, str] = dict(parse_qsl(query, keep_blank_values=True))
         headers: dict[str, str] = {}
@@ -149,6 +151,8 @@ class Request:
             key = name.decode("ascii")
             text = value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        if authority is not None:  # RFC 9112 3.2.2: the target's authority, not the Host header
+            headers["host"] = authority.decode("ascii")
         self.headers = headers
         self.params: dict[str, str] = {}  # route parameters, filled by the router
         self.principal: str | None = None  # filled by authentication
@@ -331,6 +335,7 @@ class _Connection:
         """
         idle_deadline = trio.current_time() + self.limits.idle_timeout
         header_deadline = None
+        self._answering_head = False  # (until a HEAD is read)
         while True:
             try:
                 event = self.h11.next_event()
@@ -338,6 +343,7 @@ class _Connection:
                 await self._refuse(_protocol_problem(exc))
                 return None
             if type(event) is h11.Request:
+                self._answering_head = event.method == b"HEAD"
                 problem = self._check_head(event)
                 if problem is not None:
                     await self._refuse(problem)
@@ -364,6 +370,9 @@ class _Connection:
         # arrived in one read is parsed whatever its size, so the bound is checked here too
         if _header_bytes(event) > self.limits.max_header_bytes:
             return Problem("request_too_large", "the request headers are too large", status=431)
+        if event.http_version not in (b"1.0", b"1.1"):  # h11 reads any d.d, and would answer it as 1.1
+            return Problem("invalid_request", f"HTTP/{event.http_version.decode('ascii')} is not "
+                           "supported: this service speaks HTTP/1.1 (and 1.0)", status=505)
         names = {name for name, _ in event.headers}
         if b"content-length" in names and b"transfer-encoding" in names:
             # h11 frames it by Transfer-Encoding; a proxy in front may have framed it by
@@ -371,6 +380,12 @@ class _Connection:
             # smuggling), so the connection ends here (RFC 9112 6.1)
             return Problem("invalid_request", "a request with both Content-Length and "
                            "Transfer-Encoding has no one meaning")
+        authority, _ = _split_target(event.target)
+        if authority is not None:  # the host the request is for (RFC 9112 3.2.2), checked as Host is
+            if not _HOST.fullmatch(authority):  # (userinfo, "user@host", is no host: RFC 9110 4.2.4)
+                return Problem("invalid_request", "the request target's authority is not a host name "
+                               "or address with an optional port")
+            return None
         host = next((value for name, value in event.headers if name == b"host"), b"")
         if not _HOST.fullmatch(host):  # RFC 9112 3.2: an invalid Host value gets 400
             return Problem("invalid_request", "the Host header is not a host name or address "
@@ -412,7 +427,6 @@ class _Connection:
 
     async def _serve_request(self, event: h11.Request) -> None:
         request = Request(event, self)
-        self._answering_head = event.method == b"HEAD"
         length = request.headers.get("content-length")
         self._content_length = int(length) if length is not None else None  # h11 checked it
         started = time.perf_counter()
@@ -589,28 +603,41 @@ class _Connection:
                 await send.send(chunk)
 
     async def _refuse(self, problem: Problem) -> None:
-        """Answer with a problem and close: the request could not even be read."""
+        """Answer with a problem and close: the request could not even be read.
+
+        The answer is written as bytes, once, not through h11: h11 has not always read
+        a request (headers too large, a bad request line), and then frames the answer
+        as if to a GET, with a body that a HEAD's client would read as the start of a
+        second response. A HEAD (read, or seen at the start of the bytes) gets the head
+        alone (RFC 9110 9.3.2).
+        """
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
-        response = problem_response(problem)
-        response.headers.append(("Connection", "close"))
-        try:
-            await self._send_response(response)
-        except h11.LocalProtocolError:
-            # h11 refuses to answer in some error states (it cannot know how
-            # the client would frame a response); write the bytes directly.
-            await self._send_raw(response)
+        head = self._answering_head or bytes(self.h11.trailing_data[0][:5]) == b"HEAD "
+        with trio.move_on_after(self.limits.write_timeout):
+            try:
+                await self.stream.send_all(_raw_response(problem_response(problem), to_head=head))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
         self.log(f"- - {problem.status} ({problem.detail})")
-
-    async def _send_raw(self, response: Response) -> None:
-        try:
-            await self.stream.send_all(_raw_response(response))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
 
 
 # RFC 3986's host (an IP literal in brackets, or a name or IPv4 address) and optional port
 _HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
+
+
+_ABSOLUTE_FORM = re.compile(rb"(?i:https?)://([^/?#]*)(.*)", re.DOTALL)
+
+
+def _split_target(target: bytes) -> tuple[bytes | None, bytes]:
+    """(authority, origin-form target) of a request target: an absolute-form target
+    ("http://host:port/path?query", as sent to a proxy) has an authority, which is the
+    request's host; the others have None."""
+    found = _ABSOLUTE_FORM.fullmatch(target)
+    if found is None:
+        return None, target
+    rest = found.group(2)
+    return found.group(1), rest if rest.startswith(b"/") else b"/" + rest
 
 
 def _header_bytes(event: h11.Request) -> int:
@@ -655,6 +682,7 @@ class HTTPServer:
         self._accepting = trio.CancelScope()
         self._all_closed = trio.Event()  # set, while draining, once no connection is left
         self._refusing = 0  # connections over the limit being refused, gently
+        self._per_client: dict[str, int] = {}  # open connections by client address
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on host:port and serve connections until cancelled.
@@ -679,36 +707,52 @@ class HTTPServer:
                 await self._all_closed.wait()
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        client = _client_address(stream)
+        refusal = None
         if len(self.connections) >= self.limits.max_connections:
+            refusal = f"the service already has {self.limits.max_connections} open connections"
+        elif self._per_client.get(client, 0) >= self.limits.max_connections_per_client:
+            # checked at accept, before authentication: one address holding connections
+            # open (slowly, or by the hundred) leaves room for every other address
+            refusal = f"this client address already has {self.limits.max_connections_per_client} open connections"
+        if refusal is not None:
             # those refused in one burst are held (reading what they send) for a second
             # at most, and only so many at a time: past that they are closed at once
             linger = self._refusing < MAX_LINGERING_REFUSALS
             self._refusing += linger
             try:
-                await _refuse_connection(stream, self.limits, linger)
+                await _refuse_connection(stream, refusal, linger)
             finally:
                 self._refusing -= linger
             return
         connection = _Connection(stream, self.handler, self.limits, self.log, self)
         self.connections.add(connection)
+        self._per_client[client] = self._per_client.get(client, 0) + 1
         try:
             await connection.serve()
         except Exception:  # a bug in this module must cost one connection, not the server
             self.log("error: a connection failed:\n" + traceback.format_exc())
         finally:
             self.connections.discard(connection)
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
             if self.draining and not self.connections:
                 self._all_closed.set()
 
 
-async def _refuse_connection(stream: trio.SocketStream, limits: Limits, linger: bool) -> None:
-    """Over the connection limit: a 429 problem, then close, reading nothing but what is
+def _client_address(stream: trio.SocketStream) -> str:
+    """The peer's IP address (its port aside: one client opens many connections)."""
+    try:
+        return str(stream.socket.getpeername()[0])
+    except OSError:  # (it has gone already)
+        return ""
+
+
+async def _refuse_connection(stream: trio.SocketStream, detail: str, linger: bool) -> None:
+    """Over a connection limit: a 429 problem, then close, reading nothing but what is
     dropped while closing (`linger`: for at most a second in all)."""
-    problem = Problem(
-        "rate_limited",
-        f"the service already has {limits.max_connections} open connections",
-        headers=[("Retry-After", "1")],
-    )
+    problem = Problem("rate_limited", detail, headers=[("Retry-After", "1")])
     try:
         with trio.move_on_after(1):
             await stream.send_all(_raw_response(problem_response(problem)))
@@ -737,8 +781,9 @@ async def _close_gently(stream: trio.SocketStream) -> None:
             pass
 
 
-def _raw_response(response: Response) -> bytes:
-    """A complete `Connection: close` response as bytes, for when no h11 state can send it."""
+def _raw_response(response: Response, to_head: bool = False) -> bytes:
+    """A complete `Connection: close` response as bytes, for when no h11 state can send it
+    (`to_head`: the answer to a HEAD, without its body)."""
     head = [
         *_base_headers(),
         (b"Content-Type", (response.content_type or "application/octet-stream").encode("ascii")),
@@ -750,4 +795,4 @@ def _raw_response(response: Response) -> bytes:
     reason = HTTPStatus(response.status).phrase.encode("ascii")
     lines = [b"HTTP/1.1 %d %s" % (response.status, reason)]
     lines += [name + b": " + value for name, value in head]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + response.body
+    return b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if to_head else response.body)

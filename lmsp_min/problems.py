@@ -5,7 +5,8 @@ anywhere in a handler, turned into an `application/problem+json` response by
 the HTTP layer, or embedded as the `error` of a failed response or event.
 `detail` is written for humans and never carries a path, a stack trace or a
 secret: it is always composed here or by the validator, never copied from an
-arbitrary exception. What an unexpected exception was is for the log, where
+arbitrary exception. What it quotes of the request (a field name, a model id) is a
+short prefix (`quoted`), so a megabyte sent is never a megabyte echoed. What an unexpected exception was is for the log, where
 `leaf_exceptions` finds it inside trio's exception groups.
 """
 
@@ -73,6 +74,20 @@ class Problem(Exception):
         if self.param is not None:
             doc["param"] = self.param
         return doc
+
+
+QUOTE_LIMIT = 64  # characters of a client's value that an error quotes
+
+
+def clipped(value, limit: int = QUOTE_LIMIT) -> str:
+    """At most `limit` characters of `value` (its repr if not a string), "…" marking a cut."""
+    text = value if isinstance(value, str) else repr(value)[:limit + 1]
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def quoted(value, limit: int = QUOTE_LIMIT) -> str:
+    """`value` in single quotes, as an error's detail quotes the request: `clipped`."""
+    return f"'{clipped(value, limit)}'"
 
 
 def shutting_down(detail: str = "the service is shutting down") -> Problem:

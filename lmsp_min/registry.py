@@ -35,7 +35,7 @@ import trio
 
 from engine import describe
 from engine.gguf_header import GGUFHeaderError, read_header
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, quoted
 
 # Capability names in the order model objects list them.
 CAPABILITY_ORDER = ("streaming", "tools", "structured_output", "reasoning", "conversations", "tasks")
@@ -294,7 +294,7 @@ class Registry:
     def get(self, model_id: str, param: str | None = None) -> ModelEntry:
         entry = self._entries.get(model_id)
         if entry is None:
-            raise Problem("model_not_found", f"no model has the id '{model_id}'", param=param)
+            raise Problem("model_not_found", f"no model has the id {quoted(model_id)}", param=param)
         return entry
 
     async def find(self, model_id: str, param: str | None = None) -> ModelEntry:

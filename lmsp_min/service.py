@@ -34,7 +34,7 @@ from lmsp_min.app import App, GenerationsInProgress, default_router
 from lmsp_min.auth import Auth, is_loopback
 from lmsp_min.events import compact_json
 from lmsp_min.http import HTTPServer, Limits
-from lmsp_min.problems import Problem, leaf_exceptions
+from lmsp_min.problems import Problem, leaf_exceptions, quoted
 from lmsp_min.registry import Registry
 from lmsp_min.store import Store, StoreError
 from lmsp_min.tasks import STORE_RETENTION, Tasks
@@ -164,7 +164,7 @@ class Service:
         """
         stored = await self.store.get_response(response_id, principal)
         if stored is None:
-            raise Problem("response_not_found", f"no stored response has the id '{response_id[:80]}'",
+            raise Problem("response_not_found", f"no stored response has the id {quoted(response_id)}",
                           param="previous_response_id")
         items = [*stored.input, *stored.output, *new_items]
         restart = "start a new conversation (without previous_response_id)"

@@ -19,7 +19,7 @@ import re
 from lmsp_min import idempotency
 from lmsp_min.app import Router, prepare_generation, read_json_body
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, quoted
 
 TASKS = "/lmsp/v1/tasks"
 _SEQ = re.compile(r"[0-9]+")
@@ -112,7 +112,7 @@ async def _stored(request: Request, service):
     if service.stores_responses:
         stored = await service.store.get_response(response_id, request.principal)
     if stored is None:
-        raise Problem("response_not_found", f"no stored response has the id '{response_id[:80]}'")
+        raise Problem("response_not_found", f"no stored response has the id {quoted(response_id)}")
     return stored
 
 

@@ -27,7 +27,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, clipped, quoted
 
 MAX_JSON_DEPTH = 64  # arrays and objects in a request nest at most this deep (D9)
 
@@ -203,7 +203,7 @@ def validate_responses_request(body: dict) -> ResponsesRequest:
     """Check every field of a responses request (a parsed JSON object)."""
     for name in body:
         if name not in TOP_LEVEL_FIELDS:
-            raise invalid(name, f"unknown field '{name}'")
+            raise invalid(clipped(name), f"unknown field {quoted(name)}")
     if "model" not in body:
         raise invalid("model", "'model' is required")
     model = _string(body["model"], "model", allow_empty=False)
@@ -268,7 +268,7 @@ def _validate_item(item, param: str) -> None:
     elif kind is None:
         raise invalid(f"{param}.type", f"'{param}.type' is required")
     else:
-        raise invalid(f"{param}.type", f"unknown input item type {kind!r}"
+        raise invalid(f"{param}.type", f"unknown input item type {quoted(kind)}"
                       " (expected message, function_call or function_call_output)")
 
 
@@ -288,10 +288,10 @@ def _validate_message(item: dict, param: str) -> None:
             raise invalid(part_param, f"'{part_param}' must be an object")
         kind = part.get("type")
         if kind in RESERVED_CONTENT_TYPES:
-            raise invalid(f"{part_param}.type", f"content type {kind!r} is reserved for a future LMSP "
+            raise invalid(f"{part_param}.type", f"content type {quoted(kind)} is reserved for a future LMSP "
                           "version: LMSP 1.0 carries text only")
         if kind not in allowed:
-            raise invalid(f"{part_param}.type", f"content type {kind!r} is not allowed in a {role} "
+            raise invalid(f"{part_param}.type", f"content type {quoted(kind)} is not allowed in a {role} "
                           f"message (expected {' or '.join(allowed)})")
         _string(part.get("text"), f"{part_param}.text")
 
@@ -374,7 +374,7 @@ def _tool_choice(value, tools: list[Tool]) -> str | dict:
         raise invalid("tool_choice.type", "'tool_choice.type' must be 'function'")
     name = _string(value.get("name"), "tool_choice.name")
     if not any(tool.name == name for tool in tools):
-        raise invalid("tool_choice.name", f"'tool_choice' names {name!r}, which is not in 'tools'")
+        raise invalid("tool_choice.name", f"'tool_choice' names {quoted(name)}, which is not in 'tools'")
     return {"name": name}
 
 
@@ -447,7 +447,7 @@ def items_to_messages(items: list[dict], input_start: int = 0) -> list[dict]:
             call_id = item["call_id"]
             if call_id not in calls:
                 raise invalid(f"input[{index - input_start}].call_id",
-                              f"no earlier function_call item has call_id {call_id!r}")
+                              f"no earlier function_call item has call_id {quoted(call_id)}")
             messages.append({"role": "tool", "content": item["output"], "tool_call_id": call_id,
                              "name": calls[call_id]})
     return messages

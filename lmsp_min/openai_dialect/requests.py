@@ -17,7 +17,7 @@ unknown parameter is a 400, as OpenAI's API answers it.
 import re
 from dataclasses import dataclass, field
 
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, clipped, quoted
 from lmsp_min.validate import EXTENSION, invalid
 
 _EXTENSION = f"extensions.{EXTENSION}."
@@ -26,7 +26,7 @@ UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio", "image_url", "f
 
 
 def _unknown(name: str) -> Problem:
-    return invalid(name, f"Unknown parameter: '{name}'.")
+    return invalid(clipped(name), f"Unknown parameter: {quoted(name)}.")
 
 
 def _cannot(name: str, why: str) -> Problem:
@@ -167,7 +167,7 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
             raise invalid("include", "'include' must be an array")
         for index, value in enumerate(body["include"]):
             if value != "reasoning.encrypted_content":  # we have no encrypted reasoning to include
-                raise _cannot(f"include[{index}]", f"{str(value)[:60]!r} is not produced here")
+                raise _cannot(f"include[{index}]", f"{quoted(value)} is not produced here")
     reasoning = body.get("reasoning")
     if reasoning is not None and (not isinstance(reasoning, dict) or reasoning.get("effort") is not None):
         raise _cannot("reasoning.effort", "a model reasons or not as its chat template says")

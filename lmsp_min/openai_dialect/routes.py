@@ -37,7 +37,7 @@ from lmsp_min.app import PreparedResponse, Router, prepare_generation, read_json
 from lmsp_min.events import SSE_KEEPALIVE, compact_json
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.openai_dialect import chat, requests, responses
-from lmsp_min.problems import Problem
+from lmsp_min.problems import Problem, quoted
 from lmsp_min.store import FINAL_STATUSES, TaskRow
 from lmsp_min.tasks import output_from_events
 from lmsp_min.validate import invalid, kept_items
@@ -259,7 +259,7 @@ async def _task_of(response_id: str, principal: str, service) -> TaskRow | None:
 
 
 def _not_found(response_id: str) -> Problem:
-    return Problem("response_not_found", f"no stored or background response has the id '{response_id[:80]}'")
+    return Problem("response_not_found", f"no stored or background response has the id {quoted(response_id)}")
 
 
 async def _task_stream(row: TaskRow, principal: str, service, after: int) -> StreamingResponse:

@@ -1,0 +1,172 @@
+"""Issue 29's probe findings, each over real sockets: long header values, refused HEADs,
+absolute-form targets and other HTTP versions, echoed input, and connections per client."""
+
+import json
+
+import pytest
+import trio
+
+from lmsp_min.http import Limits
+from server_harness import make_service, start_server, server, tiny_path  # noqa: F401
+
+TINY_ID = "tiny:chat-q8_0"
+MODELS = "/lmsp/v1/models"
+MEGABYTE = 1 << 20
+
+
+async def _raw(server, data: bytes) -> bytes:
+    """Send raw bytes on a fresh connection; everything the server sends until it closes."""
+    async with server.connection() as client:
+        await client.stream.send_all(data)
+        with trio.fail_after(10):
+            return await client.read_until_closed()
+
+
+def _status(data: bytes) -> int:
+    return int(data.split(b" ", 2)[1])
+
+
+def _errors(server) -> list[str]:
+    return [line for line in server.service.log_lines if line.startswith("error")]
+
+
+# -- 1. a header value that reaches a conversion -------------------------------------------
+
+@pytest.mark.parametrize("version", ["1" * 4400, "1." + "1" * 5000, "0" * 5000 + "1", "2.0", "1.0, 7", "1.x"],
+                         ids=lambda version: version[:12])
+async def test_an_lmsp_version_is_compared_as_text(server, version):
+    """D1: not a 1.x is a 400 however long (4,400 digits were a 500: int() refuses them)."""
+    reply = await server.request("GET", MODELS, headers={"LMSP-Version": version})
+    assert reply.status == 400 and reply.json()["code"] == "unsupported_version"
+    assert len(reply.body) < 500
+    assert not _errors(server)
+
+
+@pytest.mark.parametrize("version", ["1", "1.0", "01.7", "1.2.3", "1.0, 1.1"])
+async def test_every_1x_version_is_served(server, version):
+    assert (await server.request("GET", MODELS, headers={"LMSP-Version": version})).status == 200
+
+
+# -- 2. one answer to a refused HEAD --------------------------------------------------------
+
+@pytest.mark.parametrize("request_bytes", [
+    b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: bad host\r\n\r\n",
+    b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nContent-Length: 3\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n",  # one read
+    b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 40000,  # h11 gives up
+    b"HEAD /lmsp/v1/models HTTP/2.0\r\nHost: localhost\r\n\r\n",
+], ids=["bad-host", "length-and-chunked", "large-headers", "larger-headers", "http-2"])
+async def test_a_refused_head_gets_one_head_and_no_body(server, request_bytes):
+    data = await _raw(server, request_bytes)
+    assert data.count(b"HTTP/1.1 ") == 1, data
+    assert data.endswith(b"\r\n\r\n")  # the head alone
+    assert _status(data) in (400, 431, 505)
+
+
+async def test_a_refused_get_still_gets_its_body(server):
+    data = await _raw(server, b"GET /lmsp/v1/models HTTP/1.1\r\nHost: bad host\r\n\r\n")
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert _status(data) == 400 and json.loads(body)["code"] == "invalid_request"
+
+
+# -- 3. absolute-form targets and other HTTP versions ---------------------------------------
+
+async def test_an_absolute_form_target_names_the_host(server):
+    """RFC 9112 3.2.2: the target's authority wins over Host, for the loopback check too."""
+    evil = await _raw(server, b"GET http://evil.example.com/lmsp/v1/models HTTP/1.1\r\n"
+                              b"Host: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    assert _status(evil) == 400 and b"loopback" in evil
+    for target in (b"HTTP://evil.example.com:80/lmsp/v1/models?x=1", b"http://a@127.0.0.1/lmsp/v1/models",
+                   b"https://127.0.0.1.evil.example.com/lmsp/v1/models", b"http:///lmsp/v1/models"):
+        refused = await _raw(server, b"GET " + target + b" HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        assert _status(refused) == 400, target
+    local = await _raw(server, b"GET http://127.0.0.1:%d/lmsp/v1/models HTTP/1.1\r\nHost: evil.example.com\r\n"
+                               b"Connection: close\r\n\r\n" % server.port)
+    assert _status(local) == 200 and json.loads(local.partition(b"\r\n\r\n")[2])["object"] == "list"
+
+
+@pytest.mark.parametrize("version", [b"2.0", b"0.9", b"1.2", b"3.0"])
+async def test_other_http_versions_get_505(server, version):
+    data = await _raw(server, b"GET /lmsp/v1/models HTTP/" + version + b"\r\nHost: localhost\r\n\r\n")
+    assert _status(data) == 505
+    doc = json.loads(data.partition(b"\r\n\r\n")[2])
+    assert doc["status"] == 505 and doc["code"] == "invalid_request"
+
+
+async def test_http_1_0_is_still_served(server):
+    data = await _raw(server, b"GET /lmsp/v1/models HTTP/1.0\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 200 ")
+
+
+# -- 4. problem documents quote a short prefix ----------------------------------------------
+
+def _message(text: str) -> list:
+    return [{"role": "user", "content": text}]
+
+
+_HUGE = "x" * MEGABYTE
+_ECHOES = [
+    ("/lmsp/v1/responses", {"model": TINY_ID, "input": _message("hi"), _HUGE: 1}, 400),
+    ("/lmsp/v1/responses", {"model": _HUGE, "input": _message("hi")}, 404),
+    ("/lmsp/v1/responses", {"model": TINY_ID, "input": [{"type": _HUGE}]}, 400),
+    ("/lmsp/v1/responses", {"model": TINY_ID, "input": [{"role": "user", "content": [{"type": _HUGE}]}]}, 400),
+    ("/lmsp/v1/responses", {"model": TINY_ID, "input": [{"type": "function_call_output", "call_id": _HUGE,
+                                                         "output": "x"}]}, 400),
+    ("/lmsp/v1/responses", {"model": TINY_ID, "input": _message("hi"), "tool_choice": {"type": "function",
+                                                                                          "name": _HUGE}}, 400),
+    ("/lmsp/v1/tasks", {"model": TINY_ID, "input": _message("hi"), _HUGE: 1}, 400),
+    ("/v1/responses", {"model": TINY_ID, "input": "hi", _HUGE: 1}, 400),
+    ("/v1/responses", {"model": _HUGE, "input": "hi"}, 404),
+    ("/v1/responses", {"model": TINY_ID, "input": "hi", "include": [_HUGE]}, 400),
+    ("/v1/chat/completions", {"model": TINY_ID, "messages": _message("hi"), _HUGE: 1}, 400),
+    ("/v1/chat/completions", {"model": _HUGE, "messages": _message("hi")}, 404),
+]
+
+
+@pytest.mark.parametrize("path, body, status", _ECHOES, ids=[f"{path}-{index}" for index, (path, _, _) in enumerate(_ECHOES)])
+async def test_an_error_quotes_at_most_a_short_prefix(server, path, body, status):
+    """A megabyte sent (a field name, a model id, a type) is never a megabyte echoed, in
+    either dialect: at most 64 characters of it, and an ellipsis."""
+    reply = await server.request("POST", path, json_body=body)
+    assert reply.status == status, reply.body[:300]
+    assert len(reply.body) < 1000
+    assert "x" * 65 not in reply.body.decode() and "x" * 64 + "…" in reply.json()["detail" if path.startswith(
+        "/lmsp") else "error"].__str__()
+
+
+async def test_a_long_id_in_a_path_is_not_echoed(server):
+    for path in (f"{MODELS}/{'m' * 10000}", f"/lmsp/v1/responses/{'r' * 10000}", f"/lmsp/v1/tasks/{'t' * 10000}",
+                 f"/v1/responses/{'r' * 10000}", f"/v1/models/{'m' * 10000}"):
+        reply = await server.request("GET", path)
+        assert reply.status == 404 and len(reply.body) < 1000, (path[:30], reply.body[:200])
+    reply = await server.request("M" * 10000, MODELS)
+    assert reply.status == 405 and len(reply.body) < 1000
+
+
+# -- 6. connections per client address -------------------------------------------------------
+
+async def test_one_client_address_cannot_take_every_connection(nursery, tiny_path):
+    """Past its own limit one address gets 429, while another is still served: the global
+    cap no longer lets one client lock the others out."""
+    limits = Limits(max_connections=4, max_connections_per_client=2)
+    server = await start_server(nursery, await make_service([tiny_path], limits=limits))
+
+    async def first_reply(stream: trio.SocketStream, close: bool = False) -> bytes:
+        await stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                              + (b"Connection: close\r\n" if close else b"") + b"\r\n")
+        with trio.fail_after(10):
+            return await stream.receive_some(65536)
+
+    held = [await trio.open_tcp_stream(server.host, server.port) for _ in range(3)]
+    try:
+        # one after another, each kept open and known to the server (it answered on it)
+        replies = [await first_reply(stream) for stream in held]
+        assert [_status(reply) for reply in replies] == [200, 200, 429]
+        assert b"this client address already has 2 open connections" in replies[2]
+        other = await trio.open_tcp_stream(server.host, server.port, local_address="127.0.0.2")
+        held.append(other)
+        assert _status(await first_reply(other, close=True)) == 200
+    finally:
+        for stream in held:
+            await stream.aclose()
