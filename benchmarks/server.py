@@ -108,7 +108,7 @@ class StubEngine:
         self.info = model.info
         self.steps = 0
         self.n_tokens = n_tokens
-        self.scheduler = model.scheduler  # its queue bound is what the registry admits up to
+        self.scheduler = model.scheduler  # its batch size is how many the registry lets generate at once
 
     def prepare_chat(self, request):
         from engine.chat import TokenCounts

@@ -136,7 +136,7 @@ class ScriptedModel:
 
     def __init__(self, rate: float):
         self.period = 1.0 / rate
-        self.scheduler = types.SimpleNamespace(max_queue=32)  # what the registry admits up to
+        self.scheduler = types.SimpleNamespace(max_batch=8)  # as many generate at once as the registry lets
 
     def prepare_chat(self, request):
         from engine.chat import TokenCounts

@@ -14,7 +14,8 @@ method_not_allowed` with `Allow`. Every handler is
     generation.events()
         # the LMSP events (events.ResponseRun), from response.created to a final event
 
-The generation holds its model's admission (registry.Admission): whoever owns it
+The generation holds its model's admission (lmsp_min/admission.py): it waits for
+its turn, fair between principals, before the engine generates; whoever owns it
 releases it explicitly, `generation.release()`, once it is over or will never
 start (a synchronous response when it returns, a stream when the HTTP layer
 closes its body, a task when its runner ends).
@@ -38,7 +39,7 @@ from lmsp_min import idempotency, openai_dialect
 from lmsp_min.events import SSE_KEEPALIVE, Event, ResponseRun, ServiceStopping
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.problems import Problem, clipped, quoted, shutting_down
-from lmsp_min.registry import Admission
+from lmsp_min.admission import Admission
 from lmsp_min.validate import (
     ResponsesRequest,
     items_to_messages,
@@ -224,7 +225,7 @@ class PreparedResponse:
     model: object  # the engine model
     prepared: object  # the engine's prepared chat (prompt tokens, constraints)
     run: ResponseRun
-    admission: Admission  # of this response's model (ModelEntry.admit), released by `release`
+    admission: Admission  # of this response's model (ModelEntry.admit): its turn, released by `release`
     in_progress: GenerationsInProgress  # the service's, which ends it if the service stops first
 
     def events(self) -> AsyncIterator[Event]:
@@ -239,17 +240,23 @@ class PreparedResponse:
         self.admission.release()
 
     async def _engine_events(self):
-        """The engine's chat events, asked for only when the first one is wanted.
+        """The engine's chat events, asked for only when the first one is wanted, once
+        the admission's turn has come.
 
         So that an engine refusing to start fails inside the event generator, where it
         becomes a failed response, like any generation failure. A service that stops
-        cuts the wait for the next event (never a yield: the consumer runs outside the
-        cancel scope), and ServiceStopping ends the response. A schema whose bound only
-        the output reaches (engine/constrain/matcher.py) is the Problem it is while preparing.
+        cuts the wait for the turn or the next event (never a yield: the consumer runs
+        outside the cancel scope), and ServiceStopping ends the response. A schema whose
+        bound only the output reaches (engine/constrain/matcher.py) is the Problem it is
+        while preparing.
         """
         from engine.errors import SchemaError
 
         try:
+            with self.in_progress.engine_wait() as wait:
+                await self.admission.turn()
+            if wait.cancelled_caught:
+                raise ServiceStopping
             chat = self.model.generate_chat(self.prepared)
             try:
                 while True:
@@ -310,7 +317,7 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
     run = ResponseRun(entry.id, log=service.log, counts=prepared.counts)
-    admission = entry.admit()  # (the caller owns it from here, through the PreparedResponse)
+    admission = entry.admit(principal)  # (the caller owns it from here, through the PreparedResponse)
     return PreparedResponse(request, principal, kept_items(items), model, prepared, run, admission,
                             service.generations)
 

@@ -35,7 +35,10 @@ import trio
 
 from engine import describe
 from engine.gguf_header import GGUFHeaderError, read_header
+from lmsp_min.admission import Admission, Admissions
 from lmsp_min.problems import Problem, quoted
+
+DEFAULT_QUEUE_DEPTH = 32  # requests admitted per model, generating or waiting (`serve --queue-depth`)
 
 # Capability names in the order model objects list them.
 CAPABILITY_ORDER = ("streaming", "tools", "structured_output", "reasoning", "conversations", "tasks")
@@ -90,14 +93,19 @@ class ModelEntry:
     capabilities: tuple[str, ...]  # the engine's: among tools, structured_output, reasoning
     context_cap: int | None = None  # `serve --ctx`: the window is at most this (D4)
     kv_cache_bytes: int | None = None  # `serve --kv-cache-mib`: its running requests' KV caches together
+    queue_depth: int = DEFAULT_QUEUE_DEPTH  # requests admitted at once; past it: 429
     model: object | None = None
-    admitted: int = 0  # requests of this model admitted (`admit`) and not yet released
+    admissions: Admissions = field(init=False, repr=False)  # its admitted requests, and their turns
     _load_lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
     _loaded_here: bool = field(default=False, repr=False)  # `load` made the model: `close` closes it
 
+    def __post_init__(self):
+        # as many generate at once as the engine batches; the others wait their turn here
+        self.admissions = Admissions(lambda: self.model.scheduler.max_batch)
+
     @classmethod
     def from_file(cls, path: Path, context_cap: int | None = None,
-                  kv_cache_bytes: int | None = None) -> "ModelEntry":
+                  kv_cache_bytes: int | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> "ModelEntry":
         header = read_header(path)  # arrays skipped: their length only
         meta = header.metadata
         architecture = meta.get("general.architecture")
@@ -119,6 +127,7 @@ class ModelEntry:
                                                describe.predict_constrainable(meta)),
             context_cap=context_cap,
             kv_cache_bytes=kv_cache_bytes,
+            queue_depth=queue_depth,
         )
 
     def model_object(self, service_capabilities: tuple[str, ...]) -> dict:
@@ -176,46 +185,30 @@ class ModelEntry:
             model.close()
 
     @property
+    def admitted(self) -> int:
+        """Requests of this model admitted (`admit`) and not yet released."""
+        return self.admissions.admitted
+
+    @property
     def full(self) -> bool:
-        """Whether `admit` would refuse now (asked once the model is loaded)."""
-        return self.admitted >= self.model.scheduler.max_queue
+        """Whether `admit` would refuse now."""
+        return self.admissions.admitted >= self.queue_depth
 
-    def admit(self) -> "Admission":
-        """Count in one more request of this (loaded) model, or 429 past its scheduler's
-        queue (D9); the `Admission` returned counts it out when released.
+    def admit(self, principal: str) -> Admission:
+        """Count in one more request of this (loaded) model, or 429 past `queue_depth`
+        (D9); the `Admission` returned waits for its turn to generate (lmsp_min/admission.py,
+        fair between principals) and counts it out when released.
 
-        Requests are counted when admitted, not when they reach the engine's queue: a
-        burst of concurrent requests all passed a look at the queue before any of them
-        was in it, and got a 200 or a 202 whose response then failed `rate_limited`.
-        At most `max_queue` are admitted, running or waiting, so the scheduler's queue,
-        which fills in a burst before its first step moves any of them into the batch,
-        never refuses one of them. Admitting and releasing happen on the trio loop.
+        Requests are counted when admitted, not when they reach a queue: a burst of
+        concurrent requests all passed a look at the queue before any of them was in
+        it, and got a 200 or a 202 whose response then failed `rate_limited`. Only
+        those given a turn reach the engine, at most its batch size, so its scheduler's
+        queue never refuses one of them. Admitting and releasing happen on the trio loop.
         """
         if self.full:
             raise Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
                           headers=[("Retry-After", "1")])
-        self.admitted += 1
-        return Admission(self)
-
-
-class Admission:
-    """One admitted request of a model (`ModelEntry.admit`). Its owner releases it
-    explicitly (`release`, or `with admission:`) once the request's generation is
-    over or will never start; releasing again does nothing."""
-
-    def __init__(self, entry: ModelEntry):
-        self._entry: ModelEntry | None = entry
-
-    def release(self) -> None:
-        if self._entry is not None:
-            self._entry.admitted -= 1
-            self._entry = None
-
-    def __enter__(self) -> "Admission":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.release()
+        return self.admissions.admit(principal)
 
 
 class Registry:
@@ -227,24 +220,27 @@ class Registry:
     """
 
     def __init__(self, entries: list[ModelEntry], models_dir: Path | None = None, log=None,
-                 context_cap: int | None = None, kv_cache_bytes: int | None = None):
+                 context_cap: int | None = None, kv_cache_bytes: int | None = None,
+                 queue_depth: int = DEFAULT_QUEUE_DEPTH):
         self._entries = {entry.id: entry for entry in entries}
         self.models_dir = models_dir
         self.context_cap = context_cap  # caps the context window of every model found (D4)
         self.kv_cache_bytes = kv_cache_bytes  # bounds each model's running KV caches together
+        self.queue_depth = queue_depth  # requests each model admits at once
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._known = {entry.path.resolve() for entry in entries}  # files read, served or not
 
     @classmethod
     async def scan(cls, paths: list[Path], models_dir: Path | None, log=None,
-                   context_cap: int | None = None, kv_cache_bytes: int | None = None) -> "Registry":
+                   context_cap: int | None = None, kv_cache_bytes: int | None = None,
+                   queue_depth: int = DEFAULT_QUEUE_DEPTH) -> "Registry":
         """Read the headers of every `--model` path and every .gguf in `models_dir`.
 
         A `--model` that cannot be read is an error (raised as ValueError with a
         message for the command line); an unreadable file in the models
         directory is reported and skipped.
         """
-        registry = cls([], models_dir, log, context_cap, kv_cache_bytes)
+        registry = cls([], models_dir, log, context_cap, kv_cache_bytes, queue_depth)
         await registry._add([Path(path) for path in paths], _gguf_files(models_dir))
         return registry
 
@@ -277,7 +273,7 @@ class Registry:
         read = []
         for path in paths:
             try:
-                read.append((path, ModelEntry.from_file(path, self.context_cap, self.kv_cache_bytes)))
+                read.append((path, ModelEntry.from_file(path, self.context_cap, self.kv_cache_bytes, self.queue_depth)))
             except (OSError, GGUFHeaderError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 if path in explicit:

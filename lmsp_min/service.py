@@ -35,7 +35,7 @@ from lmsp_min.auth import Auth, is_loopback
 from lmsp_min.events import compact_json
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem, leaf_exceptions, quoted
-from lmsp_min.registry import Registry
+from lmsp_min.registry import DEFAULT_QUEUE_DEPTH, Registry
 from lmsp_min.store import Store, StoreError
 from lmsp_min.tasks import STORE_RETENTION, Tasks
 from lmsp_min.validate import MAX_INPUT_ITEMS
@@ -69,6 +69,7 @@ class ServiceConfig:
     context_cap: int | None = None  # --ctx: every model's context window is at most this (D4)
     kv_cache_bytes: int | None = 1024 << 20  # --kv-cache-mib: each model's running requests' KV caches
                                              # together (None: no bound)
+    queue_depth: int = DEFAULT_QUEUE_DEPTH  # --queue-depth: requests each model admits at once (D9)
 
 
 class Service:
@@ -98,7 +99,7 @@ class Service:
         tokens file (ValueError: a message for the user) and opens the store; at the end
         it closes the models loaded meanwhile, then the store."""
         registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap,
-                                       config.kv_cache_bytes)
+                                       config.kv_cache_bytes, config.queue_depth)
         auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
         store = await Store.open((config.data_dir or paths.data_dir()) if config.store else None)
         service = cls(registry, auth=auth, store=store, config=config, log=log)

@@ -170,3 +170,52 @@ async def test_one_client_address_cannot_take_every_connection(nursery, tiny_pat
     finally:
         for stream in held:
             await stream.aclose()
+
+
+# -- 7. admission is fair between principals --------------------------------------------------
+
+BURST, QUIET = "s3cret-burst", "s3cret-quiet"
+
+
+async def test_one_principals_burst_does_not_starve_anothers_request(nursery, tiny_path, tmp_path, monkeypatch):
+    """With one request generating at a time, a principal's burst of four is queued first,
+    then another principal's single request: that one is served next, not last."""
+    import threading
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"token": token, "principal": name, "scopes": ["responses:write"]}
+                                  for token, name in ((BURST, "burst"), (QUIET, "quiet"))]))
+    server = await start_server(nursery, await make_service([tiny_path], tokens_file=tokens))
+    entry = server.service.registry.get(TINY_ID)
+    monkeypatch.setattr(entry.model.scheduler, "max_batch", 1)
+    go, step = threading.Event(), entry.model.step
+
+    def held_step(*args, **kwargs):  # the engine steps once the test says so
+        go.wait(20)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(entry.model, "step", held_step)
+    finished: list[str] = []
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 4,
+            "temperature": 0}
+
+    async def post(token: str, name: str) -> None:
+        reply = await server.responses(body, headers={"Authorization": f"Bearer {token}"})
+        assert reply.status == 200, reply.body
+        finished.append(name)
+
+    async with trio.open_nursery() as clients:
+        for _ in range(4):
+            clients.start_soon(post, BURST, "burst")
+        await _until(lambda: entry.admissions.generating == 1 and entry.admissions.waiting == 3)
+        clients.start_soon(post, QUIET, "quiet")
+        await _until(lambda: entry.admissions.waiting == 4)
+        go.set()
+    assert finished == ["burst", "quiet", "burst", "burst", "burst"]
+    assert entry.admitted == 0
+
+
+async def _until(condition) -> None:
+    with trio.fail_after(20):
+        while not condition():
+            await trio.sleep(0.005)

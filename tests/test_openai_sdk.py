@@ -482,7 +482,7 @@ async def test_chat_parameters_we_cannot_honour_are_named(server):
 
 
 async def test_a_full_queue_is_a_rate_limit_error(server, monkeypatch):
-    monkeypatch.setattr(server.service.registry.get(TINY_ID), "admitted", 10**6)  # every slot taken
+    monkeypatch.setattr(server.service.registry.get(TINY_ID), "queue_depth", 0)  # every slot taken
 
     def work(client):
         with pytest.raises(openai.RateLimitError) as caught:

@@ -261,7 +261,7 @@ async def test_generation_failure_is_500_generation_failed(server, monkeypatch):
 
 
 async def test_a_full_queue_refuses_a_stream_before_it_starts(server, monkeypatch):
-    monkeypatch.setattr(server.service.registry.get(TINY_ID), "admitted", 10**6)
+    monkeypatch.setattr(server.service.registry.get(TINY_ID), "queue_depth", 0)
     reply = await server.responses(body(stream=True))
     assert_problem(reply, 429, "rate_limited")
     assert reply.headers["retry-after"] == "1"
@@ -275,7 +275,7 @@ async def test_a_burst_past_the_queue_gets_429_at_once(server, monkeypatch):
 
     entry = server.service.registry.get(TINY_ID)
     monkeypatch.setattr(entry.model.scheduler, "max_batch", 2)
-    monkeypatch.setattr(entry.model.scheduler, "max_queue", 2)
+    monkeypatch.setattr(entry, "queue_depth", 2)
     go, step = threading.Event(), entry.model.step
 
     def held_step(*args, **kwargs):  # the worker thread's steps wait until the test says so
