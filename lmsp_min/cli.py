@@ -373,6 +373,13 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--max-body-bytes", type=_number(int, 1024), default=4 * 1024 * 1024, metavar="N",
                    help="largest request body accepted (default 4 MiB); at least 1024, as a smaller "
                         "limit would refuse all but the shortest requests")
+    p.add_argument("--max-connections", type=_number(int, 1), default=256, metavar="N",
+                   help="open connections in all (default 256); past it, a new one gets 429 and is closed")
+    p.add_argument("--max-connections-per-client", type=_number(int, 1), default=64, metavar="N",
+                   help="open connections from one client address (default 64); past it, 429 and closed")
+    p.add_argument("--queue-depth", type=_number(int, 1), default=32, metavar="N",
+                   help="requests each model admits at once, generating or waiting their turn (default 32); "
+                        "past it, 429")
     p.add_argument("--ctx", type=_number(int, 1), default=None, metavar="N",
                    help="cap every model's context window at N tokens (default: each model's trained length)")
     p.add_argument("--kv-cache-mib", type=_number(int, 1), default=1024, metavar="N",
@@ -395,9 +402,11 @@ def cmd_serve(args) -> int:
         store=not args.no_store,
         event_retention=args.event_retention,
         store_retention=args.store_retention,
-        limits=Limits(max_body_bytes=args.max_body_bytes),
+        limits=Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
+                      max_connections_per_client=args.max_connections_per_client),
         context_cap=args.ctx,
         kv_cache_bytes=args.kv_cache_mib << 20,
+        queue_depth=args.queue_depth,
     )
     try:
         run(config, args.host, args.port)
