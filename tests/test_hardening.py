@@ -172,6 +172,43 @@ async def test_one_client_address_cannot_take_every_connection(nursery, tiny_pat
             await stream.aclose()
 
 
+def test_serve_passes_the_connection_and_queue_limits_on(monkeypatch, tiny_path):
+    """The flags reach the service; without them, the documented defaults."""
+    from lmsp_min import cli, service
+
+    configs = []
+    monkeypatch.setattr(service, "run", lambda config, host, port: configs.append(config))
+    assert cli.main(["serve", "--model", str(tiny_path), "--max-connections", "10",
+                     "--max-connections-per-client", "3", "--queue-depth", "5"]) == 0
+    assert cli.main(["serve", "--model", str(tiny_path)]) == 0
+    given, default = configs
+    assert (given.limits.max_connections, given.limits.max_connections_per_client, given.queue_depth) == (10, 3, 5)
+    assert (default.limits.max_connections, default.limits.max_connections_per_client,
+            default.queue_depth) == (256, 64, 32)
+    assert default.limits == Limits() and default.queue_depth == service.ServiceConfig().queue_depth
+
+
+async def test_a_model_admits_queue_depth_requests(nursery, tiny_path):
+    """--queue-depth reaches each model: past it, 429 before anything is generated."""
+    from lmsp_min.service import ServiceConfig
+    from server_harness import open_service
+
+    service = await open_service(ServiceConfig(model_paths=[tiny_path], store=False, queue_depth=1))
+    server = await start_server(nursery, service)
+    entry = service.registry.get(TINY_ID)
+    assert entry.queue_depth == 1
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 1}
+    assert (await server.responses(body)).status == 200
+    await entry.load()
+    held = entry.admit("someone")  # the one place taken
+    try:
+        reply = await server.responses(body)
+        assert reply.status == 429 and reply.json()["code"] == "rate_limited"
+    finally:
+        held.release()
+    assert (await server.responses(body)).status == 200
+
+
 # -- 7. admission is fair between principals --------------------------------------------------
 
 BURST, QUIET = "s3cret-burst", "s3cret-quiet"
