@@ -337,9 +337,12 @@ class _Connection:
         header_deadline = None
         self._answering_head = False  # (until a HEAD is read)
         while True:
+            unread = self.h11.trailing_data[0]  # (h11 drops what it cannot read)
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
+                # a request that h11 cannot read but that says HEAD is answered as one
+                self._answering_head = unread.startswith(b"HEAD ")
                 await self._refuse(_protocol_problem(exc))
                 return None
             if type(event) is h11.Request:
@@ -608,15 +611,14 @@ class _Connection:
         The answer is written as bytes, once, not through h11: h11 has not always read
         a request (headers too large, a bad request line), and then frames the answer
         as if to a GET, with a body that a HEAD's client would read as the start of a
-        second response. A HEAD (read, or seen at the start of the bytes) gets the head
-        alone (RFC 9110 9.3.2).
+        second response. A HEAD (read, or seen at the start of bytes h11 could not
+        read) gets the head alone (RFC 9110 9.3.2).
         """
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
-        head = self._answering_head or bytes(self.h11.trailing_data[0][:5]) == b"HEAD "
         with trio.move_on_after(self.limits.write_timeout):
             try:
-                await self.stream.send_all(_raw_response(problem_response(problem), to_head=head))
+                await self.stream.send_all(_raw_response(problem_response(problem), to_head=self._answering_head))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
         self.log(f"- - {problem.status} ({problem.detail})")

@@ -56,7 +56,9 @@ async def test_every_1x_version_is_served(server, version):
     b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n",  # one read
     b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 40000,  # h11 gives up
     b"HEAD /lmsp/v1/models HTTP/2.0\r\nHost: localhost\r\n\r\n",
-], ids=["bad-host", "length-and-chunked", "large-headers", "larger-headers", "http-2"])
+    b"HEAD /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\nHost: a\r\n\r\n",  # h11 refuses it
+    b"HEAD  /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n",  # not a request line h11 reads
+], ids=["bad-host", "length-and-chunked", "large-headers", "larger-headers", "http-2", "two-hosts", "bad-line"])
 async def test_a_refused_head_gets_one_head_and_no_body(server, request_bytes):
     data = await _raw(server, request_bytes)
     assert data.count(b"HTTP/1.1 ") == 1, data
