@@ -85,3 +85,24 @@ def test_a_setting_reaches_the_helper_process():
     done = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0.002"
+
+
+def test_the_storm_runs_against_a_served_model(tmp_path):
+    """benchmarks/storm.py: a short storm of a few clients against `lmsp-min serve` on the tiny
+    model; both phases answer the quiet client, and the server logs no error."""
+    from tiny import write_tiny_chat_model
+
+    path = write_tiny_chat_model(tmp_path / "tiny-chat-q8_0.gguf")
+    out = tmp_path / "storm.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.storm", str(path), "--clients", "6", "--seconds", "2",
+                           "--warmup", "0.5", "--storm-tokens", "4", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert all("name" in row and "value" in row for row in result["rows"])
+    assert [phase["quiet_as"] for phase in result["phases"]] == ["quiet", "storm"]
+    assert all(phase["quiet_requests"] > 0 and phase["quiet_p95_s"] >= phase["quiet_p50_s"] > 0
+               for phase in result["phases"])
+    assert all(set(phase["storm_statuses"]) <= {"200", "429", "dropped"} for phase in result["phases"])
+    assert result["server_errors_logged"] == 0 and result["rss_end_mib"] > 0
+    assert "quiet as its own principal" in done.stdout and "server RSS" in done.stdout
