@@ -180,6 +180,7 @@ async def phase(port: int, model_id: str, args, quiet_as: str, seed: int) -> dic
         "quiet_requests": len(latencies),
         "quiet_p50_s": statistics.median(ordered) if ordered else None,
         "quiet_p95_s": ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] if ordered else None,
+        "quiet_latencies_s": [round(latency, 4) for latency in latencies],  # in the order they were sent
         "storm_statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
         "quiet_statuses": {str(k): v for k, v in sorted(quiet_statuses.items(), key=str)},
     }

@@ -16,9 +16,10 @@ examples/trio-server.py:
 - Requests on a keep-alive connection are answered one after another, in
   order; pipelined requests simply wait in h11's buffer.
 - Limits are explicit (`Limits`): header size (431), body size (413), number
-  of connections, in all and from one client address (429), and four timeouts: idle keep-alive (close), headers
-  (408 then close), body (408 then close), and a client that stops reading
-  what we write (close: its generation is cancelled like a disconnect).
+  of connections, in all and from one client address (429), and four
+  timeouts: idle keep-alive (close), headers (408 then close), body (408 then
+  close), and a client that stops reading what we write (close: its
+  generation is cancelled like a disconnect).
 - A malformed request gets 400 and the connection is closed: after a framing
   error nothing later on the connection can be trusted. A request line of
   another HTTP version than 1.0 or 1.1 gets 505. An absolute-form target's
