@@ -206,7 +206,7 @@ async def run(n_requests: int) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_chat_model(Path(tmp) / "tiny-chat-q8_0.gguf")
-        config = ServiceConfig(model_paths=[path], models_dir=None, access_log=False)
+        config = ServiceConfig(model_paths=[path], models_dir=None, data_dir=Path(tmp), access_log=False)
         async with Service.open(config, log=lambda line: None) as service:  # (closes the model at the end)
             entry = service.registry.get(MODEL_ID)
             model = await entry.load()
