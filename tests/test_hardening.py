@@ -254,6 +254,38 @@ async def test_one_principals_burst_does_not_starve_anothers_request(nursery, ti
     assert entry.admitted == 0
 
 
+async def test_a_request_whose_client_leaves_gives_up_its_place(server, monkeypatch):
+    """A synchronous request waiting its turn, whose client goes away, is released at once:
+    its place in the queue and in the model's depth is free again, the one generating goes on."""
+    import threading
+
+    entry = server.service.registry.get(TINY_ID)
+    monkeypatch.setattr(entry.model.scheduler, "max_batch", 1)
+    go, step = threading.Event(), entry.model.step
+
+    def held_step(*args, **kwargs):
+        go.wait(20)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(entry.model, "step", held_step)
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2}
+    replies = []
+
+    async def post() -> None:
+        replies.append(await server.responses(body))
+
+    async with trio.open_nursery() as clients:
+        clients.start_soon(post)
+        await _until(lambda: entry.admissions.generating == 1)
+        async with server.connection() as leaving:
+            await leaving.send("POST", "/lmsp/v1/responses", json_body=body)
+            await _until(lambda: entry.admissions.waiting == 1)
+        await _until(lambda: entry.admissions.waiting == 0 and entry.admitted == 1)
+        go.set()
+    assert [reply.status for reply in replies] == [200]
+    assert entry.admitted == 0 and entry.admissions.generating == 0
+
+
 async def _until(condition) -> None:
     with trio.fail_after(20):
         while not condition():
