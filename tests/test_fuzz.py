@@ -272,27 +272,58 @@ _values = st.recursive(_scalars, lambda inner: st.one_of(
     st.dictionaries(st.sampled_from(_FIELDS), inner, max_size=5)), max_leaves=20)
 
 
+_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
+                                            "content": st.one_of(st.just("hi"), _values)}), min_size=1, max_size=3)
+_items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                           "content": st.one_of(st.just("hi"), st.just([{"type": "input_text", "text": "hi"}]), _values)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning", "message",
+                                                    "input_image", LONG]),
+                           "call_id": st.sampled_from(["c1", LONG]), "name": st.just("f"),
+                           "arguments": st.sampled_from(["{}", "[", LONG]), "output": _values})), min_size=1, max_size=3)
+
+
+_ROUTE_FIELDS = {  # the fields each kind of route reads (a value of any kind is drawn for each)
+    "/v1/chat/completions": ["max_tokens", "max_completion_tokens", "stream", "temperature", "n", "seed", "stop"],
+    "/v1/responses": ["max_output_tokens", "stream", "background", "store", "temperature", "instructions"],
+}
+_LMSP_FIELDS = ["max_output_tokens", "stream", "store", "temperature", "extensions", "previous_response_id"]
+
+
 @st.composite
-def _json_bodies(draw) -> bytes:
-    body = draw(st.dictionaries(st.sampled_from(_FIELDS), _values, max_size=6))
-    if draw(st.booleans()):
-        body["model"] = TINY_ID
-    if draw(st.booleans()):
-        body["input"] = draw(st.one_of(st.just("hi"), st.lists(st.fixed_dictionaries(
-            {"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]), "content": _values}), max_size=3)))
-        body.setdefault("messages", body["input"])
+def _json_bodies(draw, path: str) -> bytes:
+    """Mostly a request the route reads (so some generate, some stream), with fields of any
+    kind mixed in; sometimes cut or padded into JSON that is not."""
+    body = {}
+    model = draw(st.sampled_from([TINY_ID, TINY_ID, TINY_ID, "nope", LONG, None]))
+    if model is not None:
+        body["model"] = model
+    valid = [{"role": "user", "content": "hi"}]
+    if path == "/v1/chat/completions":
+        body["messages"] = draw(st.one_of(st.just(valid), _messages))
+    elif path == "/v1/responses":
+        body["input"] = draw(st.one_of(st.just("hi"), st.just(valid), _items))
+    else:
+        body["input"] = draw(st.one_of(st.just(valid), _items))
+    known = _ROUTE_FIELDS.get(path, _LMSP_FIELDS)
+    body.update(draw(st.dictionaries(st.sampled_from(known), st.one_of(
+        st.sampled_from([1, 2, True, False, 0.5, 0]), _scalars), max_size=3)))
+    if draw(st.integers(0, 3)) == 3:  # any fields, known or not, any values
+        body.update(draw(st.dictionaries(st.sampled_from(_FIELDS), _values, max_size=4)))
     text = json.dumps(body)
-    return draw(st.sampled_from([text, text, text[:len(text) // 2], text + "x", "[" * 100 + "]" * 100])).encode()
+    return draw(st.sampled_from([text] * 6 + [text[:len(text) // 2], text + "x", "[" * 100 + "]" * 100])).encode()
 
 
 @FUZZ
 @example(route=("POST", "/lmsp/v1/responses"), body=json.dumps({"model": LONG, "input": "hi"}).encode(),
          content_type="application/json")
 @example(route=("POST", "/v1/chat/completions"), body=json.dumps({LONG: 1}).encode(), content_type="application/json")
-@given(route=st.sampled_from(ROUTES), body=_json_bodies(),
-       content_type=st.sampled_from(["application/json", "application/json", "text/plain", None]))
+@given(route=st.one_of(st.sampled_from([("POST", path) for path in POST_ROUTES]), st.sampled_from(ROUTES)),
+       body=st.data(), content_type=st.sampled_from(["application/json"] * 4 + ["text/plain", None]))
 def test_json_bodies(served, route, body, content_type):
     method, path = route
+    if not isinstance(body, bytes):
+        body = body.draw(_json_bodies(path))
     lines = [f"{method} {path} HTTP/1.1", "Host: localhost", f"Content-Length: {len(body)}", "Connection: close"]
     if content_type is not None:
         lines.append(f"Content-Type: {content_type}")
