@@ -36,10 +36,10 @@ from urllib.parse import unquote
 import trio
 
 from lmsp_min import idempotency, openai_dialect
+from lmsp_min.admission import Admission
 from lmsp_min.events import SSE_KEEPALIVE, Event, ResponseRun, ServiceStopping
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.problems import Problem, clipped, quoted, shutting_down
-from lmsp_min.admission import Admission
 from lmsp_min.validate import (
     ResponsesRequest,
     items_to_messages,
@@ -93,7 +93,8 @@ class Router:
             if method not in route.handlers:
                 methods = set(route.handlers) | ({"HEAD"} if "GET" in route.handlers else set())
                 allow = ", ".join(sorted(methods))
-                raise Problem("method_not_allowed", f"{clipped(method)} is not allowed on this route (allowed: {allow})",
+                raise Problem("method_not_allowed",
+                              f"{clipped(method)} is not allowed on this route (allowed: {allow})",
                               headers=[("Allow", allow)])
             scope, handler = route.handlers[method]
             return handler, scope, {name: unquote(value) for name, value in found.groupdict().items()}

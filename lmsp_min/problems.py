@@ -5,9 +5,10 @@ anywhere in a handler, turned into an `application/problem+json` response by
 the HTTP layer, or embedded as the `error` of a failed response or event.
 `detail` is written for humans and never carries a path, a stack trace or a
 secret: it is always composed here or by the validator, never copied from an
-arbitrary exception. What it quotes of the request (a field name, a model id) is a
-short prefix (`quoted`), so a megabyte sent is never a megabyte echoed. What an unexpected exception was is for the log, where
-`leaf_exceptions` finds it inside trio's exception groups.
+arbitrary exception. What it quotes of the request (a field name, a model id) is
+a short prefix (`quoted`), so a megabyte sent is never a megabyte echoed. What an
+unexpected exception was is for the log, where `leaf_exceptions` finds it inside
+trio's exception groups.
 """
 
 # code -> (HTTP status, title). The closed list of D1's error table.

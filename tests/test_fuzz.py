@@ -206,7 +206,8 @@ _HEADER_VALUES = {
     "Connection": ["close", "keep-alive", "upgrade", "x"],
 }
 _headers = st.one_of(
-    *[st.tuples(st.just(name), st.one_of(st.sampled_from(values), _any_text)) for name, values in _HEADER_VALUES.items()],
+    *[st.tuples(st.just(name), st.one_of(st.sampled_from(values), _any_text))
+      for name, values in _HEADER_VALUES.items()],
     st.tuples(_token, _any_text),
 )
 
