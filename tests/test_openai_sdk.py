@@ -554,3 +554,88 @@ async def test_pydantic_tools_and_formats_through_the_parse_helpers(server):
     (call,) = called.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, GetWeather) and len(call.function.parsed_arguments.city) <= 5
     assert isinstance(streamed.choices[0].message.parsed, GetWeather)
+
+
+# -- what the SDK's own types declare -------------------------------------------------------------
+
+
+def sdk_valid(model_type, data) -> None:
+    """`data` (an object as the server sent it, or an SDK object's to_dict()) validated by
+    the SDK's pydantic type: every field it requires is there, with its type (the SDK
+    itself builds its objects without validating them)."""
+    pydantic.TypeAdapter(model_type).validate_python(data.to_dict() if isinstance(data, pydantic.BaseModel) else data)
+
+
+async def test_response_objects_and_events_are_what_the_sdk_types_declare(server):
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    def work(client):
+        made = client.responses.create(model=TINY_ID, input=ASK, text={"format": {
+            "type": "json_schema", "name": "verdict", "strict": True, "schema": Verdict.model_json_schema()}},
+            temperature=0, max_output_tokens=32, prompt_cache_key="weather", safety_identifier="user-1")
+        cut = client.responses.create(model=TINY_ID, input=ASK, max_output_tokens=3)
+        events = list(client.responses.create(model=TINY_ID, input=ASK, max_output_tokens=3, stream=True))
+        return made, client.responses.retrieve(made.id), cut, events
+
+    made, retrieved, cut, events = await sync_sdk(server, work)
+    for response in (made, retrieved, cut):
+        sdk_valid(Response, response)
+        assert Response.model_validate(response.to_dict()) == response  # (a dump round-trips)
+    for event in events:
+        sdk_valid(ResponseStreamEvent, event)
+    assert made.status == "completed" and made.completed_at >= made.created_at
+    assert retrieved.completed_at == made.completed_at
+    assert cut.status == "incomplete" and cut.completed_at is None
+    assert made.usage.input_tokens_details.cache_write_tokens == 0
+    assert made.prompt_cache_key == "weather" and made.safety_identifier == "user-1"
+
+
+async def test_a_background_response_has_one_completed_at(server):
+    async def work(client):
+        created = await client.responses.create(model=TINY_ID, input=ASK, background=True, temperature=0,
+                                                max_output_tokens=32, text={"format": {"type": "json_object"}})
+        followed = [event async for event in await client.responses.retrieve(created.id, stream=True)]
+        replayed = [event async for event in await client.responses.retrieve(created.id, stream=True)]
+        return followed, replayed, await client.responses.retrieve(created.id)
+
+    followed, replayed, retrieved = await async_sdk(server, work)
+    assert retrieved.status == "completed" and retrieved.completed_at >= retrieved.created_at
+    assert followed[-1].response.completed_at == replayed[-1].response.completed_at == retrieved.completed_at
+    assert [event.to_dict() for event in followed] == [event.to_dict() for event in replayed]
+
+
+async def test_listed_input_items_are_what_the_sdk_types_declare(server):
+    from openai.types.responses.response_item import ResponseItem
+
+    tool = {**WEATHER, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+    def work(client):
+        first = client.responses.create(model=TINY_ID, input="My name is Ada.", max_output_tokens=3)
+        second = client.responses.create(model=TINY_ID, previous_response_id=first.id, tools=[tool],
+                                         tool_choice="none", max_output_tokens=3, input=[
+                                             {"role": "user", "content": ASK},
+                                             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                                              "arguments": '{"city": "Hangzhou"}'},
+                                             {"type": "function_call_output", "call_id": "call_1", "output": "17"}])
+        return list(client.responses.input_items.list(second.id, order="asc"))
+
+    items = await sync_sdk(server, work)
+    assert [item.type for item in items] == ["message", "message", "message", "function_call",
+                                             "function_call_output"]
+    for item in items:
+        sdk_valid(ResponseItem, item)
+    assert items[1].role == "assistant" and items[1].content[0].annotations == []
+    assert {item.status for item in items} == {"completed", "incomplete"}  # (the first reply was cut)
+
+
+async def test_only_a_background_response_is_streamed_again(server):
+    def work(client):
+        stored = client.responses.create(model=TINY_ID, input="Hi", max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.retrieve(stored.id, stream=True)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve("resp_nope", stream=True)
+        return caught.value
+
+    error = await sync_sdk(server, work)
+    assert error.param == "stream" and "background" in error.message

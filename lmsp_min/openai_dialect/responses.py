@@ -16,9 +16,12 @@ whole response (output empty), a final event the final one; an item is announced
 any `response.output_text.delta` (with `item_id`, `output_index`, `content_index`), and
 each is closed by its `.done` event; a call's arguments come as one
 `response.function_call_arguments.delta` then `.done` (LMSP gives a call whole).
-The events depend only on the LMSP events and the echo, so replaying a background
-response's log from its start gives the same events, sequence numbers included.
+The events depend only on the LMSP events, the echo and the moment the response ended
+(a task's `ended_at`, written with its final event), so replaying a background response's
+log from its start gives the same events, sequence numbers included.
 """
+
+from typing import Callable
 
 from lmsp_min.events import add_text, compact_json
 from lmsp_min.openai_dialect.errors import response_error
@@ -28,7 +31,7 @@ ECHO_DEFAULTS = {
     "metadata": {}, "parallel_tool_calls": True, "previous_response_id": None,
     "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": False,
     "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
-    "top_p": 1.0, "truncation": "disabled", "user": None,
+    "top_p": 1.0, "truncation": "disabled", "user": None, "prompt_cache_key": None, "safety_identifier": None,
 }
 
 
@@ -37,7 +40,7 @@ def echo_of(body: dict, *, store: bool, background: bool = False) -> dict:
     a task created through /lmsp/v1 has an LMSP body, read the same way where it can be)."""
     echo = dict(ECHO_DEFAULTS, store=store, background=background)
     for name in ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
-                 "temperature", "tool_choice", "tools", "top_p", "user"):
+                 "temperature", "tool_choice", "tools", "top_p", "user", "prompt_cache_key", "safety_identifier"):
         if body.get(name) is not None:
             echo[name] = body[name]
     if isinstance(body.get("reasoning"), dict):  # (its effort is refused: only its summary can be asked)
@@ -49,10 +52,13 @@ def echo_of(body: dict, *, store: bool, background: bool = False) -> dict:
 
 
 def usage(lmsp: dict | None) -> dict | None:
-    """LMSP usage with OpenAI's details (the engine does not count reasoning tokens apart)."""
+    """LMSP usage with OpenAI's details, each of which the SDK requires. The engine counts
+    neither reasoning tokens apart nor cache writes (its prefix cache keeps whole finished
+    sequences, nothing a client pays to write): both are 0."""
     if lmsp is None:
         return None
-    return {**lmsp, "input_tokens_details": lmsp.get("input_tokens_details", {"cached_tokens": 0}),
+    cached = lmsp.get("input_tokens_details", {}).get("cached_tokens", 0)
+    return {**lmsp, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
@@ -75,10 +81,11 @@ def output_item(item: dict, status: str) -> dict:
     return item
 
 
-def response_object(lmsp: dict, echo: dict) -> dict:
+def response_object(lmsp: dict, echo: dict, ended_at: float | None = None) -> dict:
     """An LMSP response object (6.2) as OpenAI's. Items before the last are complete; the
     last is complete once the response is, and `incomplete` when the response is (LMSP
-    gives out only whole calls: a function_call is always complete)."""
+    gives out only whole calls: a function_call is always complete). `completed_at` is
+    `ended_at` (LMSP has no such field), given only to a completed response, as OpenAI does."""
     status = lmsp["status"]
     last = {"completed": "completed", "incomplete": "incomplete", "failed": "incomplete",
             "cancelled": "incomplete"}.get(status, "in_progress")
@@ -87,6 +94,7 @@ def response_object(lmsp: dict, echo: dict) -> dict:
               for index, item in enumerate(items)]
     return {
         "id": lmsp["id"], "object": "response", "created_at": lmsp["created_at"], "status": status,
+        "completed_at": int(ended_at) if status == "completed" and ended_at is not None else None,
         "background": echo["background"], "error": response_error(lmsp.get("error")),
         "incomplete_details": lmsp.get("incomplete_details"), "instructions": echo["instructions"],
         "max_output_tokens": echo["max_output_tokens"], "max_tool_calls": echo["max_tool_calls"],
@@ -95,21 +103,27 @@ def response_object(lmsp: dict, echo: dict) -> dict:
         "reasoning": echo["reasoning"], "service_tier": echo["service_tier"], "store": echo["store"],
         "temperature": echo["temperature"], "text": echo["text"], "tool_choice": echo["tool_choice"],
         "tools": echo["tools"], "top_p": echo["top_p"], "truncation": echo["truncation"],
-        "usage": usage(lmsp.get("usage")), "user": echo["user"],
+        "usage": usage(lmsp.get("usage")), "user": echo["user"], "prompt_cache_key": echo["prompt_cache_key"],
+        "safety_identifier": echo["safety_identifier"],
     }
 
 
 def input_items(items: list[dict], response_id: str) -> list[dict]:
     """Stored input items as OpenAI lists them: each with an id (its own, or one made from
-    its place, the same every time), a message's content as parts."""
+    its place, the same every time) and a `status`, a message's content as parts (an
+    assistant's text parts with their `annotations`), as the SDK's item types require."""
     listed = []
     for index, item in enumerate(items):
-        item = {"id": f"item_{response_id.removeprefix('resp_')}_{index}", **item}
+        item = {"id": f"item_{response_id.removeprefix('resp_')}_{index}", "status": "completed", **item}
         if item.get("type", "message") == "message":
             content = item["content"]
-            kind = "output_text" if item["role"] == "assistant" else "input_text"
-            item = {**item, "type": "message", "status": item.get("status", "completed"),
-                    "content": [{"type": kind, "text": content}] if isinstance(content, str) else content}
+            if item["role"] == "assistant":
+                parts = [{"type": "output_text", "text": content}] if isinstance(content, str) else content
+                content = [{"annotations": [], **part} if part.get("type") == "output_text" else part
+                           for part in parts]
+            elif isinstance(content, str):
+                content = [{"type": "input_text", "text": content}]
+            item = {**item, "type": "message", "content": content}
         listed.append(item)
     return listed
 
@@ -126,8 +140,10 @@ def sse(event: dict) -> bytes:
 class ResponseEvents:
     """The OpenAI events of one response, from its LMSP events (`translate`, in order)."""
 
-    def __init__(self, response_id: str, created_at: int, model: str, echo: dict):
+    def __init__(self, response_id: str, created_at: int, model: str, echo: dict, ended_at: Callable[[], float]):
         self.echo = echo
+        self._ended_at = ended_at  # when the response ended, read at its final event
+        self.completed_at: float | None = None
         # the LMSP response object as the events so far describe it
         self.lmsp = {"id": response_id, "object": "response", "created_at": created_at, "status": "in_progress",
                      "model": model, "output": [], "usage": None, "error": None, "incomplete_details": None}
@@ -136,7 +152,7 @@ class ResponseEvents:
         self._next = 0
 
     def response(self) -> dict:
-        return response_object(self.lmsp, self.echo)
+        return response_object(self.lmsp, self.echo, self.completed_at)
 
     def _event(self, kind: str, **data) -> dict:
         event = {"type": kind, "sequence_number": self._next, **data}
@@ -218,6 +234,7 @@ class ResponseEvents:
 
     def _final(self, kind: str, data: dict) -> list[dict]:
         self.lmsp["status"] = data["status"]
+        self.completed_at = self._ended_at()
         for name in ("usage", "error", "incomplete_details"):
             if name in data:
                 self.lmsp[name] = data[name]

@@ -27,6 +27,7 @@ by a task is an LMSP object, turned into OpenAI's when it is read here.
 import functools
 import json
 import re
+import time
 import traceback
 from contextlib import aclosing
 from typing import AsyncIterator, Callable
@@ -34,7 +35,7 @@ from typing import AsyncIterator, Callable
 import trio
 
 from lmsp_min.app import PreparedResponse, Router, prepare_generation, read_json_body
-from lmsp_min.events import SSE_KEEPALIVE, compact_json
+from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, compact_json
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.openai_dialect import chat, requests, responses
 from lmsp_min.problems import Problem, quoted
@@ -192,20 +193,35 @@ async def create_response(request: Request, service):
         return await _create_background(call, body, request, service)
     generation = await _prepare_response(call, request.principal, service)
     echo = responses.echo_of(body, store=generation.request.store)
+    ended_at = _read_once(time.time)  # the same moment in the stored body, the reply and the final event
 
     def stored_body() -> dict:
-        return responses.response_object(generation.run.response_object(), echo)
+        lmsp = generation.run.response_object()
+        return responses.response_object(lmsp, echo, ended_at() if lmsp["status"] == "completed" else None)
 
     if call.stream:
-        return _event_stream(_responses_sse(generation, call, echo, request, service, stored_body), service)
+        return _event_stream(_responses_sse(generation, call, echo, ended_at, request, service, stored_body),
+                             service)
     await _generate(generation, call, request, service, stored_body)
     return json_response(stored_body())
 
 
-async def _responses_sse(generation: PreparedResponse, call: requests.Translated, echo: dict, request: Request,
-                         service, stored_body: Callable[[], dict]) -> AsyncIterator[bytes]:
+def _read_once(clock: Callable[[], float]) -> Callable[[], float]:
+    """`clock`, read the first time only."""
+    moment: list[float] = []
+
+    def read() -> float:
+        if not moment:
+            moment.append(clock())
+        return moment[0]
+    return read
+
+
+async def _responses_sse(generation: PreparedResponse, call: requests.Translated, echo: dict,
+                         ended_at: Callable[[], float], request: Request, service,
+                         stored_body: Callable[[], dict]) -> AsyncIterator[bytes]:
     run = generation.run
-    adapter = responses.ResponseEvents(run.id, run.created_at, run.model_id, echo)
+    adapter = responses.ResponseEvents(run.id, run.created_at, run.model_id, echo, ended_at)
     async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=True)) as events:
         async for name, data in events:
             yield b"".join(responses.sse(event) for event in adapter.translate(name, data))
@@ -249,7 +265,7 @@ async def _task_response(row: TaskRow, service) -> dict:
         lmsp = {"id": row.response_id, "object": "response", "created_at": row.created_at, "status": row.status,
                 "model": row.model, "output": output_from_events(events), "usage": None, "error": None,
                 "incomplete_details": None}
-    return responses.response_object(lmsp, _task_echo(row, service))
+    return responses.response_object(lmsp, _task_echo(row, service), row.ended_at)
 
 
 async def _task_of(response_id: str, principal: str, service) -> TaskRow | None:
@@ -266,15 +282,21 @@ async def _task_stream(row: TaskRow, principal: str, service, after: int) -> Str
     """A background response's events from the start, as OpenAI events, those numbered
     after `after` sent (the SDK's resume filters on sequence_number too)."""
     chunks = await service.tasks.events(row.id, principal, 0)  # (410 once its events expired)
-    adapter = responses.ResponseEvents(row.response_id, row.created_at, row.model, _task_echo(row, service))
+    adapter = responses.ResponseEvents(row.response_id, row.created_at, row.model, _task_echo(row, service),
+                                       lambda: row.ended_at)
 
     async def body() -> AsyncIterator[bytes]:
+        nonlocal row
         async with aclosing(chunks):
             async for chunk in chunks:
                 if chunk == SSE_KEEPALIVE:
                     yield chunk
                     continue
-                events = [event for name, data in _logged_events(chunk) for event in adapter.translate(name, data)
+                logged = list(_logged_events(chunk))
+                if row.ended_at is None and any(name in FINAL_EVENTS for name, _ in logged):
+                    # (its final event and ended_at are written in one transaction: the row has it now)
+                    row = await service.store.get_task(row.id, principal) or row
+                events = [event for name, data in logged for event in adapter.translate(name, data)
                           if event["sequence_number"] > after]
                 if events:
                     yield b"".join(responses.sse(event) for event in events)
@@ -299,6 +321,9 @@ async def get_response(request: Request, service):
         service.auth.authenticate(request.headers.get("authorization"), "tasks:read", request.headers.get("host"))
         row = await _task_of(response_id, request.principal, service)
         if row is None:
+            if service.stores_responses and await service.store.get_response(response_id, request.principal):
+                raise invalid("stream", "only a background response can be streamed again: this one "
+                              "was not created with 'background': true")
             raise _not_found(response_id)
         after = request.query.get("starting_after", "-1")
         if after != "-1" and not _SEQUENCE.fullmatch(after):
@@ -315,7 +340,7 @@ async def _retrieve(response_id: str, principal: str, service) -> dict:
         if responses.is_openai_object(body):
             return body
         echo = _task_echo(row, service) if row is not None else responses.echo_of({}, store=True)
-        return responses.response_object(body, echo)
+        return responses.response_object(body, echo, row.ended_at if row is not None else None)
     if row is None or _stored_and_deleted(row, service):
         raise _not_found(response_id)
     return await _task_response(row, service)
