@@ -57,6 +57,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     tools: list[dict] | None = None         # [{"name", "description", "parameters"}]
     tool_choice: str | dict = "auto"        # "auto" | "none" | "required" | {"name": str}
+    parallel_tool_calls: bool = True        # False: one call at most
     json_schema: dict | None = None         # structured output
 
 

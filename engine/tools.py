@@ -19,8 +19,9 @@ One call format is used for every model, the Hermes / Qwen 2.5 one::
 
 While decoding, `tool_call_grammar` makes the calls valid: after `<tool_call>` the model can
 only write `{"name": <a listed tool>, "arguments": <JSON valid for its parameters>}` and the
-closing tag; several calls may follow each other (up to MAX_CALLS), and nothing but calls
-after the first one. `tool_choice`:
+closing tag; several calls may follow each other (up to MAX_CALLS; one only when the
+request says `parallel_tool_calls: false`), and nothing but calls after the first one.
+`tool_choice`:
 
 - "required": constrained from the first token, one call or more;
 - {"name": N}: constrained from the first token, exactly one call, of N;
@@ -143,19 +144,20 @@ def _call_object(tools: list[dict], chosen: list[dict]):
     return AnyOf([calls[tool["name"]] for tool in chosen])
 
 
-def tool_call_grammar(tools: list[dict], tool_choice):
-    """The grammar of a whole response under `tool_choice` (see the module docstring)."""
+def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool = True):
+    """The grammar of a whole response under `tool_choice` (see the module docstring);
+    not `parallel`: one call at most."""
     chosen = check_tools(tools, tool_choice)
     newline = Literal([b"", b"\n"])
     body = [newline, _call_object(tools, chosen), newline, Literal([CLOSER.encode()])]
     one = Seq([Literal([OPENER.encode()]), *body])
-    more = Repeat(Seq([newline, one]), 0, MAX_CALLS - 1)
+    more = [Repeat(Seq([newline, one]), 0, MAX_CALLS - 1)] if parallel else []
     if tool_choice == "none":
         return FreeText(OPENER.encode(), None)
     if tool_choice == "auto":
-        return FreeText(OPENER.encode(), Seq([*body, more]))
+        return FreeText(OPENER.encode(), Seq([*body, *more]))
     if tool_choice == "required":
-        return Seq([one, more])
+        return Seq([one, *more])
     return one  # a named function: called once
 
 
@@ -181,7 +183,8 @@ def plan_output(model, request, literal=lambda tools: tools) -> OutputPlan:
     if schema is not None:
         constraint = json_constraint(schema, index)
     else:
-        constraint = tool_constraint(tools, request.tool_choice, index) if tools else None
+        constraint = (tool_constraint(tools, request.tool_choice, index, request.parallel_tool_calls)
+                      if tools else None)
     shown = literal(tools) if tools and request.tool_choice != "none" else None
     if uses_native_format(model.chat_template):
         return OutputPlan(request.messages, shown, constraint, bool(tools))
@@ -189,10 +192,10 @@ def plan_output(model, request, literal=lambda tools: tools) -> OutputPlan:
     return OutputPlan(render_generic(request.messages, shown), None, constraint, bool(tools))
 
 
-def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex) -> GrammarConstraint:
-    """The constraint for a response with tools (grammars cached per tools + choice)."""
-    key = ("tools", schema_key([tools, tool_choice]))
-    return GrammarConstraint(index.grammar(key, lambda: tool_call_grammar(tools, tool_choice)))
+def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex, parallel: bool = True) -> GrammarConstraint:
+    """The constraint for a response with tools (grammars cached per tools + choice + parallel)."""
+    key = ("tools", schema_key([tools, tool_choice, parallel]))
+    return GrammarConstraint(index.grammar(key, lambda: tool_call_grammar(tools, tool_choice, parallel)))
 
 
 @dataclass(frozen=True)

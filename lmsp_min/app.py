@@ -372,6 +372,7 @@ def _chat_request(request: ResponsesRequest, messages: list[dict]):
         stop=request.stop,
         tools=tools or None,
         tool_choice=request.tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
         json_schema=request.json_schema,
     )
 

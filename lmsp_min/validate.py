@@ -74,6 +74,7 @@ class ResponsesRequest:
     min_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    parallel_tool_calls: bool = True  # extensions.lmsp-min.parallel_tool_calls: false, one call at most
 
 
 def invalid(param: str, detail: str) -> Problem:
@@ -407,6 +408,10 @@ def _extensions(extensions: dict, request: ResponsesRequest) -> None:
             if len(sequence) > MAX_STOP_LENGTH:  # each generated token is checked against every prefix
                 raise invalid(f"{prefix}.stop[{index}]", f"a stop sequence is at most {MAX_STOP_LENGTH} characters")
         request.stop = tuple(stop)
+    if ours.get("parallel_tool_calls") is not None:
+        if not isinstance(ours["parallel_tool_calls"], bool):
+            raise invalid(f"{prefix}.parallel_tool_calls", f"'{prefix}.parallel_tool_calls' must be a boolean")
+        request.parallel_tool_calls = ours["parallel_tool_calls"]
 
 
 # -- input items -> chat messages -------------------------------------------------

@@ -639,3 +639,27 @@ async def test_only_a_background_response_is_streamed_again(server):
 
     error = await sync_sdk(server, work)
     assert error.param == "stream" and "background" in error.message
+
+
+async def test_parallel_tool_calls_false_is_at_most_one_call(server):
+    """As Codex-style agents send it, with 'auto' or 'required': honoured, never a 400."""
+    tool = {"type": "function", "function": {key: WEATHER[key] for key in ("name", "description", "parameters")}}
+
+    def work(client):
+        responses = [client.responses.create(model=TINY_ID, input=ASK, tools=[WEATHER], tool_choice=choice,
+                                             parallel_tool_calls=False, temperature=0, max_output_tokens=64)
+                     for choice in ("auto", "required")]
+        chats = [client.chat.completions.create(model=TINY_ID, messages=[{"role": "user", "content": ASK}],
+                                                tools=[tool], tool_choice=choice, parallel_tool_calls=False,
+                                                temperature=0, max_tokens=64)
+                 for choice in ("auto", "required")]
+        return responses, chats
+
+    responses, chats = await sync_sdk(server, work)
+    for response in responses:
+        assert response.parallel_tool_calls is False
+        assert len([item for item in response.output if item.type == "function_call"]) <= 1
+    assert [item.type for item in responses[1].output] == ["function_call"]
+    for completion in chats:
+        assert len(completion.choices[0].message.tool_calls or []) <= 1
+    assert len(chats[1].choices[0].message.tool_calls) == 1

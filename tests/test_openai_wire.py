@@ -228,7 +228,7 @@ async def test_unknown_and_unhonoured_parameters_name_themselves(server):
         ({"model": TINY_ID, "input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"model": TINY_ID, "input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"model": TINY_ID, "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"model": TINY_ID, "input": "hi", "parallel_tool_calls": False,
+        ({"model": TINY_ID, "input": "hi", "parallel_tool_calls": "no",
           "tools": [{"type": "function", "name": "f"}]}, "parallel_tool_calls"),
         ({"model": TINY_ID, "input": "hi" * 2000}, "input"),
         ({"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 10_000},

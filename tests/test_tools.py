@@ -94,6 +94,17 @@ def test_none_never_completes_the_opener(smollm2):
     assert mask[tok.encode(" no", add_special=False)[0]]
 
 
+def test_without_parallel_calls_one_call_ends_the_response(smollm2):
+    """parallel_tool_calls false: after one call only the end may come, not another call."""
+    tok, index = smollm2
+    for choice in ("auto", "required"):
+        c = tool_constraint(TOOLS, choice, index, parallel=False)
+        for t in tok.encode('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', add_special=False):
+            c.advance(t)
+        assert c.complete() and not c.allows(tok.encode("\n", add_special=False)[0]), choice
+        assert not c.allows(tok.encode("<tool_call>", add_special=False)[0]), choice
+
+
 def test_calls_end_the_response(smollm2):
     """After a call only another call or the end may come, never free text."""
     tok, index = smollm2
@@ -226,7 +237,8 @@ def test_output_plan(smollm2):
     native = SimpleNamespace(tokenizer=tok, chat_template=ChatTemplate(None, vocab=("<|im_start|>", "<|im_end|>")))
 
     def request(**kw):
-        return SimpleNamespace(**{"messages": HISTORY, "tools": None, "tool_choice": "auto", "json_schema": None, **kw})
+        return SimpleNamespace(**{"messages": HISTORY, "tools": None, "tool_choice": "auto",
+                                  "parallel_tool_calls": True, "json_schema": None, **kw})
 
     plan = plan_output(smol, request(tools=TOOLS))
     assert plan.tool_calls and plan.template_tools is None and plan.messages == render_generic(HISTORY, TOOLS)

@@ -122,13 +122,11 @@ def _bool_or_none(body: dict, name: str) -> None:
         raise invalid(name, f"'{name}' must be a boolean")
 
 
-def _parallel_tool_calls(body: dict, tool_choice) -> None:
-    """false is honoured when at most one call can be made (no tools, `none`, a named function):
-    otherwise the model may call up to four functions in one response (engine/tools.py)."""
+def _parallel_tool_calls(body: dict, lmsp: dict) -> None:
+    """false (agents such as Codex send it) is LMSP's extension: at most one call is made."""
     _bool_or_none(body, "parallel_tool_calls")
-    if body.get("parallel_tool_calls") is False and body.get("tools") and tool_choice in ("auto", "required", None):
-        raise _cannot("parallel_tool_calls", "with 'auto' or 'required' the model may make several calls "
-                      "in one response; name one function in 'tool_choice' for exactly one call")
+    if body.get("parallel_tool_calls") is False:
+        lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})["parallel_tool_calls"] = False
 
 
 def _schema_format(spec: dict, param: str) -> dict | None:
@@ -186,10 +184,10 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
     for name in ("stream", "background", "store"):
         _bool_or_none(body, name)
     _metadata(body.get("metadata"))
-    _parallel_tool_calls(body, body.get("tool_choice"))
 
     lmsp = {name: body[name] for name in ("model", "max_output_tokens", "tools", "tool_choice") if name in body}
     _sampling(body, lmsp)
+    _parallel_tool_calls(body, lmsp)
     if text is not None and text.get("format") is not None:
         fmt = _schema_format(text["format"], "text.format")
         if fmt is not None and fmt["type"] == "json_schema" and "json_schema" not in fmt:
@@ -203,7 +201,8 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
                             instructions=body.get("instructions"),
                             previous_response_id=body.get("previous_response_id"),
                             renames={"response_format.json_schema": "text.format", "response_format": "text.format",
-                                     _EXTENSION + "top_p": "top_p"})
+                                     _EXTENSION + "top_p": "top_p",
+                                     _EXTENSION + "parallel_tool_calls": "parallel_tool_calls"})
     if "input" not in body:
         raise invalid("input", "'input' is required")
     if isinstance(body["input"], str):
@@ -296,13 +295,14 @@ def chat_request(body: dict) -> Translated:
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
     tool_choice = body.get("tool_choice")
-    _parallel_tool_calls(body, tool_choice if not isinstance(tool_choice, dict) else "named")
 
     lmsp = {"store": False, "stream": bool(body.get("stream"))}
-    renames = {_EXTENSION + "top_p": "top_p", _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop"}
+    renames = {_EXTENSION + "top_p": "top_p", _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop",
+               _EXTENSION + "parallel_tool_calls": "parallel_tool_calls"}
     if "model" in body:
         lmsp["model"] = body["model"]
     _sampling(body, lmsp)
+    _parallel_tool_calls(body, lmsp)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(limit) is not None:
         lmsp["max_output_tokens"] = body[limit]
