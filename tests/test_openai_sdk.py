@@ -663,3 +663,25 @@ async def test_parallel_tool_calls_false_is_at_most_one_call(server):
     for completion in chats:
         assert len(completion.choices[0].message.tool_calls or []) <= 1
     assert len(chats[1].choices[0].message.tool_calls) == 1
+
+
+async def test_a_failed_response_is_what_the_sdk_types_declare(server):
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    defs = {"L0": {"type": "integer"}}  # (a schema whose bound only the output reaches: test_server_tools)
+    for k in range(1, 11):
+        one = {"type": "array", "items": {"$ref": f"#/$defs/L{k - 1}"}, "minItems": 1, "maxItems": 1}
+        defs[f"L{k}"] = {"anyOf": [one, {**one, "maxItems": 2}]}
+    nested = {"type": "json_schema", "name": "nested", "schema": {"$ref": "#/$defs/L10", "$defs": defs}}
+
+    def work(client):
+        events = list(client.responses.create(model=TINY_ID, input=ASK, max_output_tokens=32, stream=True,
+                                              text={"format": nested}))
+        return events, client.responses.retrieve(events[0].response.id)
+
+    events, retrieved = await sync_sdk(server, work)
+    for event in events:
+        sdk_valid(ResponseStreamEvent, event)
+    sdk_valid(Response, retrieved)
+    assert events[-1].type == "response.failed" and retrieved.status == "failed"
+    assert retrieved.error.code == "invalid_prompt" and "256" in retrieved.error.message

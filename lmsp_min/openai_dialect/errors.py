@@ -40,10 +40,14 @@ def error_object(problem: Problem) -> dict:
 
 
 def response_error(error: dict | None) -> dict | None:
-    """A failed response's `error` (a problem document, 9.3) as OpenAI's response error."""
+    """A failed response's `error` (a problem document, 9.3) as OpenAI's response error,
+    whose `code` is one of a fixed few (the SDK's ResponseError): by the problem's status;
+    its detail is the message."""
     if error is None:
         return None
-    return {"code": _CODES.get(error.get("code"), error.get("code")), "message": error.get("detail", "")}
+    status = error.get("status", 500)
+    code = "rate_limit_exceeded" if status == 429 else "invalid_prompt" if status < 500 else "server_error"
+    return {"code": code, "message": error.get("detail", "")}
 
 
 def error_response(problem: Problem) -> Response:
