@@ -685,3 +685,18 @@ async def test_a_failed_response_is_what_the_sdk_types_declare(server):
     sdk_valid(Response, retrieved)
     assert events[-1].type == "response.failed" and retrieved.status == "failed"
     assert retrieved.error.code == "invalid_prompt" and "256" in retrieved.error.message
+
+
+async def test_top_p_0_is_the_most_likely_token(server):
+    """OpenAI's top_p is in [0, 1] (LMSP's in (0, 1]): 0 keeps the most likely token alone."""
+    def work(client):
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        greedy = client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=8, temperature=0)
+        nucleus = client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=8, temperature=1.5,
+                                                 top_p=0, seed=3)
+        response = client.responses.create(model=TINY_ID, input="Tell me a story.", max_output_tokens=8, top_p=0)
+        return greedy, nucleus, response
+
+    greedy, nucleus, response = await sync_sdk(server, work)
+    assert nucleus.choices[0].message.content == greedy.choices[0].message.content
+    assert response.top_p == 0 and response.output_text == greedy.choices[0].message.content

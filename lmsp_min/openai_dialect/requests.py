@@ -94,11 +94,17 @@ class Translated:
 
 
 def _sampling(body: dict, lmsp: dict) -> None:
-    """temperature and top_p: LMSP validation checks their ranges."""
+    """temperature and top_p: LMSP validation checks their ranges. OpenAI's top_p may be 0,
+    LMSP's may not: the smallest nucleus is the most likely token alone, top_k 1."""
     if body.get("temperature") is not None:
         lmsp["temperature"] = body["temperature"]
-    if body.get("top_p") is not None:
-        lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})["top_p"] = body["top_p"]
+    top_p = body.get("top_p")
+    if top_p is not None:
+        ours = lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})
+        if top_p == 0 and not isinstance(top_p, bool):
+            ours["top_k"] = 1
+        else:
+            ours["top_p"] = top_p
 
 
 def _metadata(value) -> None:
