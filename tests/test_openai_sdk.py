@@ -687,16 +687,25 @@ async def test_a_failed_response_is_what_the_sdk_types_declare(server):
     assert retrieved.error.code == "invalid_prompt" and "256" in retrieved.error.message
 
 
-async def test_top_p_0_is_the_most_likely_token(server):
-    """OpenAI's top_p is in [0, 1] (LMSP's in (0, 1]): 0 keeps the most likely token alone."""
+async def test_top_p_0_and_top_k_and_min_p_are_honoured(server):
+    """OpenAI's top_p is in [0, 1] (LMSP's in (0, 1]): 0 keeps the most likely token alone;
+    top_k and min_p, as llama-server's and vLLM's users send them (extra_body), are LMSP's."""
     def work(client):
         messages = [{"role": "user", "content": "Tell me a story."}]
         greedy = client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=8, temperature=0)
         nucleus = client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=8, temperature=1.5,
                                                  top_p=0, seed=3)
+        top_k = client.chat.completions.create(model=TINY_ID, messages=messages, max_tokens=8, temperature=1.5,
+                                               seed=3, extra_body={"top_k": 1, "min_p": 0.05})
         response = client.responses.create(model=TINY_ID, input="Tell me a story.", max_output_tokens=8, top_p=0)
-        return greedy, nucleus, response
+        responses_top_k = client.responses.create(model=TINY_ID, input="Tell me a story.", max_output_tokens=8,
+                                                  extra_body={"top_k": 1})
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=TINY_ID, messages=messages, extra_body={"min_p": 2})
+        return greedy, nucleus, top_k, response, responses_top_k, caught.value
 
-    greedy, nucleus, response = await sync_sdk(server, work)
-    assert nucleus.choices[0].message.content == greedy.choices[0].message.content
-    assert response.top_p == 0 and response.output_text == greedy.choices[0].message.content
+    greedy, nucleus, top_k, response, responses_top_k, error = await sync_sdk(server, work)
+    text = greedy.choices[0].message.content
+    assert nucleus.choices[0].message.content == text and top_k.choices[0].message.content == text
+    assert response.top_p == 0 and response.output_text == text and responses_top_k.output_text == text
+    assert error.param == "min_p" and "'min_p'" in error.message

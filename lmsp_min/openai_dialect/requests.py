@@ -10,8 +10,9 @@ What this module checks itself is what LMSP has no field for: the OpenAI paramet
 accept, and those we cannot honour. A parameter that would change the output and that
 we cannot honour (`n` > 1, `logprobs`, penalties, image or audio parts...) is a 400
 naming it, never silently ignored; parameters that change nothing we produce (`user`,
-`metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`) are accepted. An
-unknown parameter is a 400, as OpenAI's API answers it.
+`metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`) are accepted, and so
+are `top_k` and `min_p`, which llama-server's and vLLM's users send. Any other unknown
+parameter is a 400, as OpenAI's API answers it.
 """
 
 import re
@@ -93,11 +94,20 @@ class Translated:
 # -- shared readers ---------------------------------------------------------------
 
 
+# LMSP extensions that both dialects name as top-level parameters
+EXTENSION_RENAMES = {_EXTENSION + name: name for name in ("top_p", "top_k", "min_p", "parallel_tool_calls")}
+
+
 def _sampling(body: dict, lmsp: dict) -> None:
-    """temperature and top_p: LMSP validation checks their ranges. OpenAI's top_p may be 0,
-    LMSP's may not: the smallest nucleus is the most likely token alone, top_k 1."""
+    """temperature, top_p and the `top_k` / `min_p` that llama-server's and vLLM's users send
+    (in the SDK's extra_body; LMSP's extensions): LMSP validation checks their ranges.
+    OpenAI's top_p may be 0, LMSP's may not: the smallest nucleus is the most likely token
+    alone, top_k 1."""
     if body.get("temperature") is not None:
         lmsp["temperature"] = body["temperature"]
+    for name in ("top_k", "min_p"):
+        if body.get(name) is not None:
+            lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})[name] = body[name]
     top_p = body.get("top_p")
     if top_p is not None:
         ours = lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})
@@ -155,7 +165,7 @@ RESPONSES_FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "parallel_tool_calls", "text", "store", "previous_response_id", "metadata", "user", "stream",
     "stream_options", "background", "include", "reasoning", "truncation", "service_tier", "prompt_cache_key",
-    "safety_identifier", "top_logprobs", "max_tool_calls",
+    "safety_identifier", "top_logprobs", "max_tool_calls", "top_k", "min_p",
 }
 
 
@@ -207,8 +217,7 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
                             instructions=body.get("instructions"),
                             previous_response_id=body.get("previous_response_id"),
                             renames={"response_format.json_schema": "text.format", "response_format": "text.format",
-                                     _EXTENSION + "top_p": "top_p",
-                                     _EXTENSION + "parallel_tool_calls": "parallel_tool_calls"})
+                                     **EXTENSION_RENAMES})
     if "input" not in body:
         raise invalid("input", "'input' is required")
     if isinstance(body["input"], str):
@@ -264,7 +273,7 @@ CHAT_FIELDS = {
     "stream_options", "stop", "seed", "tools", "tool_choice", "parallel_tool_calls", "response_format", "user",
     "metadata", "store", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
     "service_tier", "modalities", "reasoning_effort", "prediction", "audio", "web_search_options",
-    "safety_identifier", "prompt_cache_key", "functions", "function_call", "verbosity",
+    "safety_identifier", "prompt_cache_key", "functions", "function_call", "verbosity", "top_k", "min_p",
 }
 # name -> (what it may be and still be honoured, why not otherwise)
 _CHAT_HONOURED_ONLY_AS = {
@@ -303,8 +312,7 @@ def chat_request(body: dict) -> Translated:
     tool_choice = body.get("tool_choice")
 
     lmsp = {"store": False, "stream": bool(body.get("stream"))}
-    renames = {_EXTENSION + "top_p": "top_p", _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop",
-               _EXTENSION + "parallel_tool_calls": "parallel_tool_calls"}
+    renames = {**EXTENSION_RENAMES, _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop"}
     if "model" in body:
         lmsp["model"] = body["model"]
     _sampling(body, lmsp)
