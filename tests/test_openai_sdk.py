@@ -709,3 +709,18 @@ async def test_top_p_0_and_top_k_and_min_p_are_honoured(server):
     assert nucleus.choices[0].message.content == text and top_k.choices[0].message.content == text
     assert response.top_p == 0 and response.output_text == text and responses_top_k.output_text == text
     assert error.param == "min_p" and "'min_p'" in error.message
+
+
+async def test_input_tokens_are_counted_as_a_response_would_count_them(server):
+    def work(client):
+        first = client.responses.create(model=TINY_ID, input="My name is Ada.", max_output_tokens=3,
+                                        instructions="Be brief.")
+        asked = {"model": TINY_ID, "input": ASK, "previous_response_id": first.id, "tools": [WEATHER]}
+        counted = client.responses.input_tokens.count(**asked)
+        made = client.responses.create(**asked, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.input_tokens.count(model="nope", input=ASK)
+        return counted, made
+
+    counted, made = await sync_sdk(server, work)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == made.usage.input_tokens

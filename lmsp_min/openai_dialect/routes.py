@@ -12,6 +12,7 @@
                                                               background one (also needs tasks:write)
     GET    /v1/responses/{id}/input_items    responses:read   the input a stored response was made from
     POST   /v1/responses/{id}/cancel         tasks:write      stop a background response
+    POST   /v1/responses/input_tokens        responses:write  the input tokens a request would have
     POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`
 
 Every request is translated (requests.py) into the LMSP request it asks for and
@@ -51,6 +52,7 @@ def add_routes(router: Router) -> None:
         ("GET", "/v1/models", "models:read", list_models),
         ("GET", "/v1/models/{model_id}", "models:read", get_model),
         ("POST", RESPONSES, "responses:write", create_response),
+        ("POST", RESPONSES + "/input_tokens", "responses:write", count_input_tokens),  # (before {response_id})
         ("GET", RESPONSES + "/{response_id}", "responses:read", get_response),
         ("DELETE", RESPONSES + "/{response_id}", "responses:read", delete_response),
         ("GET", RESPONSES + "/{response_id}/input_items", "responses:read", list_input_items),
@@ -215,6 +217,18 @@ def _read_once(clock: Callable[[], float]) -> Callable[[], float]:
             moment.append(clock())
         return moment[0]
     return read
+
+
+async def count_input_tokens(request: Request, service) -> Response:
+    """What a Responses request's input comes to in tokens (its instructions, the conversation
+    previous_response_id names, the tools as its model's prompt shows them): it is prepared
+    as `create_response` prepares it, then not generated."""
+    body = await read_json_body(request)
+    generation = await _prepare_response(requests.responses_request(body, service.stores_responses),
+                                         request.principal, service)
+    generation.release()
+    counted = generation.prepared.counts.input_tokens
+    return json_response({"object": "response.input_tokens", "input_tokens": counted})
 
 
 async def _responses_sse(generation: PreparedResponse, call: requests.Translated, echo: dict,
