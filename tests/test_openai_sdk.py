@@ -590,7 +590,10 @@ async def test_response_objects_and_events_are_what_the_sdk_types_declare(server
     assert made.prompt_cache_key == "weather" and made.safety_identifier == "user-1"
 
 
-async def test_a_background_response_has_one_completed_at(server):
+async def test_a_background_response_has_one_completed_at(server, monkeypatch):
+    """Followed while it runs, then replayed: the moment it ended is the task's, the same."""
+    paced(server.service.registry.get(TINY_ID).model, monkeypatch, 0.01)
+
     async def work(client):
         created = await client.responses.create(model=TINY_ID, input=ASK, background=True, temperature=0,
                                                 max_output_tokens=32, text={"format": {"type": "json_object"}})
