@@ -337,11 +337,14 @@ async def test_a_background_response_is_cancelled(server, monkeypatch):
         async for event in stream:
             if event.type == "response.output_text.delta":
                 break
+        with pytest.raises(openai.ConflictError) as running:
+            await client.responses.delete(created.id)
         cancelled = await client.responses.cancel(created.id)
         rest = [event async for event in stream]
-        return cancelled, rest, await client.responses.retrieve(created.id)
+        return cancelled, rest, await client.responses.retrieve(created.id), running.value
 
-    cancelled, rest, retrieved = await async_sdk(server, work)
+    cancelled, rest, retrieved, running = await async_sdk(server, work)
+    assert cancelled.id in running.message and "task_" not in running.message  # (the id the client knows)
     assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 400
     # (the SDK names no class for response.cancelled: its response stays a dict)
     assert rest[-1].type == "response.cancelled" and rest[-1].response["status"] == "cancelled"

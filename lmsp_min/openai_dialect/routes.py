@@ -375,7 +375,13 @@ async def delete_response(request: Request, service) -> Response:
         raise _not_found(response_id)  # (as GET finds it)
     if row is not None:
         service.auth.authenticate(request.headers.get("authorization"), "tasks:write", request.headers.get("host"))
-        await service.tasks.delete(row.id, request.principal)
+        try:
+            await service.tasks.delete(row.id, request.principal)
+        except Problem as problem:  # (409 while it runs: named by the id the client knows)
+            if problem.code != "task_running":
+                raise
+            raise Problem("task_running", f"response '{response_id[:80]}' is {row.status}: cancel it before "
+                          "deleting it") from None
     if stored is not None:
         await service.store.delete_response(stored.id, request.principal)
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
