@@ -730,3 +730,20 @@ async def test_input_tokens_are_counted_as_a_response_would_count_them(server):
 
     counted, made = await sync_sdk(server, work)
     assert counted.object == "response.input_tokens" and counted.input_tokens == made.usage.input_tokens
+
+
+async def test_expired_events_are_named_by_the_response(nursery, tiny_path, tmp_path):
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data",
+                                                            event_retention=0))
+
+    async def work(client):
+        created = await client.responses.create(model=TINY_ID, input="Hi", max_output_tokens=2, background=True)
+        while (await client.responses.retrieve(created.id)).status in ("queued", "in_progress"):
+            await asyncio.sleep(0.02)
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.responses.retrieve(created.id, stream=True)
+        return created, caught.value
+
+    created, error = await async_sdk(server, work)
+    assert error.status_code == 410 and error.code == "event_history_expired"
+    assert created.id in error.message and "task_" not in error.message

@@ -295,7 +295,13 @@ def _not_found(response_id: str) -> Problem:
 async def _task_stream(row: TaskRow, principal: str, service, after: int) -> StreamingResponse:
     """A background response's events from the start, as OpenAI events, those numbered
     after `after` sent (the SDK's resume filters on sequence_number too)."""
-    chunks = await service.tasks.events(row.id, principal, 0)  # (410 once its events expired)
+    try:
+        chunks = await service.tasks.events(row.id, principal, 0)
+    except Problem as problem:  # (410 once its events expired: named by the id the client knows)
+        if problem.code != "event_history_expired":
+            raise
+        raise Problem("event_history_expired", f"the events of response '{row.response_id}' are no longer "
+                      "kept; retrieve it without 'stream' for its result") from None
     adapter = responses.ResponseEvents(row.response_id, row.created_at, row.model, _task_echo(row, service),
                                        lambda: row.ended_at)
 
