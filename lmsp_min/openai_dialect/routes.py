@@ -386,7 +386,7 @@ async def delete_response(request: Request, service) -> Response:
         except Problem as problem:  # (409 while it runs: named by the id the client knows)
             if problem.code != "task_running":
                 raise
-            raise Problem("task_running", f"response '{response_id[:80]}' is {row.status}: cancel it before "
+            raise Problem("task_running", f"response {quoted(response_id)} is {row.status}: cancel it before "
                           "deleting it") from None
     if stored is not None:
         await service.store.delete_response(stored.id, request.principal)
