@@ -36,7 +36,7 @@ from pathlib import Path
 
 import trio
 
-from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.store_sqlite import LoggedEvent, Store
 from lmsp_min.tasks import LiveLog, Tasks, sse
 
 DELTA = json.dumps({"response_id": "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF",

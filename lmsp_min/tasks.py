@@ -37,7 +37,7 @@ import trio
 
 from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, add_text, compact_json, new_id, sse_message
 from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
-from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
+from lmsp_min.store_sqlite import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
 
 # D3: "at least every 15 seconds" while a stream is idle; 10 leaves room for a
 # busy loop and a slow network.

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from engine import accel
-from lmsp_min.store import Store
+from lmsp_min.store_sqlite import Store
 from server_harness import tiny_path  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent

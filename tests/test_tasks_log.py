@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from lmsp_min import tasks
-from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.store_sqlite import LoggedEvent, Store
 from lmsp_min.tasks import LiveLog
 
 
