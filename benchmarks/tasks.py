@@ -36,7 +36,8 @@ from pathlib import Path
 
 import trio
 
-from lmsp_min.store_sqlite import LoggedEvent, Store
+from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.store_sqlite import SQLiteStore
 from lmsp_min.tasks import LiveLog, Tasks, sse
 
 DELTA = json.dumps({"response_id": "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF",
@@ -192,7 +193,7 @@ async def follow_latency_http(n: int, rate: float, data_dir: str) -> dict:
 
     entry = ModelEntry("bench:scripted", Path("scripted.gguf"), 0, 0, "scripted", "none", 1 << 20, 0, (),
                        model=ScriptedModel(rate))
-    store = await Store.open(data_dir)
+    store = await SQLiteStore.open(data_dir)
     config = ServiceConfig(data_dir=Path(data_dir), access_log=False)
     service = Service(Registry([entry]), store=store, config=config, log=lambda line: None)
     service.tasks = Tasks(store, stores_responses=True)
@@ -225,7 +226,7 @@ async def _post_task(port: int, body: dict) -> str:
 
 async def main(n: int, rate: float) -> list[dict]:
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
-        store = await Store.open(tmp)
+        store = await SQLiteStore.open(tmp)
         tasks = Tasks(store)
         try:
             write = await write_rate(store, n)

@@ -35,7 +35,7 @@ import trio
 
 from lmsp_min.http import Request, Response, StreamingResponse
 from lmsp_min.problems import Problem
-from lmsp_min.store_sqlite import Store
+from lmsp_min.store import Store
 
 HEADER = "idempotency-key"
 RECORD_TTL = 24 * 3600.0

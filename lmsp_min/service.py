@@ -36,7 +36,7 @@ from lmsp_min.events import compact_json
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem, leaf_exceptions, quoted
 from lmsp_min.registry import DEFAULT_QUEUE_DEPTH, Registry
-from lmsp_min.store_sqlite import Store, StoreError
+from lmsp_min.store import StoreError, open_store
 from lmsp_min.tasks import STORE_RETENTION, Tasks
 from lmsp_min.validate import MAX_INPUT_ITEMS
 
@@ -62,6 +62,8 @@ class ServiceConfig:
     tokens_file: Path | None = None  # none: loopback only, principal "local"
     data_dir: Path | None = None  # the store's database (None: lmsp_min.paths.data_dir())
     store: bool = True  # False (--no-store): nothing outlives the process
+    store_url: str | None = None  # postgresql://...: a PostgreSQL store, shared by several nodes
+    store_lease: float = 10.0  # seconds a PostgreSQL node's tasks outlive its last sign of life
     event_retention: float = 3600.0  # seconds a finished task's events are kept (D3)
     store_retention: float = STORE_RETENTION  # seconds stored responses and final tasks are kept (0: for ever)
     limits: Limits = field(default_factory=Limits)
@@ -75,7 +77,7 @@ class ServiceConfig:
 class Service:
     """What a request handler can reach: the models, auth, the store, the log.
 
-    `store` (lmsp_min/store_sqlite.py) is optional: without one, `previous_response_id`
+    `store` (lmsp_min/store.py) is optional: without one, `previous_response_id`
     is `unsupported_capability` and `store: true` is ignored (D2). `tasks` (set
     by `open`) runs the background responses, in `serve`'s nursery.
     """
@@ -101,7 +103,8 @@ class Service:
         registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap,
                                        config.kv_cache_bytes, config.queue_depth)
         auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
-        store = await Store.open((config.data_dir or paths.data_dir()) if config.store else None)
+        location = config.store_url or ((config.data_dir or paths.data_dir()) if config.store else None)
+        store = await open_store(location, lease=config.store_lease)
         service = cls(registry, auth=auth, store=store, config=config, log=log)
         service.tasks = Tasks(store, event_retention=config.event_retention, store_retention=config.store_retention,
                               stores_responses=service.stores_responses, log=log)

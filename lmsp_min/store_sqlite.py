@@ -1,6 +1,4 @@
-"""The durable store: stored responses, tasks, task event logs, idempotency records.
-
-One SQLite database (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
+"""The embedded store (lmsp_min/store.py's interface): one SQLite database (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
 readers never wait for the writer. The trio loop never touches the database:
 every call runs in a worker thread. Writes go through ONE connection, used by
 one thread at a time (a capacity limiter of 1), so transactions never fight
@@ -47,11 +45,13 @@ import json
 import os
 import sqlite3
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import trio
+
+from lmsp_min.store import (FINAL_STATUSES, IdempotencyRecord, LoggedEvent, Store, StoredResponse, StoreError,
+                            TaskRow)
 
 try:
     import fcntl
@@ -135,67 +135,7 @@ MIGRATIONS: list[list[str]] = [
     ],
 ]
 
-FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 _FINAL_LIST = ", ".join(f"'{status}'" for status in sorted(FINAL_STATUSES))  # (for SQL's IN)
-
-
-class StoreError(ValueError):
-    """The database cannot be opened (a ValueError: `lmsp-min serve` prints it and stops)."""
-
-
-@dataclass(frozen=True)
-class StoredResponse:
-    id: str
-    principal: str
-    input: list  # the effective input items
-    body: str  # the response object's JSON, exactly as served
-
-    @property
-    def output(self) -> list:
-        return json.loads(self.body)["output"]
-
-
-@dataclass(frozen=True)
-class TaskRow:
-    id: str
-    principal: str
-    owner: str  # the Store that runs (or ran) it
-    created_at: int
-    model: str
-    response_id: str
-    status: str
-    request: str  # JSON of the request's parameters (the body without its input)
-    response: str | None  # JSON of the final response object, once final
-    ended_at: float | None
-    events_expired: bool
-
-    def object(self) -> dict:
-        """The task object of D3."""
-        return {
-            "id": self.id,
-            "object": "task",
-            "status": self.status,
-            "created_at": self.created_at,
-            "response_id": self.response_id,
-            "response": json.loads(self.response) if self.response is not None else None,
-        }
-
-
-@dataclass(frozen=True)
-class LoggedEvent:
-    seq: int  # the SSE id, from 1
-    event: str
-    data: str  # the event's JSON text
-
-
-@dataclass(frozen=True)
-class IdempotencyRecord:
-    fingerprint: str
-    state: str  # "running" | "done"
-    status: int | None
-    content_type: str | None
-    body: bytes | None
-    task_id: str | None
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -249,10 +189,10 @@ def _migrate(conn: sqlite3.Connection) -> None:
             return
 
 
-class Store:
-    """The database, with an async method per operation the service needs.
+class SQLiteStore(Store):
+    """The SQLite database, with an async method per operation of the interface.
 
-    Build it with `await Store.open(data_dir)` (or `Store.open_sync` outside trio);
+    Build it with `await SQLiteStore.open(data_dir)` (or `SQLiteStore.open_sync` outside trio);
     `data_dir=None` is the in-memory database of `--no-store`.
     """
 
@@ -295,7 +235,7 @@ class Store:
             raise
 
     @classmethod
-    def open_sync(cls, data_dir: Path | str | None) -> "Store":
+    def open_sync(cls, data_dir: Path | str | None) -> "SQLiteStore":
         if data_dir is None:
             return cls(None)
         data_dir = Path(data_dir)
@@ -306,7 +246,7 @@ class Store:
             raise StoreError(f"cannot open the database in {data_dir}: {exc}") from None
 
     @classmethod
-    async def open(cls, data_dir: Path | str | None) -> "Store":
+    async def open(cls, data_dir: Path | str | None) -> "SQLiteStore":
         return await trio.to_thread.run_sync(cls.open_sync, data_dir)
 
     @property
@@ -544,7 +484,10 @@ class Store:
                 result.append((_select_task(conn, task_id, None), [LoggedEvent(*e) for e in events]))
             return result
 
-        return await self._read(select)
+        try:
+            return await self._read(select)
+        except sqlite3.DatabaseError as exc:  # a damaged file: say so, as for one that cannot open
+            raise StoreError(f"the database cannot be read: {exc}") from None
 
     async def delete_task(self, task_id: str, principal: str) -> bool:
         """Delete a final task of `principal` with its event log, in one transaction.

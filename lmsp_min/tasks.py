@@ -17,8 +17,9 @@ process dies (kill -9), the next start, or another process on the same data
 directory (within RECOVER_INTERVAL), ends it `failed` (`generation_failed`,
 usage unknown) from what its log holds; so does this process (`internal_error`)
 if a failing write (a full disk) kept its runner from ending it. A task another
-process runs is followed by polling the database, and cancelled by a request
-its owner polls for.
+process runs (on this machine, or another node of a PostgreSQL store) is followed
+from the database, woken by the store's `watch` when it has new events, and
+cancelled by a request its owner is told of (lmsp_min/store.py).
 
 A task owns its generation (app.PreparedResponse) from `Tasks.start` on, and its
 runner releases the generation's admission when it ends, however it ends.
@@ -27,7 +28,6 @@ runner releases the generation's admission when it ends, however it ends.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -37,19 +37,16 @@ import trio
 
 from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, add_text, compact_json, new_id, sse_message
 from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
-from lmsp_min.store_sqlite import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
+from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
 
 # D3: "at least every 15 seconds" while a stream is idle; 10 leaves room for a
 # busy loop and a slow network.
 KEEPALIVE_INTERVAL = 10.0
-# How often a follower polls the log of a task another process runs.
-POLL_INTERVAL = 0.05
 # How often tasks look for work a dead process, or a failed write, left unfinished
-# (tasks still `in_progress`, idempotency keys still 'running').
+# (tasks still `in_progress`, idempotency keys still 'running'); more often when the
+# store's leases are short, so that a dead node's tasks end soon after its lease.
 RECOVER_INTERVAL = 5.0
-# How often a process running tasks looks for cancels asked through another process,
-# and how long that other process waits for the task to end before answering.
-CANCEL_POLL_INTERVAL = 0.25
+# How long a cancel of a task another process runs waits for the task to end.
 CANCEL_WAIT = 10.0
 # How long stored responses and final tasks are kept by default (--store-retention).
 STORE_RETENTION = 30 * 86400.0
@@ -195,12 +192,10 @@ class Tasks:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then host the task runners, recover and purge periodically, until cancelled."""
-        try:
-            await self.recover()
-        except sqlite3.DatabaseError as exc:  # a damaged file: say so, as for one that cannot open
-            raise StoreError(f"the database cannot be read: {exc}") from None
+        await self.recover()  # (a damaged database: StoreError, as for one that cannot open)
         retentions = [self.event_retention] + ([self.store_retention] if self.store_retention > 0 else [])
         purge_interval = min(60.0, max(0.5, min(retentions) / 4))
+        recover_interval = min(RECOVER_INTERVAL, self.store.liveness_period / 2)
         next_purge = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -211,7 +206,7 @@ class Tasks:
                 if trio.current_time() >= next_purge:
                     next_purge = trio.current_time() + purge_interval
                     await self._attempt(self.purge, "purging what expired")
-                await trio.sleep(min(RECOVER_INTERVAL, purge_interval))
+                await trio.sleep(min(recover_interval, purge_interval))
                 await self._attempt(self.recover, "recovering tasks")
 
     async def _attempt(self, work, what: str) -> None:
@@ -373,8 +368,8 @@ class Tasks:
         is returned unchanged.
 
         A task another process runs is cancelled through the database: its owner
-        looks for the request every CANCEL_POLL_INTERVAL; the answer waits for the
-        task to end, for at most CANCEL_WAIT seconds.
+        is told (Store.next_cancel_requests); the answer waits for the task to end,
+        for at most CANCEL_WAIT seconds.
         """
         row = await self.get(task_id, principal)
         running = self._running.get(task_id)
@@ -388,10 +383,10 @@ class Tasks:
         row = await self.get(task_id, principal)
         if row.status in FINAL_STATUSES:
             return row
-        await self.store.request_cancel(task_id)
-        with trio.move_on_after(CANCEL_WAIT):
+        with self.store.watch(task_id) as watch, trio.move_on_after(CANCEL_WAIT):
+            await self.store.request_cancel(task_id)
             while row.status not in FINAL_STATUSES:
-                await trio.sleep(POLL_INTERVAL)
+                await watch.wait(CANCEL_WAIT)
                 row = await self.get(task_id, principal)
         return row
 
@@ -411,13 +406,11 @@ class Tasks:
     async def _watch_cancel_requests(self) -> None:
         """Cancel the tasks we run that a cancel sent to another process asked for."""
         while True:
-            await trio.sleep(CANCEL_POLL_INTERVAL)
-            if not self._running:
-                continue
             try:
-                requested = await self.store.cancel_requests()
+                requested = await self.store.next_cancel_requests()
             except Exception as exc:
                 self._log(f"error: looking for cancel requests failed: {type(exc).__name__}: {exc}")
+                await trio.sleep(1.0)  # (the database is unreachable: not a busy loop)
                 continue
             for task_id in requested:
                 running = self._running.get(task_id)
@@ -455,28 +448,29 @@ class Tasks:
 
     async def _from_database(self, task_id: str, after: int, batch: int = 512) -> AsyncIterator[bytes]:
         """The logged events after `after` of a task another process runs, read from
-        the database: it polls for new ones until the final event, and recovers the
-        task if that process dies meanwhile. Once the task is final, what is left of
-        its log is read at once."""
+        the database each time the store's watch says there may be new ones, until the
+        final event; it recovers the task if that process dies meanwhile. Once the task
+        is final, what is left of its log is read at once."""
         follow = True
         quiet_until = trio.current_time() + KEEPALIVE_INTERVAL  # (by the clock: reads take time too)
-        while True:
-            events = await self.store.read_events(task_id, after, batch if follow else None)
-            if events:
-                yield b"".join(sse(event) for event in events)
-                after, quiet_until = events[-1].seq, trio.current_time() + KEEPALIVE_INTERVAL
-                if events[-1].event in FINAL_EVENTS:
+        with self.store.watch(task_id) as watch:
+            while True:
+                events = await self.store.read_events(task_id, after, batch if follow else None)
+                if events:
+                    yield b"".join(sse(event) for event in events)
+                    after, quiet_until = events[-1].seq, trio.current_time() + KEEPALIVE_INTERVAL
+                    if events[-1].event in FINAL_EVENTS:
+                        return
+                if not follow:
                     return
-            if not follow:
-                return
-            if len(events) < batch:
-                await trio.sleep(POLL_INTERVAL)
-                if trio.current_time() >= quiet_until:
-                    yield SSE_KEEPALIVE
-                    quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
-                    await self.recover()  # (its process may have died)
-                    row = await self.store.get_task(task_id, None)
-                    follow = row is not None and row.status not in FINAL_STATUSES
+                if len(events) < batch:
+                    await watch.wait(quiet_until - trio.current_time())
+                    if trio.current_time() >= quiet_until:
+                        yield SSE_KEEPALIVE
+                        quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
+                        await self.recover()  # (its process may have died)
+                        row = await self.store.get_task(task_id, None)
+                        follow = row is not None and row.status not in FINAL_STATUSES
 
     # -- crash recovery and expiry ------------------------------------------------
 

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from engine import accel
-from lmsp_min.store_sqlite import Store
+from lmsp_min.store_sqlite import SQLiteStore
 from server_harness import tiny_path  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ def test_serve_on_a_damaged_database_says_so_in_one_line(tmp_path, tiny_path):
     """Found when tasks recover at start, inside the service's nurseries: trio >= 0.25 wrapped
     the StoreError in exception groups, and serve printed their traceback."""
     data = tmp_path / "data"
-    Store.open_sync(data).close()
+    SQLiteStore.open_sync(data).close()
     database = data / "lmsp-min.sqlite3"
     with sqlite3.connect(database) as db:
         db.executemany("INSERT INTO tasks (id, principal, owner, created_at, model, response_id, status, request)"

@@ -9,7 +9,7 @@ import time
 import pytest
 import trio
 
-from lmsp_min.store_sqlite import DB_NAME, Store
+from lmsp_min.store_sqlite import DB_NAME, SQLiteStore
 from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from test_tasks import create, gated, wait_final
 
@@ -213,7 +213,7 @@ async def test_a_retention_of_zero_keeps_everything(nursery, tiny_path, tmp_path
 async def test_the_database_file_reuses_what_the_purge_freed(tmp_path):
     """The size bound: a purge's pages go to SQLite's freelist and the next writes reuse
     them, so a second retention window of the same data does not grow the file."""
-    store = await Store.open(tmp_path)
+    store = await SQLiteStore.open(tmp_path)
     path = tmp_path / DB_NAME
     body = json.dumps({"created_at": 0, "model": MODEL, "status": "completed", "output": []})
 

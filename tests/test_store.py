@@ -7,7 +7,8 @@ import time
 import pytest
 import trio
 
-from lmsp_min.store_sqlite import DB_NAME, MIGRATIONS, LoggedEvent, Store, StoreError
+from lmsp_min.store import LoggedEvent, StoreError
+from lmsp_min.store_sqlite import DB_NAME, MIGRATIONS, SQLiteStore
 
 
 def response_body(response_id: str, status: str = "completed", text: str = "hi") -> str:
@@ -23,28 +24,28 @@ def response_body(response_id: str, status: str = "completed", text: str = "hi")
 
 @pytest.fixture
 async def store(tmp_path):
-    s = await Store.open(tmp_path)
+    s = await SQLiteStore.open(tmp_path)
     yield s
     s.close()
 
 
 def test_schema_is_versioned_and_wal(tmp_path):
-    s = Store.open_sync(tmp_path)
+    s = SQLiteStore.open_sync(tmp_path)
     s.close()
     conn = sqlite3.connect(tmp_path / DB_NAME)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()
-    Store.open_sync(tmp_path).close()  # opening again migrates nothing and keeps data
+    SQLiteStore.open_sync(tmp_path).close()  # opening again migrates nothing and keeps data
 
 
 async def test_a_later_migration_is_applied_once_and_keeps_the_data(tmp_path, monkeypatch):
-    s = await Store.open(tmp_path)
+    s = await SQLiteStore.open(tmp_path)
     await s.put_response("resp_1", "alice", [], response_body("resp_1"))
     s.close()
     monkeypatch.setattr("lmsp_min.store_sqlite.MIGRATIONS", [*MIGRATIONS, ["ALTER TABLE responses ADD COLUMN note TEXT"]])
     for _ in range(2):  # the second opening finds nothing to do
-        s = await Store.open(tmp_path)
+        s = await SQLiteStore.open(tmp_path)
         assert (await s.get_response("resp_1", "alice")).body == response_body("resp_1")
         s.close()
     conn = sqlite3.connect(tmp_path / DB_NAME)
@@ -56,25 +57,25 @@ async def test_a_later_migration_is_applied_once_and_keeps_the_data(tmp_path, mo
 def test_newer_schema_is_refused(tmp_path):
     """And leaves no lock file: the connection and the lock file were closed only when the
     half-made Store was garbage-collected, and the lock file stayed on disk."""
-    Store.open_sync(tmp_path).close()
+    SQLiteStore.open_sync(tmp_path).close()
     conn = sqlite3.connect(tmp_path / DB_NAME)
     conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
     conn.close()
     with pytest.raises(StoreError, match="newer"):
-        Store.open_sync(tmp_path)
+        SQLiteStore.open_sync(tmp_path)
     assert list((tmp_path / "owners").iterdir()) == []
 
 
 def test_a_damaged_database_is_refused_and_leaves_no_lock_file(tmp_path):
-    Store.open_sync(tmp_path).close()
+    SQLiteStore.open_sync(tmp_path).close()
     (tmp_path / DB_NAME).write_bytes(b"not a database" * 512)
     with pytest.raises(StoreError, match="not a database"):
-        Store.open_sync(tmp_path)
+        SQLiteStore.open_sync(tmp_path)
     assert list((tmp_path / "owners").iterdir()) == []
 
 
 async def test_no_store_database_lives_in_memory():
-    s = await Store.open(None)
+    s = await SQLiteStore.open(None)
     assert not s.persistent and s.path is None
     await s.put_response("resp_1", "alice", [], response_body("resp_1"))
     await s.create_task("task_1", "alice", 0, "tiny:llama", "resp_2", "{}")
@@ -108,10 +109,10 @@ async def test_responses_round_trip_exactly_and_per_principal(store):
 
 
 async def test_data_survives_reopening(tmp_path):
-    s = await Store.open(tmp_path)
+    s = await SQLiteStore.open(tmp_path)
     await s.put_response("resp_1", "alice", [], response_body("resp_1"))
     s.close()
-    s = await Store.open(tmp_path)
+    s = await SQLiteStore.open(tmp_path)
     assert (await s.get_response("resp_1", "alice")).body == response_body("resp_1")
     s.close()
 
@@ -200,15 +201,15 @@ async def test_concurrent_readers_and_writer(store):
 def test_an_unusable_data_dir_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(StoreError, match="cannot open the database"):
-        Store.open_sync(tmp_path / "file" / "data")
+        SQLiteStore.open_sync(tmp_path / "file" / "data")
 
 
 async def test_only_the_work_of_dead_owners_is_recovered(tmp_path):
     """Two processes share a data directory: neither recovers the other's running
     work while it lives; once one is gone (closed, or killed: its flock is
     dropped either way), the other recovers its tasks and claims."""
-    first = await Store.open(tmp_path)
-    second = await Store.open(tmp_path)
+    first = await SQLiteStore.open(tmp_path)
+    second = await SQLiteStore.open(tmp_path)
     await first.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
     await first.claim_idempotency_key("alice", "k", "fp")
     assert await second.interrupted_tasks() == []
@@ -222,10 +223,10 @@ async def test_only_the_work_of_dead_owners_is_recovered(tmp_path):
 
 
 def test_lock_files_of_dead_owners_are_swept_at_start(tmp_path):
-    dead = Store.open_sync(tmp_path)
+    dead = SQLiteStore.open_sync(tmp_path)
     dead._owner_lock.close()  # killed: its file stays, unlocked
-    alive = Store.open_sync(tmp_path)
-    third = Store.open_sync(tmp_path)
+    alive = SQLiteStore.open_sync(tmp_path)
+    third = SQLiteStore.open_sync(tmp_path)
     assert sorted(p.stem for p in third._owners.iterdir()) == sorted([alive.owner, third.owner])
     for store in (dead, alive, third):
         store.close()
@@ -238,7 +239,7 @@ def test_two_processes_opening_a_new_data_dir_together(tmp_path):
 
     def open_one():
         try:
-            stores.append(Store.open_sync(tmp_path))
+            stores.append(SQLiteStore.open_sync(tmp_path))
         except Exception as exc:
             errors.append(exc)
 

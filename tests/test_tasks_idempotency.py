@@ -8,7 +8,7 @@ import trio
 from lmsp_min import idempotency
 from lmsp_min.http import Response, StreamingResponse
 from lmsp_min.problems import Problem
-from lmsp_min.store_sqlite import Store
+from lmsp_min.store_sqlite import SQLiteStore
 from server_harness import make_service, parse_sse, start_server, tiny_path  # noqa: F401
 
 BODY = {"model": "tiny:chat-q8_0", "input": [{"role": "user", "content": "Hi."}],
@@ -77,7 +77,7 @@ async def test_a_repeated_stream_replays_the_whole_stream(server):
 
 
 async def test_keys_belong_to_their_principal(tmp_path):
-    store = await Store.open(tmp_path)
+    store = await SQLiteStore.open(tmp_path)
     runs = []
 
     async def run():
@@ -98,7 +98,7 @@ class FakeRequest:
 
 
 async def test_a_repeat_while_the_first_runs_is_409(tmp_path):
-    store = await Store.open(tmp_path)
+    store = await SQLiteStore.open(tmp_path)
     running, release = trio.Event(), trio.Event()
 
     async def slow():
@@ -125,7 +125,7 @@ async def test_a_repeat_while_the_first_runs_is_409(tmp_path):
 
 async def test_a_stream_that_never_starts_releases_its_key(tmp_path):
     """Its client left before the head was sent: the HTTP layer only closes it."""
-    store = await Store.open(tmp_path)
+    store = await SQLiteStore.open(tmp_path)
     closed = []
 
     async def chunks():
@@ -146,7 +146,7 @@ async def test_a_stream_that_never_starts_releases_its_key(tmp_path):
 async def test_a_stream_its_client_leaves_keeps_its_key_only_if_answered(tmp_path, last, answered):
     """Left before the final event: the key is released, a retry runs again. Left once
     it had the final event: the client has its whole answer, a retry replays it."""
-    store = await Store.open(tmp_path)
+    store = await SQLiteStore.open(tmp_path)
 
     async def chunks():
         yield b"id: 1\nevent: response.created\ndata: {}\n\n"
@@ -165,7 +165,7 @@ async def test_a_stream_its_client_leaves_keeps_its_key_only_if_answered(tmp_pat
 
 @pytest.mark.parametrize("header", ["", "x" * 256, "tab\there", "caf\u00e9"])
 async def test_a_malformed_key_is_400(tmp_path, header):
-    store = await Store.open(tmp_path)
+    store = await SQLiteStore.open(tmp_path)
     with pytest.raises(Problem) as raised:
         await idempotency.run_once(store, FakeRequest(header), "R", {}, _stream(None))
     assert raised.value.code == "invalid_request" and raised.value.param == "Idempotency-Key"

@@ -6,13 +6,14 @@ import pytest
 import trio
 
 from lmsp_min import tasks
-from lmsp_min.store_sqlite import LoggedEvent, Store
+from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.store_sqlite import SQLiteStore
 from lmsp_min.tasks import LiveLog
 
 
 @pytest.fixture
 async def store(tmp_path):
-    s = await Store.open(tmp_path)
+    s = await SQLiteStore.open(tmp_path)
     await s.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
     yield s
     s.close()

@@ -40,7 +40,7 @@ from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, compact_json
 from lmsp_min.http import Request, Response, StreamingResponse, json_response
 from lmsp_min.openai_dialect import chat, requests, responses
 from lmsp_min.problems import Problem, quoted
-from lmsp_min.store_sqlite import FINAL_STATUSES, TaskRow
+from lmsp_min.store import FINAL_STATUSES, TaskRow
 from lmsp_min.tasks import output_from_events
 from lmsp_min.validate import invalid, kept_items
 

@@ -1,0 +1,275 @@
+"""The durable store's interface: what the service keeps, and the operations on it.
+
+Stored responses, tasks, task event logs and idempotency records live behind
+one interface, `Store`, with two backends:
+
+- lmsp_min/store_sqlite.py (`SQLiteStore`), the embedded default: one SQLite
+  file under `--data-dir`, or memory for `--no-store`. Several processes on one
+  machine may share its directory.
+- lmsp_min/store_postgres.py (`PostgresStore`), `--store postgresql://...`:
+  several nodes on several machines share one PostgreSQL database and act as
+  one service (docs/scale-out.md).
+
+The task, conversation and idempotency logic (tasks.py, idempotency.py,
+service.py) is written once, above this interface. What differs per backend is
+said here as operations: how a process knows another one is gone (`owner`,
+`interrupted_tasks`, `release_abandoned_keys`: an flock on one machine, a lease
+across machines), and how it learns that something changed in another process
+(`watch`, `next_cancel_requests`: polling SQLite, LISTEN/NOTIFY in PostgreSQL).
+
+Every method that touches the database runs it in a worker thread: the trio
+loop never waits on a database. A store that cannot reach its database raises
+`unavailable()`, a 503 problem: a request that needs it is answered so, and
+the same request succeeds once the database is back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import trio
+
+from lmsp_min.problems import Problem
+
+FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+
+# How often a follower looks for new events, and a process running tasks for cancels,
+# when the backend cannot say (SQLite: another process may write at any time).
+POLL_INTERVAL = 0.05
+CANCEL_POLL_INTERVAL = 0.25
+
+
+class StoreError(ValueError):
+    """The database cannot be opened (a ValueError: `lmsp-min serve` prints it and stops)."""
+
+
+def unavailable(detail: str = "the service's database cannot be reached; try again shortly") -> Problem:
+    """What a request that needs the database gets while it cannot be reached (503)."""
+    return Problem("model_unavailable", detail, headers=[("Retry-After", "2")])
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    id: str
+    principal: str
+    input: list  # the effective input items
+    body: str  # the response object's JSON, exactly as served
+
+    @property
+    def output(self) -> list:
+        return json.loads(self.body)["output"]
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    id: str
+    principal: str
+    owner: str  # the Store that runs (or ran) it
+    created_at: int
+    model: str
+    response_id: str
+    status: str
+    request: str  # JSON of the request's parameters (the body without its input)
+    response: str | None  # JSON of the final response object, once final
+    ended_at: float | None
+    events_expired: bool
+
+    def object(self) -> dict:
+        """The task object of D3."""
+        return {
+            "id": self.id,
+            "object": "task",
+            "status": self.status,
+            "created_at": self.created_at,
+            "response_id": self.response_id,
+            "response": json.loads(self.response) if self.response is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class LoggedEvent:
+    seq: int  # the SSE id, from 1
+    event: str
+    data: str  # the event's JSON text
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    fingerprint: str
+    state: str  # "running" | "done"
+    status: int | None
+    content_type: str | None
+    body: bytes | None
+    task_id: str | None
+
+
+class Watch:
+    """What a follower of a task another process runs waits on between two reads.
+
+    This one polls: `wait` returns after POLL_INTERVAL. A backend that is told of
+    new events (PostgreSQL's LISTEN) returns as soon as it is, and remembers a
+    notice that came while its follower was reading, so that none is missed."""
+
+    async def wait(self, timeout: float) -> None:
+        await trio.sleep(max(0.0, min(POLL_INTERVAL, timeout)))
+
+
+class _Polling(AbstractContextManager):
+    def __enter__(self) -> Watch:
+        return Watch()
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class Store:
+    """The operations the service needs of its database (see the module docstring).
+
+    `owner` is this store's random id: tasks and idempotency claims record the
+    owner that runs them, and only the work of owners known to be gone is
+    recovered by another. `persistent` is False for `--no-store`'s memory.
+    """
+
+    owner: str
+    persistent: bool = True
+    # Seconds within which an owner that is gone is known to be (a lease across machines);
+    # infinite where it is known at once (the flock of a process that died).
+    liveness_period: float = math.inf
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # -- stored responses -----------------------------------------------------------
+
+    async def put_response(self, response_id: str, principal: str, input_items: list, body: str) -> None:
+        """Store a final response (`body` is its JSON as served), durably."""
+        raise NotImplementedError
+
+    async def get_response(self, response_id: str, principal: str) -> StoredResponse | None:
+        """The stored response, or None if unknown or owned by another principal."""
+        raise NotImplementedError
+
+    async def delete_response(self, response_id: str, principal: str) -> bool:
+        raise NotImplementedError
+
+    # -- tasks ----------------------------------------------------------------------
+
+    async def create_task(self, task_id: str, principal: str, created_at: int, model: str,
+                          response_id: str, request: str) -> None:
+        """A new task, `queued`, owned by this store (durably)."""
+        raise NotImplementedError
+
+    async def set_task_status(self, task_id: str, status: str) -> None:
+        """A non-final status change (queued -> in_progress)."""
+        raise NotImplementedError
+
+    async def append_events(self, task_id: str, events: list[LoggedEvent]) -> None:
+        """Append events to a task's log in one transaction (survives a kill -9 of
+        the process); followers in other processes are told."""
+        raise NotImplementedError
+
+    async def finish_task(self, task_id: str, status: str, response: str, final_events: list[LoggedEvent],
+                          stored: tuple[str, list] | None = None) -> bool:
+        """End a task in one durable transaction: its last events, its final status
+        and response, and (`stored` = (principal, input items)) the stored response
+        when its request asked for `store: true`. False (nothing written) if the task
+        had already ended: two processes recovering the same dead owner's tasks end
+        each only once."""
+        raise NotImplementedError
+
+    async def get_task(self, task_id: str, principal: str | None) -> TaskRow | None:
+        """The task, or None if unknown or (principal given) owned by another principal."""
+        raise NotImplementedError
+
+    async def get_task_of_response(self, response_id: str, principal: str) -> TaskRow | None:
+        """The task that generates (or generated) the response `response_id`, or None: the
+        OpenAI dialect names a background response by its response id, not by its task's."""
+        raise NotImplementedError
+
+    async def read_events(self, task_id: str, after: int, limit: int | None = None) -> list[LoggedEvent]:
+        """Up to `limit` (None: all) logged events with seq > `after`, in order, in one read."""
+        raise NotImplementedError
+
+    def watch(self, task_id: str) -> AbstractContextManager[Watch]:
+        """`with store.watch(task_id) as watch:` then read, `await watch.wait(timeout)`,
+        read again...: each wait ends when the task may have new events (or a final
+        status), or after `timeout` seconds. Entered before the first read."""
+        return _Polling()
+
+    async def request_cancel(self, task_id: str) -> None:
+        """Ask the process that runs a task to cancel it."""
+        raise NotImplementedError
+
+    async def next_cancel_requests(self) -> list[str]:
+        """Wait for cancels asked through other processes, then return the ids of our
+        unfinished tasks they named (Tasks cancels those it runs)."""
+        await trio.sleep(CANCEL_POLL_INTERVAL)
+        return await self.cancel_requests()
+
+    async def cancel_requests(self) -> list[str]:
+        """The ids of our unfinished tasks that another process asked to cancel."""
+        raise NotImplementedError
+
+    async def interrupted_tasks(self, running: Callable[[str], bool] = lambda task_id: False
+                                ) -> list[tuple[TaskRow, list[LoggedEvent]]]:
+        """Tasks left queued or in progress by an owner that is gone, with their logs,
+        and this store's own unfinished tasks that are not `running` (asked after the
+        rows are read: a task of ours is running before its row exists, until it is final)."""
+        raise NotImplementedError
+
+    # -- expiry ---------------------------------------------------------------------
+
+    async def purge(self, now: float, event_retention: float, idempotency_ttl: float) -> int:
+        """Delete the events of tasks that ended more than `event_retention` seconds
+        ago and finished idempotency records older than `idempotency_ttl`.
+        Returns how many tasks had their events purged."""
+        raise NotImplementedError
+
+    # -- idempotency ----------------------------------------------------------------
+
+    async def claim_idempotency_key(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | None:
+        """Claim `key` for a new request: None if this request now owns it (it is
+        recorded as running), else the record of the request that owns it."""
+        raise NotImplementedError
+
+    async def complete_idempotency_key(self, principal: str, key: str, *, status: int,
+                                       content_type: str | None = None, body: bytes | None = None,
+                                       task_id: str | None = None) -> None:
+        """Record the result to replay for `key` (durably: the client sees it next)."""
+        raise NotImplementedError
+
+    async def release_idempotency_key(self, principal: str, key: str) -> None:
+        """Forget a claim whose request produced nothing to replay (it failed, or its
+        client went away), so that a retry runs again."""
+        raise NotImplementedError
+
+    async def release_abandoned_keys(self) -> int:
+        """Release the claims of requests that died with their process, and our own
+        claims that no request holds any more (it could neither complete nor release
+        its key: the disk was full, say). Returns how many were released."""
+        raise NotImplementedError
+
+
+def is_database_url(location: str | Path | None) -> bool:
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
+
+
+async def open_store(location: str | Path | None, *, lease: float = 10.0) -> Store:
+    """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
+    extra; `lease`: seconds after which a silent node's tasks are failed by the others),
+    a data directory (SQLite), or None (SQLite in memory, --no-store)."""
+    if is_database_url(location):
+        try:
+            from lmsp_min.store_postgres import PostgresStore
+        except ImportError as exc:
+            raise StoreError(f"--store {location.split('://')[0]}://... needs psycopg 3: "
+                             f"pip install 'lmsp-min[postgres]' ({exc})") from None
+        return await PostgresStore.open(location, lease=lease)
+    from lmsp_min.store_sqlite import SQLiteStore
+
+    return await SQLiteStore.open(location)
