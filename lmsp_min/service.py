@@ -104,7 +104,7 @@ class Service:
                                        config.kv_cache_bytes, config.queue_depth)
         auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
         location = config.store_url or ((config.data_dir or paths.data_dir()) if config.store else None)
-        store = await open_store(location, lease=config.store_lease)
+        store = await open_store(location, lease=config.store_lease, log=log)
         service = cls(registry, auth=auth, store=store, config=config, log=log)
         service.tasks = Tasks(store, event_retention=config.event_retention, store_retention=config.store_retention,
                               stores_responses=service.stores_responses, log=log)

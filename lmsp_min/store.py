@@ -259,7 +259,7 @@ def is_database_url(location: str | Path | None) -> bool:
     return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
 
 
-async def open_store(location: str | Path | None, *, lease: float = 10.0) -> Store:
+async def open_store(location: str | Path | None, *, lease: float = 10.0, log=None) -> Store:
     """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
     extra; `lease`: seconds after which a silent node's tasks are failed by the others),
     a data directory (SQLite), or None (SQLite in memory, --no-store)."""
@@ -269,7 +269,7 @@ async def open_store(location: str | Path | None, *, lease: float = 10.0) -> Sto
         except ImportError as exc:
             raise StoreError(f"--store {location.split('://')[0]}://... needs psycopg 3: "
                              f"pip install 'lmsp-min[postgres]' ({exc})") from None
-        return await PostgresStore.open(location, lease=lease)
+        return await PostgresStore.open(location, lease=lease, log=log)
     from lmsp_min.store_sqlite import SQLiteStore
 
     return await SQLiteStore.open(location)

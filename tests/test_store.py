@@ -1,4 +1,6 @@
-"""The SQLite store on its own: schema, each operation, principals, durability modes, expiry."""
+"""The store on its own, on both backends (each test taking `store` or `store_location`):
+each operation, principals, expiry; then what is SQLite's own (schema, durability modes,
+owners' lock files). tests/test_store_postgres.py has what is PostgreSQL's own."""
 
 import json
 import sqlite3
@@ -7,7 +9,7 @@ import time
 import pytest
 import trio
 
-from lmsp_min.store import LoggedEvent, StoreError
+from lmsp_min.store import LoggedEvent, StoreError, open_store
 from lmsp_min.store_sqlite import DB_NAME, MIGRATIONS, SQLiteStore
 
 
@@ -23,8 +25,8 @@ def response_body(response_id: str, status: str = "completed", text: str = "hi")
 
 
 @pytest.fixture
-async def store(tmp_path):
-    s = await SQLiteStore.open(tmp_path)
+async def store(store_location):
+    s = await open_store(store_location)
     yield s
     s.close()
 
@@ -108,11 +110,11 @@ async def test_responses_round_trip_exactly_and_per_principal(store):
     assert not await store.delete_response("resp_1", "alice")
 
 
-async def test_data_survives_reopening(tmp_path):
-    s = await SQLiteStore.open(tmp_path)
+async def test_data_survives_reopening(store_location):
+    s = await open_store(store_location)
     await s.put_response("resp_1", "alice", [], response_body("resp_1"))
     s.close()
-    s = await SQLiteStore.open(tmp_path)
+    s = await open_store(store_location)
     assert (await s.get_response("resp_1", "alice")).body == response_body("resp_1")
     s.close()
 
