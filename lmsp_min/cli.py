@@ -365,6 +365,11 @@ def add_serve_parser(commands) -> None:
                    help="where stored responses and tasks live (default: the user data directory)")
     p.add_argument("--no-store", action="store_true",
                    help="keep nothing beyond this process (no conversations)")
+    p.add_argument("--store", metavar="URL", default=os.environ.get("LMSP_STORE") or None,
+                   help="postgresql://USER[:PASS]@HOST[:PORT]/DB: keep them in PostgreSQL, shared by every "
+                        "node given the same URL (default: $LMSP_STORE, else SQLite in --data-dir; docs/scale-out.md)")
+    p.add_argument("--store-lease", type=_number(float, 0.5), default=10.0, metavar="SECONDS",
+                   help="with --store: a node silent this long is gone, and another fails its tasks (default 10)")
     p.add_argument("--event-retention", type=_number(float, 0), default=3600.0, metavar="SECONDS",
                    help="how long a finished task's events can be replayed (default 3600)")
     p.add_argument("--store-retention", type=_duration, default="30d", metavar="DURATION",
@@ -394,12 +399,18 @@ def cmd_serve(args) -> int:
 
     if args.models_dir is not None and not os.path.isdir(args.models_dir):  # (a typo served nothing, or fetched)
         raise CommandError(f"--models-dir {args.models_dir}: not a directory")
+    if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
+        raise CommandError("--store (or LMSP_STORE) must be a postgresql:// URL")
+    if args.store is not None and args.no_store:
+        raise CommandError("--store and --no-store contradict each other")
     config = ServiceConfig(
         model_paths=[Path(path) for path in args.models],
         models_dir=args.models_dir if args.models_dir is not None else models_dir(),
         tokens_file=args.tokens_file,
         data_dir=args.data_dir,
         store=not args.no_store,
+        store_url=args.store,
+        store_lease=args.store_lease,
         event_retention=args.event_retention,
         store_retention=args.store_retention,
         limits=Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,

@@ -31,14 +31,19 @@ def long_model(tmp_path_factory) -> Path:
 
 
 class Serve:
-    """`python -m lmsp_min.cli serve` in a subprocess, on a free port."""
+    """`python -m lmsp_min.cli serve` in a subprocess, on a free port; `args` are more
+    options (`--store URL`), `home` its own home directory."""
 
-    def __init__(self, model: Path, data_dir: Path, empty_dir: Path):
+    def __init__(self, model: Path, data_dir: Path, empty_dir: Path, *args: str, home: Path | None = None):
+        env = dict(os.environ)
+        if home is not None:
+            home.mkdir(parents=True, exist_ok=True)
+            env.update(HOME=str(home), LMSP_HOME=str(home / "lmsp"))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lmsp_min.cli", "serve", "--model", str(model), "--models-dir",
-             str(empty_dir), "--data-dir", str(data_dir), "--port", "0"],
+             str(empty_dir), "--data-dir", str(data_dir), "--port", "0", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            cwd=Path(__file__).parent.parent,
+            cwd=Path(__file__).parent.parent, env=env,
         )
         self.port = self._wait_for_banner()
 
@@ -56,13 +61,17 @@ class Serve:
         self.kill()
         raise AssertionError("the server did not start:\n" + "".join(lines))
 
-    def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+    def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+                reply_headers: list | None = None) -> tuple[int, bytes]:
+        """(status, body); the reply's headers are appended to `reply_headers` if given."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = {**({"Content-Type": "application/json"} if body is not None else {}), **(headers or {})}
         conn.request(method, path, json.dumps(body) if body is not None else None, headers)
         reply = conn.getresponse()
         data = reply.read()
         conn.close()
+        if reply_headers is not None:
+            reply_headers.extend(reply.getheaders())
         return reply.status, data
 
     def kill(self) -> None:
@@ -70,6 +79,19 @@ class Serve:
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.process.stderr.close()
+
+
+def wait_final(server: Serve, task_id: str, seconds: float = 30) -> dict:
+    """The task once final (asked every 20 ms); fails after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        status, body = server.request("GET", f"/lmsp/v1/tasks/{task_id}")
+        assert status == 200, body
+        task = json.loads(body)
+        if task["status"] in ("completed", "incomplete", "failed", "cancelled"):
+            return task
+        time.sleep(0.02)
+    raise AssertionError(f"task {task_id} not final within {seconds} s")
 
 
 def read_events(response, stop_after: int | None = None) -> list[tuple[int, str, dict]]:
@@ -90,10 +112,13 @@ def read_events(response, stop_after: int | None = None) -> list[tuple[int, str,
     return events
 
 
-def test_kill_9_mid_task_loses_nothing(long_model, tmp_path):
+def test_kill_9_mid_task_loses_nothing(long_model, tmp_path, store_location):
+    """On SQLite (the same data directory) and on PostgreSQL (the same database)."""
     data_dir, empty_dir = tmp_path / "data", tmp_path / "empty"
     empty_dir.mkdir()
-    server = Serve(long_model, data_dir, empty_dir)
+    # (PostgreSQL: the killed node's tasks end once its lease expires, a second after it)
+    store = ("--store", store_location, "--store-lease", "1") if isinstance(store_location, str) else ()
+    server = Serve(long_model, data_dir, empty_dir, *store)
     try:
         model = json.loads(server.request("GET", "/lmsp/v1/models")[1])["data"][0]["id"]
         stored = {}
@@ -117,13 +142,12 @@ def test_kill_9_mid_task_loses_nothing(long_model, tmp_path):
         server.kill()  # SIGKILL: mid-generation, nothing cleans up
     follower.close()
 
-    server = Serve(long_model, data_dir, empty_dir)
+    server = Serve(long_model, data_dir, empty_dir, *store)
     try:
         for response_id, body in stored.items():
             assert server.request("GET", f"/lmsp/v1/responses/{response_id}") == (200, body)
-        status, body = server.request("GET", f"/lmsp/v1/tasks/{task_id}")
-        task = json.loads(body)
-        assert status == 200 and task["status"] == "failed"
+        task = wait_final(server, task_id)
+        assert task["status"] == "failed"
         assert task["response"]["status"] == "failed"
         assert task["response"]["error"]["code"] == "generation_failed"
         assert "stopped" in task["response"]["error"]["detail"]
