@@ -94,10 +94,14 @@ def wait_final(server: Serve, task_id: str, seconds: float = 30) -> dict:
     raise AssertionError(f"task {task_id} not final within {seconds} s")
 
 
+FINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+
+
 def read_events(response, stop_after: int | None = None) -> list[tuple[int, str, dict]]:
-    """SSE events from an http.client response, up to `stop_after` of them."""
+    """SSE events from an http.client response, up to `stop_after` of them, or up to the
+    final event (then the connection stays open, kept alive: nothing more is read)."""
     events, fields = [], {}
-    while stop_after is None or len(events) < stop_after:
+    while (stop_after is None or len(events) < stop_after) and not (events and events[-1][1] in FINAL):
         line = response.fp.readline().decode("utf-8")
         if not line:
             break
