@@ -1,0 +1,160 @@
+"""What is PostgreSQL's own in the store: the schema's version and concurrent
+migrations, leases, notices across nodes (LISTEN/NOTIFY), purges one node at a
+time, and a database that goes away and comes back (503s, then nothing lost).
+
+Each test has a new database on the session's server (tests/pg_server.py); two
+PostgresStores on it are two nodes.
+"""
+
+import threading
+
+import psycopg
+import pytest
+import trio
+
+from lmsp_min.problems import Problem
+from lmsp_min.store import LoggedEvent, StoreError, open_store
+from lmsp_min.store_postgres import MIGRATIONS, PURGE_LOCK, PostgresStore
+from test_store import response_body
+
+
+def sql(url: str, statement: str, params=()) -> list:
+    with psycopg.connect(url, autocommit=True) as conn:
+        cursor = conn.execute(statement, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+async def test_the_schema_is_versioned_and_a_newer_one_refused(postgres_url):
+    (await open_store(postgres_url)).close()
+    assert sql(postgres_url, "SELECT version FROM lmsp_schema") == [(len(MIGRATIONS),)]
+    (await open_store(postgres_url)).close()  # opening again migrates nothing
+    sql(postgres_url, "UPDATE lmsp_schema SET version = version + 1")
+    with pytest.raises(StoreError, match="newer"):
+        await open_store(postgres_url)
+
+
+def test_nodes_starting_together_migrate_once(postgres_url):
+    stores, errors = [], []
+
+    def open_one():
+        try:
+            stores.append(PostgresStore(postgres_url, lease=10))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == [] and len(stores) == 6
+    assert sql(postgres_url, "SELECT version FROM lmsp_schema") == [(len(MIGRATIONS),)]
+    assert len(sql(postgres_url, "SELECT owner FROM owners")) == 6
+    for store in stores:
+        store.close()
+    assert sql(postgres_url, "SELECT owner FROM owners") == []  # a clean close gives its lease up
+
+
+async def test_an_unreachable_database_is_a_clear_error_at_start(postgres_server):
+    with pytest.raises(StoreError, match="cannot connect") as caught:
+        await open_store(postgres_server.url("no_such_database").replace("user=postgres", "user=postgres&password=secret"))
+    assert "secret" not in str(caught.value)
+
+
+async def test_only_the_work_of_owners_whose_lease_expired_is_recovered(postgres_url):
+    first = await open_store(postgres_url, lease=60)
+    second = await open_store(postgres_url, lease=60)
+    await first.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
+    await first.append_events("task_1", [LoggedEvent(1, "response.created", "{}")])
+    await first.claim_idempotency_key("alice", "k", "fp")
+    assert await second.interrupted_tasks() == []
+    assert await second.release_abandoned_keys() == 0
+    # the first node stops renewing (killed, or cut off), and its lease runs out
+    sql(postgres_url, "UPDATE owners SET lease_until = clock_timestamp() - interval '1 second' WHERE owner = %s",
+        (first.owner,))
+    [(row, events)] = await second.interrupted_tasks()
+    assert row.id == "task_1" and [e.seq for e in events] == [1]
+    assert await second.release_abandoned_keys() == 1
+    assert await second.finish_task("task_1", "failed", response_body("resp_1", "failed"),
+                                    [LoggedEvent(2, "response.failed", "{}")])
+    # the first node comes back: its task was ended, and what it appends is refused
+    assert not await first.finish_task("task_1", "completed", response_body("resp_1"),
+                                       [LoggedEvent(2, "response.completed", "{}")])
+    with pytest.raises(Exception, match="ended by another node"):
+        await first.append_events("task_1", [LoggedEvent(2, "response.output_text.delta", "{}")])
+    assert [e.event for e in await first.read_events("task_1", 0)] == ["response.created", "response.failed"]
+    first.close()
+    second.close()
+
+
+async def test_a_node_is_told_of_another_nodes_events_and_cancels(postgres_url):
+    runner = await open_store(postgres_url)
+    follower = await open_store(postgres_url)
+    await runner.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
+    with follower.watch("task_1") as watch, trio.fail_after(10):
+        await runner.append_events("task_1", [LoggedEvent(1, "response.created", "{}")])
+        await watch.wait(60)  # (returns at the notice: the test would fail after 10 s)
+        assert [e.seq for e in await follower.read_events("task_1", 0)] == [1]
+        await runner.append_events("task_1", [LoggedEvent(2, "e", "{}")])
+        await trio.sleep(0.2)  # a notice that comes while the follower reads is kept for its next wait
+        await watch.wait(60)
+    with trio.fail_after(10):
+        await follower.request_cancel("task_1")
+        requested = []
+        while "task_1" not in requested:  # (the first answer may be the start's look in the database)
+            requested = await runner.next_cancel_requests()
+    runner.close()
+    follower.close()
+
+
+async def test_purges_run_on_one_node_at_a_time(postgres_url):
+    store = await open_store(postgres_url)
+    await store.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
+    await store.finish_task("task_1", "completed", response_body("resp_1"), [LoggedEvent(1, "response.completed", "{}")])
+    with psycopg.connect(postgres_url, autocommit=True) as other_node:
+        other_node.execute("SELECT pg_advisory_lock(%s)", (PURGE_LOCK,))  # another node is purging
+        assert await store.purge(2e9, 0, 0) == 0
+        assert len(await store.read_events("task_1", 0)) == 1
+        other_node.execute("SELECT pg_advisory_unlock(%s)", (PURGE_LOCK,))
+    assert await store.purge(2e9, 0, 0) == 1
+    assert (await store.get_task("task_1", None)).events_expired
+    store.close()
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    """A PostgreSQL server of the test's own, which it stops and starts again."""
+    from pg_server import PostgresServer, binaries
+
+    if binaries() is None:
+        pytest.skip("PostgreSQL is not installed (no initdb; Debian: apt-get install postgresql)")
+    server = PostgresServer(binaries()).start()
+    yield server
+    server.stop()
+
+
+async def test_a_lost_database_is_a_503_then_nothing_is_lost(own_server):
+    url = own_server.new_database()
+    store = await open_store(url)
+    await store.put_response("resp_1", "alice", [], response_body("resp_1"))
+    await trio.to_thread.run_sync(own_server.stop_server)
+    with pytest.raises(Problem) as caught:
+        await store.get_response("resp_1", "alice")
+    assert caught.value.status == 503 and caught.value.code == "model_unavailable"
+    with pytest.raises(Problem):
+        await store.put_response("resp_2", "alice", [], response_body("resp_2"))
+    await trio.to_thread.run_sync(own_server.restart_server)
+    assert (await store.get_response("resp_1", "alice")).body == response_body("resp_1")
+    await store.put_response("resp_2", "alice", [], response_body("resp_2"))
+    # the listener reconnects too: another node's events wake this one's watches again
+    with trio.fail_after(20):
+        while not store._listening:
+            await trio.sleep(0.05)
+    other = await open_store(url)
+    await other.create_task("task_1", "alice", 0, "tiny:llama", "resp_3", "{}")
+    with store.watch("task_1") as watch, trio.fail_after(10):
+        await other.append_events("task_1", [LoggedEvent(1, "response.created", "{}")])
+        await watch.wait(60)
+        assert len(await store.read_events("task_1", 0)) == 1
+    other.close()
+    store.close()
