@@ -30,20 +30,25 @@ _open_services: dict[int, AsyncExitStack] = {}  # id(service) -> what closes it 
 
 
 async def make_service(model_paths: list[Path], *, tokens_file: Path | None = None,
-                       limits: Limits | None = None, log=None, data_dir: Path | None = None,
+                       limits: Limits | None = None, log=None, data_dir: Path | str | None = None,
                        event_retention: float = 3600.0) -> Service:
     """A service over `model_paths` (entered `Service.open`), whose engine models are
     loaded once per test session: the service serves them but does not own them.
     `start_server` closes it when the server stops; a test that does not serve it
     calls `close_service`.
 
-    Without `data_dir` it stores nothing (--no-store: a throw-away database)."""
+    Without `data_dir` it stores nothing (--no-store: a throw-away database); a
+    postgresql:// URL as `data_dir` is a PostgreSQL store (--store URL, conftest's
+    `store_location`)."""
     import engine
 
     lines: list[str] = []
     config = ServiceConfig(model_paths=list(model_paths), models_dir=None, tokens_file=tokens_file,
-                           limits=limits or Limits(), data_dir=data_dir, store=data_dir is not None,
-                           event_retention=event_retention)
+                           limits=limits or Limits(), store=data_dir is not None, event_retention=event_retention)
+    if isinstance(data_dir, str):
+        config.store_url = data_dir
+    else:
+        config.data_dir = data_dir
     service = await open_service(config, log=log or lines.append)
     service.log_lines = lines
     for entry in service.registry:

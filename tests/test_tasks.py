@@ -30,8 +30,9 @@ def task_body(max_output_tokens: int = 8, **fields) -> dict:
 
 
 @pytest.fixture
-async def server(nursery, tiny_path, tmp_path):
-    return await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
+async def server(nursery, tiny_path, store_location):
+    """A served service on each backend (SQLite, PostgreSQL)."""
+    return await start_server(nursery, await make_service([tiny_path], data_dir=store_location))
 
 
 async def create(server, body: dict, headers=None) -> dict:

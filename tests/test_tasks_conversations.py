@@ -23,13 +23,13 @@ def auth(token: str) -> dict:
 
 
 @pytest.fixture
-async def server(nursery, tiny_path, tmp_path):
+async def server(nursery, tiny_path, tmp_path, store_location):
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps([
         {"token": ALICE, "principal": "alice", "scopes": EVERY_SCOPE},
         {"token": BOB, "principal": "bob", "scopes": EVERY_SCOPE},
     ]))
-    service = await make_service([tiny_path], tokens_file=tokens, data_dir=tmp_path / "data")
+    service = await make_service([tiny_path], tokens_file=tokens, data_dir=store_location)
     return await start_server(nursery, service)
 
 

@@ -20,8 +20,9 @@ def key(value: str) -> dict:
 
 
 @pytest.fixture
-async def server(nursery, tiny_path, tmp_path):
-    return await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+async def server(nursery, tiny_path, store_location):
+    """A served service on each backend (SQLite, PostgreSQL)."""
+    return await start_server(nursery, await make_service([tiny_path], data_dir=store_location))
 
 
 async def test_a_repeated_sync_request_replays_the_same_json(server):
