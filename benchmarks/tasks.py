@@ -1,6 +1,6 @@
-"""Task event logs: how fast events are written, replayed, and followed.
+"""Task event logs: how fast events are written, replayed, and followed, per store backend.
 
-    python -m benchmarks.tasks [--events N] [--json FILE]
+    python -m benchmarks.tasks [--events N] [--backend sqlite|postgres|both] [--store URL] [--json FILE]
 
 - log write, events/s: a runner appends events as fast as it can; the LiveLog
   group-commits them (one transaction per batch that piled up during the last
@@ -19,15 +19,26 @@
   The difference is the price of a resumable, durable stream (aim: < 1 ms/event).
   Its median is the figure: on a shared machine the mean carries the scheduler's
   hiccups (a thread hop per commit waits for a core), and is shown beside it.
+- PostgreSQL (`--backend postgres`): the same write and replay figures, and the
+  follow latency across nodes: two PostgresStores on one database stand for two
+  nodes; node A runs the task (its LiveLog), node B follows it as
+  GET /tasks/{id}/events does for a task another node runs (commit -> NOTIFY ->
+  B's listener thread -> its watch -> read -> SSE). The figure is B's median
+  latency minus that of a follower on A itself: the price of following from
+  another node (aim: < 5 ms/event).
 
-Everything runs on a fresh database in a temporary directory on the same disk
-as the default data directory would be (the fsyncs of durable commits are real).
+SQLite runs on a fresh database in a temporary directory on the same disk as
+the default data directory would be (the fsyncs of durable commits are real).
+PostgreSQL runs on `--store URL` (a database it may fill), else on a throw-away
+server in a temporary directory (tests/pg_server.py, with fsync on), over its
+unix socket.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -36,7 +47,7 @@ from pathlib import Path
 
 import trio
 
-from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.store import LoggedEvent, Store, open_store
 from lmsp_min.store_sqlite import SQLiteStore
 from lmsp_min.tasks import LiveLog, Tasks, sse
 
@@ -129,6 +140,46 @@ async def follow_latency(store: Store, n: int, rate: float) -> dict:
         "direct_p50_ms": statistics.median(d),
         "added_mean_ms": statistics.fmean(f) - statistics.fmean(d),
     }
+
+
+async def follow_latency_across_nodes(node_a: Store, node_b: Store, n: int, rate: float) -> dict:
+    """Per-event latency (ms) from production on node A to SSE bytes on node B, and to a
+    follower on node A itself."""
+    log = await new_task(node_a, "task_across")
+    produced: dict[int, float] = {}
+    across: list[float] = []
+    same_node: list[float] = []
+    chunks = await Tasks(node_b).events("task_across", "bench", 0)  # (B does not run it: from the database)
+
+    async def on_b():
+        async for chunk in chunks:
+            now = time.perf_counter()
+            for seq in re.findall(rb"^id: (\d+)$", chunk, re.M):
+                if int(seq) in produced:
+                    across.append(now - produced[int(seq)])
+
+    async def on_a():
+        async for batch in log.follow(0):
+            for event in batch or []:
+                sse(event)
+                if event.seq in produced:
+                    same_node.append(time.perf_counter() - produced[event.seq])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.write_loop)
+        nursery.start_soon(on_a)
+        nursery.start_soon(on_b)
+        period = 1.0 / rate
+        for seq in range(1, n + 1):
+            produced[seq] = time.perf_counter()
+            log.append(delta(seq))
+            await trio.sleep(period)
+        await log.finish("completed", "{}", LoggedEvent(n + 1, "response.completed", "{}"))
+    ms = lambda values: sorted(v * 1000 for v in values)  # noqa: E731
+    b, a = ms(across), ms(same_node)
+    return {"across_p50_ms": statistics.median(b), "across_p99_ms": b[int(len(b) * 0.99) - 1],
+            "same_node_p50_ms": statistics.median(a), "across_mean_ms": statistics.fmean(b),
+            "same_node_mean_ms": statistics.fmean(a)}
 
 
 class ScriptedModel:
@@ -224,25 +275,32 @@ async def _post_task(port: int, body: dict) -> str:
     return await trio.to_thread.run_sync(post)
 
 
-async def main(n: int, rate: float) -> list[dict]:
+async def log_rows(store: Store, n: int, backend: str) -> list[dict]:
+    """Write (group commit, one commit per event) and replay, on `store`."""
+    tasks = Tasks(store)
+    write = await write_rate(store, n)
+    single = await write_rate_one_per_commit(store, min(n, 2000))
+    replay = await replay_rate(store, "task_write", tasks)
+    return [
+        {"name": f"{backend}: task log write (group commit)", "value": round(write["events_per_s"]),
+         "unit": "events/s", "events": n, "commits": write["commits"]},
+        {"name": f"{backend}: task log write (one commit per event)", "value": round(single), "unit": "events/s"},
+        {"name": f"{backend}: task log replay", "value": round(replay["events_per_s"]), "unit": "events/s",
+         "mb_per_s": round(replay["mb_per_s"], 1)},
+    ]
+
+
+async def sqlite_rows(n: int, rate: float) -> list[dict]:
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         store = await SQLiteStore.open(tmp)
-        tasks = Tasks(store)
         try:
-            write = await write_rate(store, n)
-            single = await write_rate_one_per_commit(store, min(n, 2000))
-            replay = await replay_rate(store, "task_write", tasks)
+            rows = await log_rows(store, n, "sqlite")
             follow = await follow_latency(store, min(n, 1000), rate)
         finally:
             store.close()
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         over_http = await follow_latency_http(min(n, 500), rate, tmp)
-    return [
-        {"name": "task log write (group commit)", "value": round(write["events_per_s"]),
-         "unit": "events/s", "events": n, "commits": write["commits"]},
-        {"name": "task log write (one commit per event)", "value": round(single), "unit": "events/s"},
-        {"name": "task log replay", "value": round(replay["events_per_s"]), "unit": "events/s",
-         "mb_per_s": round(replay["mb_per_s"], 1)},
+    return rows + [
         {"name": "follow vs direct, in process, added p50", "unit": "ms/event", "rate": rate,
          "value": round(follow["followed_p50_ms"] - follow["direct_p50_ms"], 3),
          "added_mean_ms": round(follow["added_mean_ms"], 3),
@@ -254,15 +312,57 @@ async def main(n: int, rate: float) -> list[dict]:
     ]
 
 
+async def postgres_rows(n: int, rate: float, url: str | None) -> list[dict]:
+    server = None
+    if url is None:
+        from tests.pg_server import PostgresServer, binaries
+
+        if binaries() is None:
+            raise SystemExit("PostgreSQL is not installed (no initdb): give --store URL")
+        server = await trio.to_thread.run_sync(lambda: PostgresServer(binaries(), fsync=True).start())
+        url = await trio.to_thread.run_sync(server.new_database)
+    try:
+        node_a = await open_store(url)
+        node_b = await open_store(url)
+        try:
+            rows = await log_rows(node_a, n, "postgres")
+            across = await follow_latency_across_nodes(node_a, node_b, min(n, 1000), rate)
+        finally:
+            node_a.close()
+            node_b.close()
+    finally:
+        if server is not None:
+            await trio.to_thread.run_sync(server.stop)
+    return rows + [
+        {"name": "postgres: follow from another node, added p50", "unit": "ms/event", "rate": rate,
+         "value": round(across["across_p50_ms"] - across["same_node_p50_ms"], 3),
+         "added_mean_ms": round(across["across_mean_ms"] - across["same_node_mean_ms"], 3),
+         **{key: round(value, 3) for key, value in across.items()}},
+    ]
+
+
+async def main(n: int, rate: float, backend: str = "sqlite", url: str | None = None) -> list[dict]:
+    rows = []
+    if backend in ("sqlite", "both"):
+        rows += await sqlite_rows(n, rate)
+    if backend in ("postgres", "both"):
+        rows += await postgres_rows(n, rate, url)
+    return rows
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=20000, help="events written and replayed")
     parser.add_argument("--rate", type=float, default=500.0, help="events/s produced while followed")
+    parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="sqlite",
+                        help="the store backend(s) measured (default sqlite)")
+    parser.add_argument("--store", metavar="URL", help="postgresql:// database to measure on (default: a "
+                        "throw-away server, as the tests start one)")
     parser.add_argument("--json", type=Path, help="write the rows here (benchmarks/run.py)")
     args = parser.parse_args()
-    rows = trio.run(main, args.events, args.rate)
+    rows = trio.run(main, args.events, args.rate, args.backend, args.store)
     for row in rows:
         extra = "  ".join(f"{k}={v}" for k, v in row.items() if k not in ("name", "value", "unit"))
-        print(f"{row['name']:<42} {row['value']:>10} {row['unit']:<9} {extra}")
+        print(f"{row['name']:<48} {row['value']:>10} {row['unit']:<9} {extra}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))

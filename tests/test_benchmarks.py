@@ -22,6 +22,16 @@ def test_a_benchmark_runs_and_writes_its_rows(tmp_path, name, args):
     assert rows and all("name" in row and "value" in row for row in rows)
 
 
+def test_the_tasks_benchmark_runs_on_postgresql(tmp_path, postgres_url):
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.tasks", "--events", "200", "--backend", "postgres",
+                           "--store", postgres_url, "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = [row["name"] for row in json.loads(out.read_text())["rows"]]
+    assert "postgres: follow from another node, added p50" in names and "postgres: task log replay" in names
+
+
 def test_settings_take_turns_in_one_process(tmp_path):
     """benchmarks/turns.py runs each setting's steps and prints their medians, against the first's."""
     from tiny import write_tiny_model
