@@ -222,7 +222,20 @@ class Store:
         rows are read: a task of ours is running before its row exists, until it is final)."""
         raise NotImplementedError
 
+    async def delete_task(self, task_id: str, principal: str) -> bool:
+        """Delete a final task of `principal` with its event log, in one transaction.
+        False (nothing deleted) if there is no such task, or it is not final: a running
+        task is cancelled first (Tasks.delete says 409). Its stored response, if it made
+        one, is a resource of its own (delete_response)."""
+        raise NotImplementedError
+
     # -- expiry ---------------------------------------------------------------------
+
+    async def purge_stored(self, older_than: float) -> tuple[int, int]:
+        """Delete the stored responses created, and the final tasks (with their event logs)
+        ended, at or before `older_than` (Unix seconds): the --store-retention purge.
+        Returns (responses, tasks) deleted."""
+        raise NotImplementedError
 
     async def purge(self, now: float, event_retention: float, idempotency_ttl: float) -> int:
         """Delete the events of tasks that ended more than `event_retention` seconds

@@ -82,6 +82,7 @@ MIGRATIONS: list[list[str]] = [
             input TEXT NOT NULL,
             body TEXT NOT NULL
         )""",
+        "CREATE INDEX responses_by_age ON responses (created_at)",
         """CREATE TABLE tasks (
             id TEXT PRIMARY KEY,
             principal TEXT NOT NULL,
@@ -99,6 +100,7 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX tasks_unfinished ON tasks (owner) WHERE status IN ('queued', 'in_progress')",
         "CREATE INDEX tasks_by_end ON tasks (ended_at) WHERE NOT events_expired",
         "CREATE INDEX tasks_by_response ON tasks (response_id)",
+        "CREATE INDEX tasks_by_ended ON tasks (ended_at) WHERE ended_at IS NOT NULL",
         """CREATE TABLE task_events (
             task_id TEXT NOT NULL,
             seq INTEGER NOT NULL,
@@ -454,7 +456,31 @@ class PostgresStore(Store):
 
         return await self._read(select)
 
+    async def delete_task(self, task_id: str, principal: str) -> bool:
+        def delete(conn: psycopg.Connection) -> bool:
+            deleted = conn.execute("DELETE FROM tasks WHERE id = %s AND principal = %s AND status = ANY(%s)",
+                                   (task_id, principal, list(FINAL_STATUSES))).rowcount == 1
+            if deleted:
+                conn.execute("DELETE FROM task_events WHERE task_id = %s", (task_id,))
+            return deleted
+
+        return await self._write(delete)
+
     # -- expiry ---------------------------------------------------------------------
+
+    async def purge_stored(self, older_than: float) -> tuple[int, int]:
+        """As the interface says, by one node at a time (else (0, 0), as `purge`)."""
+        def purge(conn: psycopg.Connection) -> tuple[int, int]:
+            if not conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (PURGE_LOCK,)).fetchone()[0]:
+                return 0, 0
+            responses = conn.execute("DELETE FROM responses WHERE created_at <= %s", (older_than,)).rowcount
+            ended = [task_id for (task_id,) in conn.execute(
+                "DELETE FROM tasks WHERE ended_at IS NOT NULL AND ended_at <= %s AND status = ANY(%s) RETURNING id",
+                (older_than, list(FINAL_STATUSES)))]
+            conn.execute("DELETE FROM task_events WHERE task_id = ANY(%s)", (ended,))
+            return responses, len(ended)
+
+        return await self._write(purge)
 
     async def purge(self, now: float, event_retention: float, idempotency_ttl: float) -> int:
         """As the interface says, by one node at a time: a node that finds another

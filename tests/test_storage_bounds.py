@@ -37,25 +37,37 @@ def on_disk(data_dir) -> bytes:
     return b"".join(path.read_bytes() for path in sorted(data_dir.glob(DB_NAME + "*")) if path.is_file())
 
 
-@pytest.fixture
-async def server(nursery, tiny_path, tmp_path):
+async def serve(nursery, tiny_path, tmp_path, location):
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps([
         {"token": ALICE, "principal": "alice", "scopes": EVERY_SCOPE},
         {"token": BOB, "principal": "bob", "scopes": EVERY_SCOPE},
         {"token": READER, "principal": "alice", "scopes": ["responses:read", "tasks:read"]},
     ]))
-    service = await make_service([tiny_path], tokens_file=tokens, data_dir=tmp_path / "data")
+    service = await make_service([tiny_path], tokens_file=tokens, data_dir=location)
     return await start_server(nursery, service)
+
+
+@pytest.fixture
+async def server(nursery, tiny_path, tmp_path, store_location):
+    """A served service on each backend (SQLite, PostgreSQL)."""
+    return await serve(nursery, tiny_path, tmp_path, store_location)
+
+
+@pytest.fixture
+async def sqlite_server(nursery, tiny_path, tmp_path):
+    """On SQLite in tmp_path / "data", whose bytes the test reads."""
+    return await serve(nursery, tiny_path, tmp_path, tmp_path / "data")
 
 
 # -- what is kept ------------------------------------------------------------------------
 
 
-async def test_a_store_false_task_leaves_no_input_behind(server, tmp_path):
+async def test_a_store_false_task_leaves_no_input_behind(sqlite_server, tmp_path):
     """Finding 5: a task row kept its whole request body for ever, `store: false` too. The
     row keeps the request's parameters, never its input: once the task has ended, the
     prompt's words are nowhere in the database's bytes, while its result is still served."""
+    server = sqlite_server
     task = await create(server, asking(), auth(ALICE))
     final = await wait_final_as(server, task["id"], ALICE)
     assert final["status"] in ("completed", "incomplete") and final["response"]["output"]
@@ -77,10 +89,11 @@ async def test_a_store_true_task_keeps_its_input_in_its_stored_response_alone(se
     assert follow_up.status == 200, follow_up.body
 
 
-async def test_input_no_prompt_reads_is_not_stored(server, tmp_path):
+async def test_input_no_prompt_reads_is_not_stored(sqlite_server, tmp_path):
     """Finding 5: four requests with a 3.9 MB `reasoning` item grew the database by 27 MB.
     What a stored response keeps of its input is what the prompt reads: the reasoning
     item stays in its place, empty, and so do keys no template reads."""
+    server = sqlite_server
     data_dir = tmp_path / "data"
     before = len(on_disk(data_dir))
     thought = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "x" * 3_900_000}]}
@@ -168,11 +181,11 @@ async def test_deleting_a_background_response_deletes_its_task(server, monkeypat
 # -- --store-retention ------------------------------------------------------------------------
 
 
-async def test_the_service_purges_what_outlived_its_retention(nursery, tiny_path, tmp_path, monkeypatch):
+async def test_the_service_purges_what_outlived_its_retention(nursery, tiny_path, store_location, monkeypatch):
     """The purge runs in the service's nursery, by the service's clock (moved here, not
     waited for): past the retention, stored responses and final tasks are gone; a running
     task, and what is younger, stay."""
-    service = await make_service([tiny_path], data_dir=tmp_path / "data", event_retention=2.0)  # (a purge every 0.5 s)
+    service = await make_service([tiny_path], data_dir=store_location, event_retention=2.0)  # (a purge every 0.5 s)
     service.tasks.store_retention = 30 * DAY
     offset = 0.0
     service.tasks.clock = lambda: time.time() + offset
@@ -197,8 +210,8 @@ async def test_the_service_purges_what_outlived_its_retention(nursery, tiny_path
     assert (await server.request("GET", f"{TASKS}/{running['id']}")).status == 200
 
 
-async def test_a_retention_of_zero_keeps_everything(nursery, tiny_path, tmp_path):
-    service = await make_service([tiny_path], data_dir=tmp_path / "data")
+async def test_a_retention_of_zero_keeps_everything(nursery, tiny_path, store_location):
+    service = await make_service([tiny_path], data_dir=store_location)
     service.tasks.store_retention = 0
     service.tasks.clock = lambda: time.time() + 3650 * DAY
     server = await start_server(nursery, service)

@@ -161,6 +161,27 @@ async def test_purge_expires_events_of_ended_tasks_only(store):
     assert not (await store.get_task("task_running", None)).events_expired
 
 
+async def test_deleting_a_task_and_purging_by_retention(store):
+    for n in (1, 2):
+        await store.put_response(f"resp_{n}", "alice", [], response_body(f"resp_{n}"))  # created at 1794200000
+        await store.create_task(f"task_{n}", "alice", 0, "tiny:llama", f"resp_t{n}", "{}")
+        await store.append_events(f"task_{n}", [LoggedEvent(1, "response.created", "{}")])
+    await store.create_task("task_running", "alice", 0, "tiny:llama", "resp_r", "{}")
+    assert not await store.delete_task("task_1", "alice")  # not final
+    for n in (1, 2):
+        await store.finish_task(f"task_{n}", "completed", response_body(f"resp_t{n}"),
+                                [LoggedEvent(2, "response.completed", "{}")])
+    assert not await store.delete_task("task_1", "bob")
+    assert await store.delete_task("task_1", "alice")
+    assert await store.get_task("task_1", None) is None and await store.read_events("task_1", 0) == []
+    assert not await store.delete_task("task_1", "alice")
+    assert await store.purge_stored(older_than=1794199999) == (0, 0)  # all younger
+    assert await store.purge_stored(older_than=time.time() + 1) == (2, 1)
+    assert await store.get_response("resp_1", "alice") is None
+    assert await store.get_task("task_2", None) is None and await store.read_events("task_2", 0) == []
+    assert (await store.get_task("task_running", None)).status == "queued"  # a running task is never purged
+
+
 async def test_idempotency_claim_complete_release(store):
     assert await store.claim_idempotency_key("alice", "k", "fp1") is None
     running = await store.claim_idempotency_key("alice", "k", "fp1")
