@@ -244,9 +244,12 @@ class PostgresStore(Store):
 
     def _in_thread(self, fn: Callable[..., Any], args: tuple, transaction: bool, durable: bool) -> Any:
         try:
-            conn = self._idle.pop() if self._idle else self._connect()
-        except psycopg.OperationalError as exc:
-            raise unavailable() from exc
+            conn = self._idle.pop()
+        except IndexError:  # (none idle: the limiter keeps the pool at POOL_SIZE)
+            try:
+                conn = self._connect()
+            except psycopg.OperationalError as exc:
+                raise unavailable() from exc
         try:
             if not transaction:
                 return fn(conn, *args)
@@ -345,8 +348,9 @@ class PostgresStore(Store):
             self._cancels_unknown = False
             try:
                 return await self.cancel_requests()
-            except BaseException:
+            except BaseException:  # (the database is away: look again on the next call)
                 self._cancels_unknown = True
+                self._cancel_notice.set()
                 raise
         return list(named)
 
