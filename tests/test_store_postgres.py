@@ -3,7 +3,8 @@ migrations, leases, notices across nodes (LISTEN/NOTIFY), purges one node at a
 time, and a database that goes away and comes back (503s, then nothing lost).
 
 Each test has a new database on the session's server (tests/pg_server.py); two
-PostgresStores on it are two nodes.
+PostgresStores on it are two nodes, and so are two services in one process (the last
+tests: what a gate holds still, and a database that goes away under a served node).
 """
 
 import threading
@@ -15,7 +16,9 @@ import trio
 from lmsp_min.problems import Problem
 from lmsp_min.store import LoggedEvent, StoreError, open_store
 from lmsp_min.store_postgres import MIGRATIONS, PURGE_LOCK, PostgresStore
+from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from test_store import response_body
+from test_tasks import create, follow, gated, task_body
 
 
 def sql(url: str, statement: str, params=()) -> list:
@@ -158,3 +161,53 @@ async def test_a_lost_database_is_a_503_then_nothing_is_lost(own_server):
         assert len(await store.read_events("task_1", 0)) == 1
     other.close()
     store.close()
+
+
+# -- two services in one process, on one database: what a gate can hold still ----------------------
+
+
+async def test_a_cancel_through_another_node_stops_the_generation_where_it_is(nursery, tiny_path, postgres_url,
+                                                                             monkeypatch):
+    """Node A's generation is held at a gate after three text events; node B's cancel reaches
+    it by NOTIFY and stops it there: the gate never lets another token through, and the
+    task ends `cancelled` with exactly the events A had logged."""
+    a = await start_server(nursery, await make_service([tiny_path], data_dir=postgres_url))
+    b = await start_server(nursery, await make_service([tiny_path], data_dir=postgres_url))
+    gate = gated(a.service.registry.get("tiny:chat-q8_0").model, monkeypatch)
+    gate.allow(3)
+    task = await create(a, task_body(max_output_tokens=400))
+    with trio.fail_after(30):
+        async with b.connection() as client:
+            events = follow(client, task["id"])
+            seen = []
+            while sum(e.event == "response.output_text.delta" for e in seen) < 3:
+                event = await events.__anext__()
+                if event is not None:
+                    seen.append(event)
+            reply = await b.request("POST", f"/lmsp/v1/tasks/{task['id']}/cancel")
+            rest = [e async for e in events if e is not None]
+    assert reply.status == 200 and reply.json()["status"] == "cancelled"
+    assert rest[-1].event == "response.cancelled"
+    assert sum(e.event == "response.output_text.delta" for e in seen + rest) == 3  # not one token more
+    assert (await a.request("GET", f"/lmsp/v1/tasks/{task['id']}")).json()["status"] == "cancelled"
+
+
+async def test_a_node_without_its_database_answers_503_then_recovers(nursery, tiny_path, own_server):
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=own_server.new_database()))
+    stored = await server.request("POST", "/lmsp/v1/responses", json_body=task_body(store=True))
+    assert stored.status == 200
+    path = f"/lmsp/v1/responses/{stored.json()['id']}"
+    await trio.to_thread.run_sync(own_server.stop_server)
+    for method, target, body in (("GET", path, None), ("POST", "/lmsp/v1/tasks", task_body()),
+                                 ("POST", "/lmsp/v1/responses", task_body(store=True))):
+        reply = await server.request(method, target, json_body=body)
+        assert reply.status == 503 and reply.headers["content-type"] == "application/problem+json", reply.body
+        assert reply.json()["code"] == "model_unavailable" and reply.headers["retry-after"]
+    # what needs no database is still served
+    assert (await server.request("GET", "/lmsp/v1/models")).status == 200
+    assert (await server.request("POST", "/lmsp/v1/responses", json_body=task_body())).status == 200
+    await trio.to_thread.run_sync(own_server.restart_server)
+    again = await server.request("GET", path)
+    assert again.status == 200 and again.body == stored.body  # nothing acknowledged was lost
+    task = await server.request("POST", "/lmsp/v1/tasks", json_body=task_body())
+    assert task.status == 202
