@@ -14,7 +14,8 @@ How a task ends: with its final event (completed, incomplete, failed, or
 cancelled by POST /cancel). If the service stops while it runs, it ends
 `failed` at once (`model_unavailable`, as a direct response would); if its
 process dies (kill -9), the next start, or another process on the same data
-directory (within RECOVER_INTERVAL), ends it `failed` (`generation_failed`,
+directory (within RECOVER_INTERVAL), or another node once the dead one's lease has
+expired (a PostgreSQL store), ends it `failed` (`generation_failed`,
 usage unknown) from what its log holds; so does this process (`internal_error`)
 if a failing write (a full disk) kept its runner from ending it. A task another
 process runs (on this machine, or another node of a PostgreSQL store) is followed
