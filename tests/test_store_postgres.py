@@ -7,6 +7,7 @@ PostgresStores on it are two nodes, and so are two services in one process (the 
 tests: what a gate holds still, and a database that goes away under a served node).
 """
 
+import math
 import threading
 
 import psycopg
@@ -190,6 +191,30 @@ async def test_a_cancel_through_another_node_stops_the_generation_where_it_is(nu
     assert rest[-1].event == "response.cancelled"
     assert sum(e.event == "response.output_text.delta" for e in seen + rest) == 3  # not one token more
     assert (await a.request("GET", f"/lmsp/v1/tasks/{task['id']}")).json()["status"] == "cancelled"
+
+
+async def test_a_key_running_on_one_node_is_a_409_on_the_other(nursery, tiny_path, postgres_url, monkeypatch):
+    a = await start_server(nursery, await make_service([tiny_path], data_dir=postgres_url))
+    b = await start_server(nursery, await make_service([tiny_path], data_dir=postgres_url))
+    gate = gated(a.service.registry.get("tiny:chat-q8_0").model, monkeypatch)  # A's response runs until let go
+    key = {"Idempotency-Key": "k-1"}
+    first = {}
+
+    async def on_a():
+        first["reply"] = await a.responses(task_body(), headers=key)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as requests:
+            requests.start_soon(on_a)
+            while not await trio.to_thread.run_sync(sql, postgres_url, "SELECT key FROM idempotency"):
+                await trio.sleep(0.01)  # (until A has claimed the key; its response then waits at the gate)
+            reply = await b.responses(task_body(), headers=key)
+            assert reply.status == 409 and reply.json()["code"] == "idempotency_conflict"
+            gate.allow(math.inf)
+    assert first["reply"].status == 200
+    replayed = await b.responses(task_body(), headers=key)
+    assert replayed.status == 200 and replayed.body == first["reply"].body
+    assert replayed.headers["idempotent-replayed"] == "true"
 
 
 async def test_a_node_without_its_database_answers_503_then_recovers(nursery, tiny_path, own_server):
