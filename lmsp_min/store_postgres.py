@@ -225,8 +225,7 @@ class PostgresStore(Store):
                 conn.close()
         if self._listener is not None:
             self._listener.join(timeout=10)
-        while self._idle:
-            self._idle.pop().close()
+        self._close_idle()
 
     @property
     def _wake_channel(self) -> str:
@@ -297,12 +296,21 @@ class PostgresStore(Store):
                               "reconnecting")
                     self._listening = False
                     self._to_trio(self._look_again)  # (watches poll meanwhile)
+                    self._close_idle()  # (broken too, most likely: the next operations connect afresh)
                 self._stopping.wait(pause)
                 pause = min(2 * pause, 2.0)
             finally:
                 if conn is not None:
                     conn.close()
         self._listening = False
+
+    def _close_idle(self) -> None:
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return
+            conn.close()
 
     def _to_trio(self, fn: Callable[..., None], *args: Any) -> None:
         try:

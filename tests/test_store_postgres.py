@@ -236,3 +236,19 @@ async def test_a_node_without_its_database_answers_503_then_recovers(nursery, ti
     assert again.status == 200 and again.body == stored.body  # nothing acknowledged was lost
     task = await server.request("POST", "/lmsp/v1/tasks", json_body=task_body())
     assert task.status == 202
+
+
+async def test_a_database_that_restarts_between_two_requests_costs_none_a_503(own_server):
+    """The listener notices the restart and closes the pool's idle connections, which
+    the restart broke: the next operation connects afresh."""
+    store = await open_store(own_server.new_database())
+    await store.put_response("resp_1", "alice", [], response_body("resp_1"))
+    with trio.fail_after(30):
+        while not store._listening:
+            await trio.sleep(0.01)
+        await trio.to_thread.run_sync(own_server.stop_server)
+        while store._listening:  # (it has noticed)
+            await trio.sleep(0.01)
+        await trio.to_thread.run_sync(own_server.restart_server)
+    assert (await store.get_response("resp_1", "alice")).body == response_body("resp_1")
+    store.close()
