@@ -288,7 +288,7 @@ def _banner(service: Service, addresses) -> None:
         stderr_log(f"  auth: bearer tokens ({n} token{'s' if n != 1 else ''}; principals {', '.join(principals)})")
     else:
         stderr_log("  auth: none (loopback only, principal 'local')")
-    stderr_log(f"  storage: {'on' if service.stores_responses else 'off'}")
+    stderr_log(f"  storage: {f'on ({service.store.location})' if service.stores_responses else 'off'}")
     stderr_log(f"  compute: {_compute()}")
 
 

@@ -141,6 +141,11 @@ class Store:
     # infinite where it is known at once (the flock of a process that died).
     liveness_period: float = math.inf
 
+    @property
+    def location(self) -> str:
+        """Where the data is, for the service's banner (never a password)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         raise NotImplementedError
 

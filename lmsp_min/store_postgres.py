@@ -205,6 +205,10 @@ class PostgresStore(Store):
         store._listener.start()
         return store
 
+    @property
+    def location(self) -> str:
+        return f"PostgreSQL, {describe(self.url)}, lease {self.lease:g} s"
+
     def _connect(self) -> psycopg.Connection:
         return psycopg.connect(self.url, autocommit=True, **CONNECT_OPTIONS)
 

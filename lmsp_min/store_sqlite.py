@@ -250,6 +250,10 @@ class SQLiteStore(Store):
         return await trio.to_thread.run_sync(cls.open_sync, data_dir)
 
     @property
+    def location(self) -> str:
+        return "in memory" if self.path is None else f"SQLite, {self.path}"
+
+    @property
     def persistent(self) -> bool:
         """False for the in-memory database of `--no-store`."""
         return self.path is not None

@@ -29,7 +29,9 @@ def sql(url: str, statement: str, params=()) -> list:
 
 
 async def test_the_schema_is_versioned_and_a_newer_one_refused(postgres_url):
-    (await open_store(postgres_url)).close()
+    store = await open_store(postgres_url + "&password=hunter2")  # (trust: the password is not asked)
+    assert store.location.startswith("PostgreSQL, postgresql://") and "hunter2" not in store.location
+    store.close()
     assert sql(postgres_url, "SELECT version FROM lmsp_schema") == [(len(MIGRATIONS),)]
     (await open_store(postgres_url)).close()  # opening again migrates nothing
     sql(postgres_url, "UPDATE lmsp_schema SET version = version + 1")
