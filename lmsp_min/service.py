@@ -138,8 +138,8 @@ class Service:
             for entry in self.registry:
                 await trio.to_thread.run_sync(entry.close)
         finally:
-            if self.store is not None:
-                self.store.close()
+            if self.store is not None:  # (in a worker thread too: PostgreSQL's says goodbye over the network)
+                await trio.to_thread.run_sync(self.store.close)
 
     @property
     def stores_responses(self) -> bool:
