@@ -102,8 +102,8 @@ async def test_a_node_is_told_of_another_nodes_events_and_cancels(postgres_url):
         await watch.wait(60)  # (returns at the notice: the test would fail after 10 s)
         assert [e.seq for e in await follower.read_events("task_1", 0)] == [1]
         await runner.append_events("task_1", [LoggedEvent(2, "e", "{}")])
-        await trio.sleep(0.2)  # a notice that comes while the follower reads is kept for its next wait
-        await watch.wait(60)
+        await watch.wait(60)  # (the notice may come before the wait: it is kept for it)
+        assert [e.seq for e in await follower.read_events("task_1", 1)] == [2]
     with trio.fail_after(10):
         await follower.request_cancel("task_1")
         requested = []
