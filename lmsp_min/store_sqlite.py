@@ -1,4 +1,6 @@
-"""The embedded store (lmsp_min/store.py's interface): one SQLite database (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
+"""The embedded store (lmsp_min/store.py's interface).
+
+One SQLite database (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
 readers never wait for the writer. The trio loop never touches the database:
 every call runs in a worker thread. Writes go through ONE connection, used by
 one thread at a time (a capacity limiter of 1), so transactions never fight

@@ -70,7 +70,8 @@ class PostgresServer:
 
     def restart_server(self) -> None:
         """Start the server (pg_ctl waits until it accepts connections)."""
-        options = f"-k {self.dir} -c listen_addresses='' -c fsync={'on' if self.fsync else 'off'} -c max_connections=200"
+        fsync = "on" if self.fsync else "off"
+        options = f"-k {self.dir} -c listen_addresses='' -c fsync={fsync} -c max_connections=200"
         self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.dir / "log"), "-w", "-t", "60",
                   "start")
 
