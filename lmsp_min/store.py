@@ -210,11 +210,15 @@ class Store:
         """Ask the process that runs a task to cancel it."""
         raise NotImplementedError
 
-    async def next_cancel_requests(self) -> list[str]:
+    async def next_cancel_requests(self, running: Callable[[], bool] = lambda: True) -> list[str]:
         """Wait for cancels asked through other processes, then return the ids of our
-        unfinished tasks they named (Tasks cancels those it runs)."""
-        await trio.sleep(CANCEL_POLL_INTERVAL)
-        return await self.cancel_requests()
+        unfinished tasks they named (Tasks cancels those it runs). Polled here, and
+        only while `running()` says this process runs a task: an idle server leaves
+        the database alone. (A store that is told of cancels overrides this.)"""
+        while True:
+            await trio.sleep(CANCEL_POLL_INTERVAL)
+            if running():
+                return await self.cancel_requests()
 
     async def cancel_requests(self) -> list[str]:
         """The ids of our unfinished tasks that another process asked to cancel."""

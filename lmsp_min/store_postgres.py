@@ -352,8 +352,8 @@ class PostgresStore(Store):
             if not watches:
                 del self._watches[task_id]
 
-    async def next_cancel_requests(self) -> list[str]:
-        await self._cancel_notice.wait()
+    async def next_cancel_requests(self, running: Callable[[], bool] = lambda: True) -> list[str]:
+        await self._cancel_notice.wait()  # (told by NOTIFY: nothing to poll, idle or not)
         self._cancel_notice = trio.Event()
         named, self._cancels_named = self._cancels_named, set()
         if self._cancels_unknown:

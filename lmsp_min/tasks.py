@@ -408,7 +408,7 @@ class Tasks:
         """Cancel the tasks we run that a cancel sent to another process asked for."""
         while True:
             try:
-                requested = await self.store.next_cancel_requests()
+                requested = await self.store.next_cancel_requests(lambda: bool(self._running))
             except Exception as exc:
                 self._log(f"error: looking for cancel requests failed: {type(exc).__name__}: {exc}")
                 await trio.sleep(1.0)  # (the database is unreachable: not a busy loop)
