@@ -27,7 +27,8 @@ no reasoning: a thought the template opens is closed empty in the prompt).
 Stop sequences apply to what is not constrained: without tools they end the raw
 output; with tools, the message text only (`MessageStop`: a call is never cut);
 with `json_schema` they are not applied (they could cut the document; the server
-refuses the combination).
+refuses the combination). With tools and `json_schema` both, the output is calls or
+the document, as the grammar decides at its first byte (engine/tools.py).
 
 Reading the request path: lmsp_min/app.py calls both; `generate_chat` reads the
 tokens of engine/generate.py's `Generation`, and its events go to
@@ -41,10 +42,10 @@ import re
 import secrets
 from dataclasses import dataclass, field, replace
 
-from .errors import ContextLengthExceeded
+from .errors import ContextLengthExceeded, SchemaError
 from .generate import StopFilter
 from .sampling import SamplingParams
-from .tools import ToolCall, ToolCallParser, plan_output
+from .tools import ToolCall, ToolCallParser, output_field, plan_output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -210,7 +211,8 @@ async def generate_chat(model, prepared: PreparedChat):
     generation = model.generate(prepared.prompt_ids, max_tokens=prepared.max_tokens, sampling=request.sampling,
                                 stop=() if constraint is not None else request.stop, constraint=constraint)
     splitter = ReasoningSplitter(prepared.starts_in_reasoning) if prepared.reasoning else None
-    output = OutputSplitter(ToolCallParser() if prepared.tool_calls else None, splitter)
+    calls = ToolCallParser(leading=request.json_schema is not None) if prepared.tool_calls else None
+    output = OutputSplitter(calls, splitter)
     message_stop = MessageStop(request.stop) if prepared.tool_calls and request.stop else None
     counts = prepared.counts
 
@@ -231,6 +233,9 @@ async def generate_chat(model, prepared: PreparedChat):
                 events = message_stop.apply(events) + message_stop.flush()
             for event in events:
                 yield event
+    except SchemaError as e:  # a bound only the output reached: in the schema it is writing
+        e.field = e.field or output_field(request, bytes(constraint.text))
+        raise
     finally:
         counts.update(generation)  # (an end-of-turn token is never yielded; as the first, it brings cached_tokens)
         await generation.aclose()

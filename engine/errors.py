@@ -35,12 +35,14 @@ class SchemaError(EngineError):
     """A JSON Schema (structured output or tool parameters) that we cannot enforce.
 
     `path` is a JSON-pointer-like path inside the schema, `keyword` the offending
-    keyword when there is one.
+    keyword when there is one, `field` the chat request's field the schema is in
+    ("tools" or "json_schema"; None when the raiser cannot tell: its caller can).
     """
 
-    def __init__(self, message: str, path: str = "", keyword: str | None = None):
+    def __init__(self, message: str, path: str = "", keyword: str | None = None, field: str | None = None):
         self.path = path
         self.keyword = keyword
+        self.field = field
         super().__init__(message)
 
 

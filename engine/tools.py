@@ -28,6 +28,12 @@ request says `parallel_tool_calls: false`), and nothing but calls after the firs
 - "auto": free text until the model writes `<tool_call>`, then constrained;
 - "none": the tools are not shown and `<tool_call>` can never be completed.
 
+With a `json_schema` too (an agent with tools and a structured answer, D5), the message
+text is one document valid for the schema: under "auto" the output is calls from its
+first byte, or that document (`either_constraint`: no JSON document begins with the
+opener's "<", so the first byte decides); under "required" or a named function calls
+only, the schema never applies; under "none" the document only.
+
 `ToolCallParser` turns the generated text into message text and complete calls; a call that
 max_tokens cut off is not given out, and one that repeats an earlier one of the response
 ends it (a small model repeats its call until the token limit).
@@ -172,30 +178,67 @@ class OutputPlan:
 
 
 def plan_output(model, request, literal=lambda tools: tools) -> OutputPlan:
-    """Tools / json_schema of a ChatRequest -> prompt messages and constraint; SchemaError early.
+    """Tools / json_schema of a ChatRequest -> prompt messages and constraint; SchemaError early,
+    its `field` saying which of the two the schema is in.
 
     `literal` marks the tools as they are shown in the prompt (chat.Literals.mark), not
     as the constraint reads them."""
-    tools, schema = request.tools, request.json_schema
-    if tools and schema is not None:
-        raise SchemaError("tools and a json_schema response format cannot be combined", "response_format")
+    tools, schema, choice = request.tools, request.json_schema, request.tool_choice
     index = TokenIndex.of(model.tokenizer)
-    if schema is not None:
-        constraint = json_constraint(schema, index)
+    # each is compiled as it would be alone, so that what cannot be enforced is refused by
+    # name even where the choice leaves it unused
+    calls = (_in_field("tools", tool_constraint, tools, choice, index, request.parallel_tool_calls)
+             if tools else None)
+    document = _in_field("json_schema", json_constraint, schema, index) if schema is not None else None
+    if calls is not None and document is not None and choice == "auto":
+        constraint = _in_field("json_schema", either_constraint, tools, schema, index, request.parallel_tool_calls)
+    elif calls is not None and (document is None or choice != "none"):
+        constraint = calls
     else:
-        constraint = (tool_constraint(tools, request.tool_choice, index, request.parallel_tool_calls)
-                      if tools else None)
-    shown = literal(tools) if tools and request.tool_choice != "none" else None
+        constraint = document
+    # under "none" with a schema the output is the document: a `<tool_call>` in one of its
+    # strings is text
+    parse_calls = bool(tools) and constraint is not document
+    shown = literal(tools) if tools and choice != "none" else None
     if uses_native_format(model.chat_template):
-        return OutputPlan(request.messages, shown, constraint, bool(tools))
+        return OutputPlan(request.messages, shown, constraint, parse_calls)
     # (with no tools offered too: the history may hold calls and results all the same)
-    return OutputPlan(render_generic(request.messages, shown), None, constraint, bool(tools))
+    return OutputPlan(render_generic(request.messages, shown), None, constraint, parse_calls)
+
+
+def _in_field(field: str, make, *args):
+    """make(*args), a SchemaError it raises marked as one of the request's `field`."""
+    try:
+        return make(*args)
+    except SchemaError as e:
+        e.field = e.field or field
+        raise
+
+
+def output_field(request, output: bytes) -> str:
+    """The request's field ("tools" or "json_schema") whose schemas constrain `output`, the
+    bytes written so far (for a SchemaError only the output reaches, while decoding)."""
+    if not request.tools:
+        return "json_schema"
+    if request.json_schema is None or request.tool_choice not in ("auto", "none"):
+        return "tools"
+    if request.tool_choice == "none":
+        return "json_schema"
+    return "tools" if output.startswith(OPENER.encode()[:1]) else "json_schema"
 
 
 def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex, parallel: bool = True) -> GrammarConstraint:
     """The constraint for a response with tools (grammars cached per tools + choice + parallel)."""
     key = ("tools", schema_key([tools, tool_choice, parallel]))
     return GrammarConstraint(index.grammar(key, lambda: tool_call_grammar(tools, tool_choice, parallel)))
+
+
+def either_constraint(tools: list[dict], schema, index: TokenIndex, parallel: bool = True) -> GrammarConstraint:
+    """tool_choice "auto" with a json_schema: calls from the first byte, as "required" makes
+    them, or one document valid for `schema` (see the module docstring)."""
+    key = ("tools|json", schema_key([tools, schema, parallel]))
+    return GrammarConstraint(index.grammar(
+        key, lambda: AnyOf([tool_call_grammar(tools, "required", parallel), compile_schema(schema)])))
 
 
 @dataclass(frozen=True)
@@ -215,9 +258,15 @@ class ToolCallParser:
     whitespace between them). A call identical to an earlier one of the same response is
     dropped, and `repeated` says the response should end there: small models tend to
     repeat their call until the token limit, and running it twice tells nothing new.
+
+    `leading`: calls can only begin the output (with a json_schema, see the module
+    docstring); an output that begins otherwise is all text, a `<tool_call>` in one of the
+    document's strings included.
     """
 
-    def __init__(self):
+    def __init__(self, leading: bool = False):
+        self.leading = leading
+        self.all_text = False  # (leading) the output began as text: it is text to the end
         self.pending = ""     # text not yet given out
         self.in_call = False
         self.seen_call = False
@@ -227,7 +276,13 @@ class ToolCallParser:
 
     def feed(self, text: str) -> list:
         """-> a list of str (message text) and ToolCall, in order."""
+        if self.all_text:
+            return [text] if text else []
         self.pending += text
+        if self.leading and not self.seen_call and not OPENER.startswith(self.pending[:len(OPENER)]):
+            self.all_text = True
+            text, self.pending = self.pending, ""
+            return [text]
         out = []
         while True:
             if self.in_call:

@@ -325,8 +325,10 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
 
 def _schema_problem(exc, request: ResponsesRequest) -> Problem:
     """D5: a schema we cannot enforce (an engine SchemaError) is refused by name, where it
-    is in the request's json_schema or tools, whether preparing or generating found it."""
-    param = "response_format.json_schema.schema" if request.json_schema is not None else "tools"
+    is in the request's json_schema or tools (the engine says which, when it has both),
+    whether preparing or generating found it."""
+    field = exc.field or ("json_schema" if request.json_schema is not None else "tools")
+    param = "response_format.json_schema.schema" if field == "json_schema" else "tools"
     detail = f"the schema cannot be enforced: {exc}"
     if exc.keyword and exc.keyword not in detail:
         detail += f" (keyword '{exc.keyword}')"

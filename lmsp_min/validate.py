@@ -243,8 +243,6 @@ def validate_responses_request(body: dict) -> ResponsesRequest:
         request.tool_choice = _tool_choice(body["tool_choice"], request.tools)
     if body.get("extensions") is not None:
         _extensions(_object(body["extensions"], "extensions"), request)
-    if request.tools and request.json_schema is not None:  # (engine/tools.py plan_output)
-        raise invalid("response_format", "tools and a json_schema response format cannot be combined")
     if request.stop and request.json_schema is not None:
         raise invalid(f"extensions.{EXTENSION}.stop", "stop sequences cannot be combined with a json_schema "
                       "response format: cutting the output would break the document the schema describes")

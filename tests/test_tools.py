@@ -5,12 +5,13 @@ import json
 import jsonschema
 import pytest
 
+from engine.chat import TextDelta
 from engine.chat_template import ChatTemplate
 from engine.constrain import TokenIndex
 from engine.errors import SchemaError
 from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
-from engine.tools import (CLOSER, MAX_CALLS, OPENER, ToolCall, ToolCallParser, render_generic,
+from engine.tools import (CLOSER, MAX_CALLS, OPENER, ToolCall, ToolCallParser, either_constraint, render_generic,
                           tool_constraint, uses_native_format)
 from tests.conftest import DATA
 from tests.test_constrain import random_run, smollm2_model, tiny  # noqa: F401 (fixtures)
@@ -256,10 +257,75 @@ def test_output_plan(smollm2):
     assert OPENER in plan.messages[2]["content"] and "The tool result is" in plan.messages[3]["content"]
     assert plan_output(native, request()).messages is HISTORY
     assert plan_output(smol, request(messages=HISTORY[:2])).messages == HISTORY[:2]
-    with pytest.raises(SchemaError):
-        plan_output(smol, request(tools=TOOLS, json_schema={"type": "boolean"}))
-    with pytest.raises(SchemaError):
+    # tools and a json_schema (D5): "auto" calls or the document, "none" the document only
+    plan = plan_output(smol, request(tools=TOOLS, json_schema={"type": "boolean"}))
+    assert plan.tool_calls and plan.constraint.complete() is False and "# Tools" in plan.messages[0]["content"]
+    plan = plan_output(smol, request(tools=TOOLS, tool_choice="none", json_schema={"type": "boolean"}))
+    assert not plan.tool_calls and "# Tools" not in plan.messages[0]["content"]
+    with pytest.raises(SchemaError) as e:
         plan_output(smol, request(json_schema={"type": "string", "format": "email"}))
+    assert e.value.field == "json_schema"
+    # whichever the choice, what cannot be enforced is refused, named by the field it is in
+    bad_tool = [*TOOLS, {"name": "f", "parameters": {"type": "object", "properties": {"x": {"pattern": "a"}}}}]
+    for choice in ("auto", "none", "required", {"type": "function", "name": "add"}):
+        with pytest.raises(SchemaError) as e:
+            plan_output(smol, request(tools=TOOLS, tool_choice=choice, json_schema={"type": "string", "format": "x"}))
+        assert (e.value.field, e.value.path) == ("json_schema", "/format"), choice
+        with pytest.raises(SchemaError) as e:
+            plan_output(smol, request(tools=bad_tool, tool_choice=choice, json_schema={"type": "boolean"}))
+        assert (e.value.field, e.value.path) == ("tools", "/3/parameters/properties/x/pattern"), choice
+
+
+# an answer the schema describes, or calls: short, so that a random model ends both
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
+                                           "sure": {"type": "boolean"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+def calls_or_answer(events, tools, schema) -> str:
+    """Valid calls and no text, or no call and one document valid for `schema`, never
+    neither (jsonschema reads both): "calls" or "answer"."""
+    calls = check_calls(events, tools)
+    text = "".join(e if isinstance(e, str) else e.text for e in events if isinstance(e, (str, TextDelta)))
+    if calls:
+        assert text == "", text
+        return "calls"
+    jsonschema.validate(json.loads(text), schema)
+    return "answer"
+
+
+def test_random_model_with_tools_and_a_schema_calls_or_answers(smollm2):
+    """tool_choice "auto" with a json_schema: over 60 seeds every output is calls or the
+    document, and both happen (the first byte decides, and the random model takes both)."""
+    _, index = smollm2
+    kinds = []
+    for seed in range(60):
+        text, complete = random_run(either_constraint(TOOLS, ANSWER, index), index.n_vocab, seed, max_tokens=600)
+        assert complete, (seed, text)
+        parser = ToolCallParser(leading=True)
+        kinds.append(calls_or_answer(parser.feed(text.decode()) + parser.finish(), TOOLS, ANSWER))
+    assert set(kinds) == {"calls", "answer"}
+    c = either_constraint(TOOLS, ANSWER, index)
+    assert not c.complete() and not c.allows(sorted(index.eos_ids)[0])   # something must be written
+    c = either_constraint(TOOLS, ANSWER, index, parallel=False)
+    tok, _ = smollm2
+    for t in tok.encode('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', add_special=False):
+        c.advance(t)
+    assert c.complete() and not c.allows(tok.encode("\n", add_special=False)[0])
+
+
+def test_the_opener_inside_a_document_is_text():
+    """With a json_schema, calls can only begin the output: a `<tool_call>` in one of the
+    document's strings is text, however the output is cut into pieces."""
+    document = '{"answer": "<tool_call>{\\"name\\": \\"f\\", \\"arguments\\": {}}</tool_call>"}'
+    for size in (1, 4, len(document)):
+        parser = ToolCallParser(leading=True)
+        out = [e for i in range(0, len(document), size) for e in parser.feed(document[i:i + size])] + parser.finish()
+        assert "".join(out) == document and json.loads("".join(out))["answer"].startswith(OPENER)
+    parser = ToolCallParser(leading=True)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    out = [e for i in range(0, len(call), 2) for e in parser.feed(call[i:i + 2])] + parser.finish()
+    assert out == [ToolCall(0, "get_time", "{}")]
 
 
 # short calls: the tiny model's steps are the cost of this test, not the constraint's
@@ -311,6 +377,42 @@ async def test_chat_tool_calls(tiny):
     request = ChatRequest(messages, max_tokens=20, tools=TINY_TOOLS, tool_choice="none")
     assert "set_light" not in tiny.prepare_chat(request).prompt
     assert not [e for e in await chat_events(tiny, request) if isinstance(e, ToolCall)]
+
+
+async def test_chat_with_tools_and_a_schema_calls_or_answers(tiny):
+    """D5, through prepare_chat / generate_chat: over seeds and temperatures "auto" gives
+    valid calls or a valid document, never neither; "required" and a named function calls
+    only, "none" the document only."""
+    from engine.chat import ChatRequest
+    from engine.sampling import SamplingParams
+    from tests.test_constrain import chat_events, run_concurrently
+
+    messages = [{"role": "user", "content": "Lights on, or say why not."}]
+    choices = ["auto", "auto", "auto", "required", {"type": "function", "name": "pick"}, "none"]
+
+    def request(seed):
+        return ChatRequest(messages, max_tokens=200, tools=TINY_TOOLS, tool_choice=choices[seed % len(choices)],
+                           json_schema=ANSWER, sampling=SamplingParams(temperature=(0.7, 1.0, 1.5)[seed % 3], seed=seed))
+
+    results = await run_concurrently(lambda seed: chat_events(tiny, request(seed)), 24)
+    kinds = {}
+    for seed, events in results.items():
+        choice = choices[seed % len(choices)]
+        assert events[-1].reason == "stop", (seed, events)
+        kind = calls_or_answer(events[:-1], TINY_TOOLS, ANSWER)
+        kinds.setdefault(json.dumps(choice), set()).add(kind)
+        if isinstance(choice, dict):
+            assert {e.name for e in events if isinstance(e, ToolCall)} == {"pick"}
+    assert kinds == {'"auto"': {"calls", "answer"}, '"required"': {"calls"},
+                     '{"type": "function", "name": "pick"}': {"calls"}, '"none"': {"answer"}}
+    # a document that holds the opener is an answer, under "auto" and "none" alike
+    schema = {"const": "<tool_call>"}
+    for choice in ("auto", "none"):
+        events = await chat_events(tiny, ChatRequest(messages, tools=TINY_TOOLS, tool_choice=choice,
+                                                     json_schema=schema, sampling=SamplingParams(temperature=0)))
+        if choice == "auto" and any(isinstance(e, ToolCall) for e in events):
+            continue  # (the model called instead)
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == '"<tool_call>"', choice
 
 
 # -- the real SmolLM2-135M-Instruct (slow) ------------------------------------------------------
