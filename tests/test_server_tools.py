@@ -126,6 +126,68 @@ async def test_structured_output_is_valid_json_for_the_schema(server):
     jsonschema.validate(json.loads(response["output"][-1]["content"][0]["text"]), schema)
 
 
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}}, "required": ["answer"],
+          "additionalProperties": False}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+
+
+def calls_or_answer(response: dict) -> str:
+    """D5 with tools and a json_schema: valid calls and no message, or no call and a message
+    whose text is valid for the schema (jsonschema), never neither."""
+    calls = calls_of(response)
+    messages = [item for item in response["output"] if item["type"] == "message"]
+    for call in calls:
+        check_call(call)
+    if calls:
+        assert not messages, response
+        return "calls"
+    (message,) = messages
+    jsonschema.validate(json.loads(message["content"][0]["text"]), ANSWER)
+    return "answer"
+
+
+async def test_tools_with_a_json_schema_give_calls_or_a_valid_answer(server):
+    """An agent's request (tools, and a structured answer when it does not call): over seeds
+    "auto" does both, each valid; "required" and a named tool call, "none" answers."""
+    def request(seed, choice="auto", **fields):
+        return body(tool_choice=choice, response_format=ANSWER_FORMAT, temperature=1.0, max_output_tokens=200,
+                    extensions={"lmsp-min": {"seed": seed}}, **fields)
+
+    kinds, first = {}, {}
+    for seed, choice in enumerate(["auto"] * 8 + ["required", {"type": "function", "name": "get_time"}, "none"]):
+        reply = await server.responses(request(seed, choice))
+        assert reply.status == 200, reply.body
+        assert reply.json()["status"] == "completed", reply.body
+        kinds.setdefault(json.dumps(choice), set()).add(calls_or_answer(reply.json()))
+        first = first or reply.json()
+    assert kinds == {'"auto"': {"calls", "answer"}, '"required"': {"calls"},
+                     '{"type": "function", "name": "get_time"}': {"calls"}, '"none"': {"answer"}}
+    events = parse_sse((await server.responses(request(0, stream=True))).body)
+    assert events[-1].event == "response.completed"  # streamed: the same output, as its events say
+    streamed = {"output": [e.data["item"] for e in events if e.event == "response.output_item.done"]}
+    assert calls_or_answer(streamed) == calls_or_answer(first)
+
+
+async def test_tools_with_a_json_schema_name_the_one_refused(server):
+    """With both, a schema that cannot be enforced is named where it is, whatever the choice,
+    also when only the output reaches its bound (the tools' case: test_tools.py's output_field)."""
+    bad = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "a"}}}}
+    bad_format = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "string", "format": "x"}}}
+    for choice in ("auto", "none", "required"):
+        reply = await server.responses(body(tools=[WEATHER, bad], tool_choice=choice, response_format=ANSWER_FORMAT))
+        assert reply.status == 400 and reply.json()["param"] == "tools[1].parameters.properties.x.pattern", reply.body
+        reply = await server.responses(body(tool_choice=choice, response_format=bad_format))
+        assert reply.status == 400 and reply.json()["param"] == "response_format.json_schema.schema.format", reply.body
+    defs = {"L0": {"type": "integer"}}  # (the bound only the output reaches: each "[" doubles the ways)
+    for k in range(1, 11):
+        one = {"type": "array", "items": {"$ref": f"#/$defs/L{k - 1}"}, "minItems": 1, "maxItems": 1}
+        defs[f"L{k}"] = {"anyOf": [one, {**one, "maxItems": 2}]}
+    nested = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"$ref": "#/$defs/L10", "$defs": defs}}}
+    reply = await server.responses(body(tool_choice="none", response_format=nested, max_output_tokens=32))
+    assert reply.status == 400 and reply.json()["param"] == "response_format.json_schema.schema", reply.body
+
+
 async def test_required_keys_without_properties_are_written(server):
     """JSON Schema: `required` alone asks for the keys, their values as additionalProperties says."""
     schema = {"type": "object", "required": ["a", "b"], "additionalProperties": {"type": "boolean"}}

@@ -276,6 +276,21 @@ def test_output_plan(smollm2):
         assert (e.value.field, e.value.path) == ("tools", "/3/parameters/properties/x/pattern"), choice
 
 
+def test_a_bound_only_the_output_reaches_is_named_by_the_field_being_written():
+    from types import SimpleNamespace
+
+    from engine.tools import output_field
+
+    def field(output=b"", **kw):
+        request = SimpleNamespace(**{"tools": TOOLS, "tool_choice": "auto", "json_schema": {"type": "object"}, **kw})
+        return output_field(request, output)
+
+    assert field(b"<tool_call>") == "tools" and field(b'{"a": [[') == "json_schema"
+    assert field(b"{", tool_choice="required") == field(tool_choice={"name": "add"}) == "tools"
+    assert field(b"[", tool_choice="none") == "json_schema"
+    assert field(b"Sure", json_schema=None) == "tools" and field(b"[", tools=None) == "json_schema"
+
+
 # an answer the schema describes, or calls: short, so that a random model ends both
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
                                            "sure": {"type": "boolean"}}, "required": ["answer"],
