@@ -11,6 +11,7 @@ import asyncio
 import json
 from contextlib import aclosing
 
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -295,6 +296,64 @@ async def test_function_tools_and_their_results(server):
     assert done and deltas == done[0].arguments and set(json.loads(done[0].arguments)) == {"city"}
     assert events[-1].type == "response.completed"
     assert events[-1].response.output[0].parsed_arguments is None or events[-1].response.output[0].type
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=5)
+
+
+def called_or_answered(calls, text) -> str:
+    """Valid calls (jsonschema on WEATHER's parameters) and no text, or no call and a text
+    that is a Verdict: D5 with tools and a json_schema, never neither."""
+    if calls:
+        assert not text, text
+        for name, arguments in calls:
+            assert name == "get_weather"
+            jsonschema.validate(json.loads(arguments), WEATHER["parameters"])
+        return "calls"
+    jsonschema.validate(json.loads(text), Verdict.model_json_schema())
+    return "answer"
+
+
+async def test_an_agent_with_tools_and_an_output_type_calls_or_answers(server):
+    """What the Agents SDK sends for an agent with tools and an `output_type`: strict tools
+    and a strict json_schema text format, tool_choice left to the model."""
+    output_schema = {**Verdict.model_json_schema(), "additionalProperties": False}
+    text_format = {"format": {"type": "json_schema", "name": "final_output", "schema": output_schema, "strict": True}}
+
+    def work(client):
+        return [client.responses.create(model=TINY_ID, input=ASK, tools=[{**WEATHER, "strict": True}],
+                                        text=text_format, temperature=temperature, max_output_tokens=200,
+                                        **({"tool_choice": choice} if choice else {}))
+                for temperature in (0, 1.0) for choice in (None, "auto", "required", "none")]
+
+    for response in await sync_sdk(server, work):
+        assert response.status == "completed"
+        calls = [(item.name, item.arguments) for item in response.output if item.type == "function_call"]
+        kind = called_or_answered(calls, response.output_text)
+        assert kind == {"required": "calls", "none": "answer"}.get(response.tool_choice, kind)
+
+
+async def test_chat_completions_parse_with_tools_and_a_response_format(server):
+    """`chat.completions.parse(tools=[pydantic_function_tool], response_format=Model)`: the
+    SDK parses the calls' arguments or the message, whichever the model chose."""
+    async def work(client):
+        return [await client.chat.completions.parse(
+            model=TINY_ID, messages=[{"role": "user", "content": ASK}], seed=seed, temperature=1.0, max_tokens=200,
+            tools=[openai.pydantic_function_tool(GetWeather, name="get_weather")], response_format=Verdict)
+            for seed in range(8)]
+
+    kinds = set()
+    for completion in await async_sdk(server, work):
+        choice = completion.choices[0]
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == ("tool_calls" if calls else "stop")
+        kinds.add(called_or_answered([(c.function.name, c.function.arguments) for c in calls], choice.message.content))
+        for call in calls:
+            assert isinstance(call.function.parsed_arguments, GetWeather)
+        if not calls:
+            assert isinstance(choice.message.parsed, Verdict)
+    assert kinds == {"calls", "answer"}  # (seeded: the same both times)
 
 
 # -- background responses ----------------------------------------------------------------------
