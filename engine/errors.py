@@ -36,13 +36,14 @@ class SchemaError(EngineError):
 
     `path` is a JSON-pointer-like path inside the schema, `keyword` the offending
     keyword when there is one, `field` the chat request's field the schema is in
-    ("tools" or "json_schema"; None when the raiser cannot tell: its caller can).
+    ("tools" or "json_schema"), which the compiler does not know: engine/tools.py and
+    engine/chat.py set it.
     """
 
-    def __init__(self, message: str, path: str = "", keyword: str | None = None, field: str | None = None):
+    def __init__(self, message: str, path: str = "", keyword: str | None = None):
         self.path = path
         self.keyword = keyword
-        self.field = field
+        self.field: str | None = None
         super().__init__(message)
 
 

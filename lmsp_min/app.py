@@ -267,7 +267,7 @@ class PreparedResponse:
                         except StopAsyncIteration:
                             return
                         except SchemaError as exc:
-                            raise _schema_problem(exc, self.request) from None
+                            raise _schema_problem(exc) from None
                     if wait.cancelled_caught:
                         raise ServiceStopping
                     yield event
@@ -313,7 +313,7 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
         param = "input" if exc.n_prompt >= exc.n_ctx else "max_output_tokens"
         raise Problem("context_length_exceeded", str(exc), param=param) from None
     except SchemaError as exc:
-        raise _schema_problem(exc, request) from None
+        raise _schema_problem(exc) from None
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
@@ -323,12 +323,11 @@ async def prepare_generation(body: dict, principal: str, service) -> PreparedRes
                             service.generations)
 
 
-def _schema_problem(exc, request: ResponsesRequest) -> Problem:
+def _schema_problem(exc) -> Problem:
     """D5: a schema we cannot enforce (an engine SchemaError) is refused by name, where it
-    is in the request's json_schema or tools (the engine says which, when it has both),
-    whether preparing or generating found it."""
-    field = exc.field or ("json_schema" if request.json_schema is not None else "tools")
-    param = "response_format.json_schema.schema" if field == "json_schema" else "tools"
+    is in the request's json_schema or tools (the engine says which: a request may have
+    both), whether preparing or generating found it."""
+    param = "tools" if exc.field == "tools" else "response_format.json_schema.schema"
     detail = f"the schema cannot be enforced: {exc}"
     if exc.keyword and exc.keyword not in detail:
         detail += f" (keyword '{exc.keyword}')"
