@@ -406,8 +406,9 @@ async def test_chat_with_tools_and_a_schema_calls_or_answers(tiny):
     choices = ["auto", "auto", "auto", "required", {"type": "function", "name": "pick"}, "none"]
 
     def request(seed):
+        sampling = SamplingParams(temperature=(0.7, 1.0, 1.5)[seed % 3], seed=seed)
         return ChatRequest(messages, max_tokens=200, tools=TINY_TOOLS, tool_choice=choices[seed % len(choices)],
-                           json_schema=ANSWER, sampling=SamplingParams(temperature=(0.7, 1.0, 1.5)[seed % 3], seed=seed))
+                           json_schema=ANSWER, sampling=sampling)
 
     results = await run_concurrently(lambda seed: chat_events(tiny, request(seed)), 24)
     kinds = {}
