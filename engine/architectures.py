@@ -95,12 +95,19 @@ class Batch:
     spans: list[slice]               # rows of each sequence in the batch
     tokens: np.ndarray               # (n,) token ids
     positions: np.ndarray            # (n,) position of each token in its sequence
+    wanted: list[int] | None = None  # logit rows of each sequence: its last k tokens' (None: 1 each)
     rope_cache: dict = field(default_factory=dict)  # local/global -> turns, shared by the layers
 
     @property
-    def last_rows(self) -> list[int]:
-        """The row of each sequence's last token."""
-        return [span.stop - 1 for span in self.spans]
+    def output_spans(self) -> list[slice]:
+        """The rows of each sequence whose logits are wanted: its last one, or its last k."""
+        wanted = self.wanted or [1] * len(self.spans)
+        return [slice(span.stop - k, span.stop) for span, k in zip(self.spans, wanted)]
+
+    @property
+    def output_rows(self) -> list[int]:
+        """The rows of `output_spans`, in order."""
+        return [row for span in self.output_spans for row in range(span.start, span.stop)]
 
     def rope_turns(self, hp: Hyperparameters, local: bool) -> np.ndarray:
         """e^(i angle) (n, rope_dim/2) complex64 of this batch's positions, computed once per step."""
@@ -116,8 +123,9 @@ class Batch:
         return self.rope_cache[local]
 
 
-def make_batch(sequences: list[Sequence], max_tokens_each: int) -> Batch:
-    """Take up to max_tokens_each pending tokens of every sequence."""
+def make_batch(sequences: list[Sequence], max_tokens_each: int, wanted: list[int] | None = None) -> Batch:
+    """Take up to max_tokens_each pending tokens of every sequence; `wanted`: how many of
+    each one's last tokens need logits (None: its last one)."""
     starts, spans, tokens, positions, row = [], [], [], [], 0
     for seq in sequences:
         start = seq.cache.length
@@ -129,14 +137,18 @@ def make_batch(sequences: list[Sequence], max_tokens_each: int) -> Batch:
         tokens.extend(new)
         positions.extend(range(start, start + len(new)))
         row += len(new)
-    return Batch(sequences, starts, spans, np.asarray(tokens, np.int64), np.asarray(positions, np.int64))
+    if wanted is not None:
+        wanted = [max(1, min(k, span.stop - span.start)) for k, span in zip(wanted, spans)]
+    return Batch(sequences, starts, spans, np.asarray(tokens, np.int64), np.asarray(positions, np.int64),
+                 wanted)
 
 
 def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = False) -> list[np.ndarray]:
     """Run the batch through the model and advance every sequence's cache.
 
     Returns, per sequence, the logits (T, V) of all its new tokens when
-    `all_logits`, else (1, V) of its last new token only (what sampling needs).
+    `all_logits`, else (k, V) of its last k new tokens (`batch.wanted`; by default
+    k = 1, what sampling needs; a speculative draft's verification wants them all).
     """
     for seq, span, start in zip(batch.sequences, batch.spans, batch.starts):
         seq.cache.reserve(start + span.stop - span.start)
@@ -149,27 +161,31 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
     # Of the last block's output only the rows of the wanted logits are read, so (as in
     # llama.cpp) it computes every token's keys and values, which the cache keeps, and
     # the rest for those rows only: one block's attention and feed-forward less, bar a row.
-    x = block(x, w.blocks[-1], hp, batch, hp.n_layer - 1, all_rows=all_logits)  # (n or n_seq, d)
-    x = rms_norm(x, w.output_norm, hp.norm_eps)                # (n or n_seq, d)
-    logits = w.output.matmul(x)                                # (n or n_seq, V)
+    x = block(x, w.blocks[-1], hp, batch, hp.n_layer - 1, all_rows=all_logits)  # (n or m, d)
+    x = rms_norm(x, w.output_norm, hp.norm_eps)                # (n or m, d)
+    logits = w.output.matmul(x)                                # (n or m, V)
     if hp.logit_softcap:
         logits = np.tanh(logits / np.float32(hp.logit_softcap)) * np.float32(hp.logit_softcap)
     for seq, span in zip(batch.sequences, batch.spans):
         seq.cache.length += span.stop - span.start
     if all_logits:
         return [logits[span] for span in batch.spans]
-    return [logits[i: i + 1] for i in range(len(batch.spans))]
+    out, row = [], 0
+    for span in batch.output_spans:
+        out.append(logits[row: row + span.stop - span.start])
+        row += span.stop - span.start
+    return out
 
 
 def llama_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int,
                 all_rows: bool = True) -> np.ndarray:
     """Pre-norm attention and SwiGLU feed-forward, each added to the residual (llama, qwen2, qwen3).
 
-    With `all_rows` False, the output has only each sequence's last row (n_seq of them).
+    With `all_rows` False, the output has only the rows whose logits are wanted (m of them).
     """
     h = rms_norm(x, blk.attn_norm, hp.norm_eps)                # (n, d)
     if not all_rows:
-        x = x[batch.last_rows]                                 # (n_seq, d): m = n_seq from here
+        x = x[batch.output_rows]                               # (m, d): the wanted rows from here
     x = x + attention(h, blk, hp, batch, layer, all_rows)      # (m, d)
     h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (m, d)
     gate, up = split_gate_up(blk.gate_up.matmul(h))           # (m, n_ff) each
@@ -181,12 +197,12 @@ def gemma3_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, l
                  all_rows: bool = True) -> np.ndarray:
     """Sandwich norms: each sub-layer's input and output are normalized before the residual add.
 
-    With `all_rows` False, the output has only each sequence's last row (n_seq of them).
+    With `all_rows` False, the output has only the rows whose logits are wanted (m of them).
     """
     h = rms_norm(x, blk.attn_norm, hp.norm_eps)                # (n, d)
-    h = attention(h, blk, hp, batch, layer, all_rows)          # (m, d): m = n, or n_seq
+    h = attention(h, blk, hp, batch, layer, all_rows)          # (m, d): m = n, or the wanted rows
     if not all_rows:
-        x = x[batch.last_rows]                                 # (m, d)
+        x = x[batch.output_rows]                               # (m, d)
     x = x + rms_norm(h, blk.post_attention_norm, hp.norm_eps)  # (m, d)
     h = rms_norm(x, blk.ffn_norm, hp.norm_eps)                 # (m, d)
     gate, up = split_gate_up(blk.gate_up.matmul(h))           # (m, n_ff) each
@@ -203,7 +219,8 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     """Multi-head (grouped-query) self-attention of the batch; stores the new K/V in each cache.
 
     Every token's keys and values are stored; the output has a row per token, or with
-    `all_rows` False only each sequence's last one (its other queries are not computed).
+    `all_rows` False only the wanted ones, each sequence's last k (its other queries are
+    not computed).
     """
     n = h.shape[0]
     n_q, n_k = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
@@ -220,8 +237,8 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     q, k = qk[:, : hp.n_head], qk[:, hp.n_head:]               # (n, n_head, hd), (n, n_head_kv, hd)
     window = hp.sliding_window if local else 0
 
-    # the queries attended: every token's, or each sequence's last one
-    queries = batch.spans if all_rows else [slice(row, row + 1) for row in batch.last_rows]
+    # the queries attended: every token's, or each sequence's last k
+    queries = batch.spans if all_rows else batch.output_spans
     caches = []
     for seq, span, start in zip(batch.sequences, batch.spans, batch.starts):
         seq.cache.store(layer, start, k[span], v[span])

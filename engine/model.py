@@ -155,13 +155,14 @@ class Model:
         return hp.n_layer * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 4
 
     def step(self, sequences: list[Sequence], all_logits: bool = False,
-             chunk: int = PREFILL_CHUNK) -> list[np.ndarray]:
+             chunk: int = PREFILL_CHUNK, logit_rows: list[int] | None = None) -> list[np.ndarray]:
         """One forward step over up to `chunk` pending tokens of each sequence (blocking).
 
-        Returns per sequence the logits of its last fed token (1, V), or of all
-        fed tokens (T, V) with `all_logits`.
+        Returns per sequence the logits of its last fed token (1, V), of its last k
+        fed tokens (k, V) with `logit_rows` (k per sequence: a draft to verify), or
+        of all fed tokens (T, V) with `all_logits`.
         """
-        batch = architectures.make_batch(sequences, chunk)
+        batch = architectures.make_batch(sequences, chunk, logit_rows)
         with self._forward_lock:
             out = architectures.forward(self.hp, self.weights, batch, all_logits)
             self.steps += 1
