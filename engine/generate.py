@@ -108,7 +108,8 @@ class Generation:
         stops = StopFilter(self.stop)
         complete = sampler.constraint.is_done if sampler.constraint is not None else None
         with model.scheduler.submit(self.prompt_ids, pick=sampler.pick, max_tokens=self.max_tokens,
-                                    stop_ids=frozenset(eos_ids), stop_when=complete) as steps:
+                                    stop_ids=frozenset(eos_ids), stop_when=complete,
+                                    constraint=sampler.constraint) as steps:
             async for token, ending in steps:
                 self.cached_tokens = steps.cached_tokens
                 if token in eos_ids:

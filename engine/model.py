@@ -50,10 +50,12 @@ class ModelInfo:
     capabilities: tuple[str, ...]  # among "tools", "structured_output", "reasoning" (engine/describe.py)
 
 
-def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int | None = None) -> Model:
+def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int | None = None,
+               speculate: bool = True) -> Model:
     """Open a GGUF model. `n_ctx` caps the context window (default: the trained length);
     `kv_cache_bytes` bounds the KV caches of its scheduler's running requests together
-    (see engine.scheduler; default: no bound)."""
+    (see engine.scheduler; default: no bound); `speculate` False turns off drafts from
+    the context and forced text (engine/speculate.py), which never change the output."""
     file = GGUFFile(path)
     hp = read_hyperparameters(file)
     weights = load_weights(file, hp)
@@ -67,6 +69,7 @@ def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int |
             accelerator.close()
         raise
     model.scheduler.kv_cache_bytes = kv_cache_bytes
+    model.scheduler.speculate = speculate
     model.accel = accelerator
     accel.release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd
     return model

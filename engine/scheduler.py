@@ -18,7 +18,14 @@ of them through `model.step` together:
   the front of the queue, to resume from its tokens so far (the prefix cache
   usually still holds what it computed). One request alone may exceed the bound
   (its context window bounds it), or it could never run;
-- a cancelled request leaves at the next step.
+- a cancelled request leaves at the next step;
+- with `speculate` (the default), a decoding request may feed a draft after its
+  last token: tokens guessed from its context or forced by its constraint
+  (engine/speculate.py), verified in the same step by its own `pick` at every
+  drafted position; the tokens it agrees with, and its own next one, are taken, the
+  rest are dropped from the sequence and its KV cache. Each taken token is its own
+  `Step`, delivered together; stop ids, `stop_when`, `max_tokens` and a cancel are
+  judged token by token, as without drafts.
 
 A prompt starts from the longest prefix of it that an earlier sequence already
 ran (engine/prefix_cache.py); a finished or cancelled sequence goes back to that
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from typing import Callable, NamedTuple
 
@@ -51,6 +59,7 @@ import trio
 from .errors import ModelClosed, QueueFull
 from .kv_cache import INITIAL_CAPACITY, Sequence
 from .prefix_cache import PrefixCache
+from .speculate import MAX_DRAFT, Drafter, StepCost, draft_lengths
 
 PREFILL_CHUNK = 512  # prompt tokens per forward step while prefilling (Model.step's default too)
 
@@ -69,7 +78,7 @@ class Request:
 
     def __init__(self, prompt: list[int], pick: Pick, max_tokens: int, stop_ids: frozenset[int],
                  stop_when: Callable[[], bool] | None, send: trio.MemorySendChannel,
-                 trio_token: trio.lowlevel.TrioToken):
+                 trio_token: trio.lowlevel.TrioToken, constraint=None):
         self.tokens = prompt               # the prompt, and after a preemption what it generated too
         self.pick = pick
         self.max_tokens = max_tokens
@@ -83,6 +92,10 @@ class Request:
         self.finish_reason: str | None = None  # "stop" (a stop id) or "length" once finished here
         self.cancelled = False
         self.preempted = 0                 # times it left the batch to make room in the KV budget
+        self.constraint = constraint       # what `pick` obeys, read for drafts (engine/jump_forward.py)
+        self.drafter: Drafter | None = None  # made in the worker thread at its first draft
+        self.proposal: tuple = ((), None)  # this step's draft proposed, and its Acceptance
+        self.draft: list[int] = []         # the draft tokens fed this step, after its last token
 
 
 class StepStream:
@@ -140,7 +153,7 @@ class Scheduler:
 
     def __init__(self, model, *, max_batch: int = 8, max_queue: int = 32, prefill_chunk: int = PREFILL_CHUNK,
                  interleave_chunk: int = 64, prefix_cache_bytes: int = 256 << 20,
-                 kv_cache_bytes: int | None = None):
+                 kv_cache_bytes: int | None = None, speculate: bool = True):
         self.model = model
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -148,6 +161,10 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.interleave_chunk = interleave_chunk
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.speculate = speculate             # drafts from the context and constraints (engine/speculate.py)
+        self.step_cost = StepCost()            # measured seconds of a step by its rows, for draft lengths
+        self.drafted = 0                       # draft tokens verified so far (benchmarks read both)
+        self.accepted = 0                      # of those, taken
         self._lock = threading.Lock()          # guards _waiting, _running and _closed
         self._waiting: deque[Request] = deque()
         self._running = False                  # a worker thread is stepping the requests
@@ -156,7 +173,7 @@ class Scheduler:
 
     def submit(self, prompt: list[int], *, pick: Pick, max_tokens: int,
                stop_ids: frozenset[int] = frozenset(),
-               stop_when: Callable[[], bool] | None = None) -> StepStream:
+               stop_when: Callable[[], bool] | None = None, constraint=None) -> StepStream:
         """Queue a generation; call from a trio task. Raises QueueFull when the queue is
         full, ModelClosed once the scheduler is closed.
 
@@ -165,7 +182,8 @@ class Scheduler:
         thread right after `pick`, which may advance it), or ("length") after
         `max_tokens` tokens or when the context window is full. The last token's
         `Step` carries that reason. The worker runs ahead of the reader, so state
-        that `pick` changes must be judged here, not by the reader.
+        that `pick` changes must be judged here, not by the reader. `constraint`,
+        the GrammarConstraint that `pick` advances, if any, lets drafts follow it.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -173,7 +191,7 @@ class Scheduler:
             raise ValueError("the prompt has no token")
         send, receive = trio.open_memory_channel(math.inf)
         request = Request(list(prompt), pick, max_tokens, frozenset(stop_ids), stop_when, send,
-                          trio.lowlevel.current_trio_token())
+                          trio.lowlevel.current_trio_token(), constraint)
         with self._lock:
             if self._closed:
                 raise ModelClosed()
@@ -295,7 +313,8 @@ class Scheduler:
         _deliver(request, None)
 
     def _step(self, active: list[Request]) -> None:
-        """One forward step: every decoding request's token, plus prompt chunks within the budget."""
+        """One forward step: every decoding request's token (and draft), plus prompt chunks
+        within the budget."""
         decoding = [r for r in active if r.seq.n_pending == 1]
         prefilling = [r for r in active if r.seq.n_pending > 1]
         budget = self.prefill_chunk if len(prefilling) > len(decoding) else self.interleave_chunk
@@ -306,34 +325,103 @@ class Scheduler:
                 break
             chunks.append(request)
             used += take
+        if self.speculate and decoding:
+            self._draft(decoding, len(decoding) + used, budget)
         batch = decoding + chunks
+        wanted = [1 + len(r.draft) for r in batch]
         try:
-            logits = self.model.step([r.seq for r in batch], chunk=budget)  # per request (1, V)
+            start = time.perf_counter()
+            logits = self.model.step([r.seq for r in batch], chunk=budget, logit_rows=wanted)  # (k, V) each
+            self.step_cost.record(sum(wanted) + used, time.perf_counter() - start)
         except Exception as exc:
             for request in batch:
                 active.remove(request)
                 _fail(request, exc)
             return
-        for request, row in zip(batch, logits):
-            if request.seq.n_pending or request.cancelled:
+        for request, rows in zip(batch, logits):
+            if request.seq.n_pending:
                 continue                 # mid-prompt: its logits are not wanted yet
+            self._take(request, rows, active)
+
+    def _draft(self, decoding: list[Request], rows: int, budget: int) -> None:
+        """Append to each decoding request's sequence the draft that pays (see engine/speculate.py)."""
+        proposals = []
+        for request in decoding:
+            seq = request.seq
+            limit = min(MAX_DRAFT, budget - 1, request.max_tokens - request.generated - 1,
+                        self.model.n_ctx - len(seq.tokens) - 1)
+            if request.drafter is None:
+                request.drafter = Drafter(seq.tokens, request.constraint, self.model.tokenizer)
+            request.proposal = request.drafter.propose(limit) if limit > 0 else ([], None)
+            proposals.append(request.proposal)
+        lengths = draft_lengths([p for p in proposals if p[1] is not None], rows, len(decoding), self.step_cost)
+        for request in decoding:
+            if request.proposal[1] is not None:
+                request.draft = list(request.proposal[0][: lengths.pop(0)])
+                request.seq.tokens.extend(request.draft)
+
+    def _take(self, request: Request, rows: np.ndarray, active: list[Request]) -> None:
+        """Pick a request's next token from its first row of logits, and on along its draft
+        while the picks agree with it; drop the rest of the draft; deliver what was taken."""
+        seq, draft = request.seq, request.draft
+        request.draft = []
+        before = len(seq.tokens) - len(draft)    # its tokens before the draft
+        taken: list[int] = []
+        failure = None
+        for i, row in enumerate(rows):
+            if request.cancelled:
+                break
             try:
-                token = int(request.pick(row[0]))
+                token = int(request.pick(row))
                 complete = request.stop_when is not None and request.stop_when()
             except Exception as exc:
-                _deliver(request, exc)
-                self._retire(request, active)
-                continue
-            request.seq.append(token)
+                failure = exc
+                break
+            taken.append(token)
             request.generated += 1
             if token in request.stop_ids or complete:
                 request.finish_reason = "stop"
-            elif request.generated >= request.max_tokens or len(request.seq.tokens) >= self.model.n_ctx:
+            elif request.generated >= request.max_tokens or before + len(taken) >= self.model.n_ctx:
                 request.finish_reason = "length"
-            if request.finish_reason:
-                self._retire(request, active, Step(token, request.finish_reason))
-            else:
+            if request.finish_reason or i >= len(draft) or token != draft[i]:
+                break
+        # the cache keeps the positions of the draft tokens taken: all but the last token
+        # taken (which, as after any pick, is pending)
+        del seq.tokens[before:]
+        seq.tokens.extend(taken)
+        seq.cache.truncate(len(seq.tokens) - 1)
+        self._observe(request, draft, taken)
+        if failure is not None or request.cancelled:
+            for token in taken:
                 _deliver(request, Step(token, None))
+            if failure is not None:
+                _deliver(request, failure)
+            self._retire(request, active)
+            return
+        for token in taken[:-1]:
+            _deliver(request, Step(token, None))
+        if request.finish_reason:
+            self._retire(request, active, Step(taken[-1], request.finish_reason))
+        else:
+            _deliver(request, Step(taken[-1], None))
+
+    def _observe(self, request: Request, draft: list[int], taken: list[int]) -> None:
+        """Tell the drafter what was taken, and its acceptance rate how its draft fared (a
+        proposal not sent is judged by its first token, which costs nothing)."""
+        if request.drafter is None:
+            return
+        request.drafter.extend(taken)
+        proposed, acceptance = request.proposal
+        request.proposal = ([], None)
+        if acceptance is None or not taken:
+            return
+        if draft:
+            agreed = next((i for i, (d, t) in enumerate(zip(draft, taken)) if d != t), min(len(draft), len(taken)))
+            acceptance.observe(len(draft), agreed)
+            self.drafted += len(draft)
+            self.accepted += agreed
+        elif proposed:
+            acceptance.observe(1, int(taken[0] == proposed[0]))
 
     def _retire(self, request: Request, active: list[Request], last: Step | None = None) -> None:
         """Take a request out of the batch, keep its cache for later prefixes, end its stream.

@@ -87,6 +87,7 @@ class Grammar:
                               f"{MAX_CONFIGURATIONS} ways to read one output", "", "anyOf")
         self._steps: dict = {}
         self._masks: dict = {}  # state -> uint8 (n_vocab / 8,) packed mask
+        self.forced: dict = {}  # state -> the bytes it forces (engine/jump_forward.py fills it)
         self._lock = threading.Lock()
 
     def step(self, state: frozenset, b: int) -> frozenset | None:
@@ -170,6 +171,20 @@ class GrammarConstraint:
 
     def complete(self) -> bool:
         return self.ended or self.grammar.complete(self.state)
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order from here, the constraint allows (nothing advances)."""
+        if self.ended:
+            return 0
+        index, grammar, state = self.grammar.index, self.grammar, self.state
+        for n, token_id in enumerate(tokens):
+            if token_id in index.eos_ids:
+                return n + 1 if grammar.complete(state) else n
+            data = index.token_bytes[token_id]
+            state = grammar.walk(state, data) if data else None
+            if state is None:
+                return n
+        return len(tokens)
 
     def is_done(self) -> bool:
         return self.ended or self.grammar.done(self.state)

@@ -1,0 +1,169 @@
+"""Speculative decoding from the context: drafts without a draft model.
+
+A decode step's time goes into reading the weights, so a step that feeds a sequence
+k + 1 tokens costs far less than k + 1 steps (docs/performance.md). When the next
+tokens can be guessed, the scheduler feeds the guess (a draft) after the last token
+in one step, takes the logits of every position, and keeps the longest prefix of
+the draft the model agrees with, plus the model's own next token: 1 to k + 1 tokens
+per step instead of 1.
+
+Where drafts come from:
+- the context (prompt lookup): the longest n-gram (up to NGRAM_MAX tokens) ending
+  the sequence that occurred before, in the prompt or the output; the tokens that
+  followed it there are the draft. An answer that repeats a passage, returns code
+  with one fix or quotes its source is mostly such runs;
+- a constraint (engine/jump_forward.py): the tokens of the text it forces.
+
+Verification is the sampler's own: at each drafted position the request's `pick`
+chooses a token from the logits there (greedy, or drawn with its seeded generator,
+under its constraint's mask), and the draft token is accepted when it is the token
+chosen. For a deterministic draft this is exactly the speculative sampling rule
+(the draft distribution q is a point mass on d: accept d with probability
+min(1, p(d)/q(d)) = p(d); on rejection draw from max(0, p - q) renormalized, which
+is p with d removed): drawing x from p and accepting d when x = d does both at once,
+and x itself is the next token. So the output has the distribution of decoding one
+token per step; with a seed, even the same tokens, since the draws happen in the same
+order (up to the near ties the batch rules already allow: a row's logits do not
+depend on the rows beside it beyond float rounding).
+
+What it costs: a step of n rows is measured (StepCost), the acceptance of each
+request's drafts is observed (a per-token rate, also from the drafts not sent: the
+model's next token is compared with the draft's first for free), and a draft is as
+long as maximizes the expected tokens per second of the whole step; where no length
+pays, none is sent (free text, whose guesses mostly fail, runs as without).
+"""
+
+from __future__ import annotations
+
+from .constrain import GrammarConstraint
+from .jump_forward import forced_tokens
+
+NGRAM_MAX = 4        # the longest context match looked for
+MAX_DRAFT = 16       # draft tokens per sequence per step, at most
+ACCEPTANCE_PRIOR = 0.5  # a new request's per-token acceptance, until observed
+FORCED_PRIOR = 0.9   # forced text: the model almost always takes the canonical split
+SMOOTHING = 0.2      # weight of each new observation in the acceptance rate
+ROW_COST_PRIOR = 0.25  # one more row, relative to a one-row step, until measured
+
+
+class PromptLookup:
+    """Drafts from n-gram matches in the tokens so far (prompt and accepted output)."""
+
+    def __init__(self, tokens: list[int], n_max: int = NGRAM_MAX):
+        self.n_max = n_max
+        self.tokens: list[int] = []
+        # index[n][the n tokens before position e] = e, the latest such e < len(tokens):
+        # the suffix itself is not indexed, so a lookup finds an earlier occurrence
+        self.index: list[dict] = [{} for _ in range(n_max + 1)]
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens accepted after those so far."""
+        old = len(self.tokens)
+        self.tokens.extend(tokens)
+        for e in range(max(old, 1), len(self.tokens)):  # ends e < len: all but the suffix
+            for n in range(1, min(self.n_max, e) + 1):
+                self.index[n][tuple(self.tokens[e - n: e])] = e
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest earlier match of the suffix."""
+        tokens = self.tokens
+        for n in range(min(self.n_max, len(tokens)), 0, -1):
+            e = self.index[n].get(tuple(tokens[-n:]))
+            if e is not None:
+                return tokens[e: e + limit]
+        return []
+
+
+class Acceptance:
+    """A per-token acceptance rate: the chance that a draft token, its predecessors
+    accepted, is the model's choice too (smoothed over the observations)."""
+
+    def __init__(self, prior: float):
+        self.rate = prior
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """`accepted` of `drafted` tokens were taken: that many yes, then one no (if any)."""
+        for _ in range(accepted):
+            self.rate += SMOOTHING * (1.0 - self.rate)
+        if accepted < drafted:
+            self.rate -= SMOOTHING * self.rate
+
+    def expected(self, k: int) -> float:
+        """The tokens a draft of k is expected to add: a + a^2 + ... + a^k."""
+        a = self.rate
+        return sum(a ** i for i in range(1, k + 1))
+
+
+class StepCost:
+    """Seconds of a forward step by its rows, as measured (smoothed), for the ratios that
+    decide a draft's length. Row counts not measured yet are estimated from the nearest
+    measured one by the prior ratio (ROW_COST_PRIOR per row)."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+    def __call__(self, rows: int) -> float:
+        """The cost of a step of `rows` rows, in the unit of the measurements (or of a
+        one-row step's prior, before any)."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        prior = lambda n: 1.0 + ROW_COST_PRIOR * (n - 1)  # noqa: E731
+        if not self.seconds:
+            return prior(rows)
+        near = min(self.seconds, key=lambda n: abs(n - rows))
+        return self.seconds[near] * prior(rows) / prior(near)
+
+
+class Drafter:
+    """One request's drafts: from its constraint's forced text, else from its context."""
+
+    def __init__(self, tokens: list[int], constraint=None, tokenizer=None):
+        self.lookup = PromptLookup(tokens)
+        # (a constraint of another kind still holds: `pick` obeys it, drafts or not)
+        self.constraint = constraint if isinstance(constraint, GrammarConstraint) else None
+        self.tokenizer = tokenizer
+        self.context = Acceptance(ACCEPTANCE_PRIOR)
+        self.forced = Acceptance(FORCED_PRIOR)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.lookup.extend(tokens)
+
+    def propose(self, limit: int) -> tuple[list[int], Acceptance]:
+        """A draft of at most `limit` tokens to follow the sequence, and the rate that
+        predicts its acceptance. Called after the constraint took the last token."""
+        if limit <= 0:
+            return [], self.context
+        constraint = self.constraint
+        if constraint is not None:
+            forced = forced_tokens(constraint, self.tokenizer)[:limit]
+            if forced:
+                return forced, self.forced
+        draft = self.lookup.propose(limit)
+        if constraint is not None and draft:
+            draft = draft[: constraint.allowed_prefix(draft)]
+        return draft, self.context
+
+
+def draft_lengths(proposals: list[tuple[list[int], Acceptance]], rows: int, tokens: int,
+                  cost: StepCost) -> list[int]:
+    """How many tokens of each proposal to send in a step that already has `rows` rows
+    and yields `tokens` tokens: each in turn as long as maximizes the step's expected
+    tokens per second (0 when no length pays)."""
+    lengths = []
+    for draft, acceptance in proposals:
+        best_k, best = 0, tokens / cost(rows)
+        gain = 0.0
+        for k in range(1, len(draft) + 1):
+            gain += acceptance.rate ** k
+            rate = (tokens + gain) / cost(rows + k)
+            if rate > best:
+                best_k, best = k, rate
+        lengths.append(best_k)
+        rows += best_k
+        tokens += acceptance.expected(best_k)
+    return lengths
