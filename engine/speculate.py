@@ -40,7 +40,9 @@ from .jump_forward import forced_tokens
 
 NGRAM_MAX = 4        # the longest context match looked for
 MAX_DRAFT = 16       # draft tokens per sequence per step, at most
-ACCEPTANCE_PRIOR = 0.5  # a new request's per-token acceptance, until observed
+# a new request's per-token acceptance of a draft after a match of n tokens, until observed:
+# one shared token predicts the next far worse than four (free text repeats single tokens)
+ACCEPTANCE_PRIOR = {1: 0.15, 2: 0.3, 3: 0.45, 4: 0.6}
 FORCED_PRIOR = 0.9   # forced text: the model almost always takes the canonical split
 SMOOTHING = 0.2      # weight of each new observation in the acceptance rate
 ROW_COST_PRIOR = 0.25  # one more row, relative to a one-row step, until measured
@@ -65,14 +67,15 @@ class PromptLookup:
             for n in range(1, min(self.n_max, e) + 1):
                 self.index[n][tuple(self.tokens[e - n: e])] = e
 
-    def propose(self, limit: int) -> list[int]:
-        """Up to `limit` tokens that followed the longest earlier match of the suffix."""
+    def propose(self, limit: int) -> tuple[list[int], int]:
+        """Up to `limit` tokens that followed the longest earlier match of the suffix, and
+        the match's length (0: none)."""
         tokens = self.tokens
         for n in range(min(self.n_max, len(tokens)), 0, -1):
             e = self.index[n].get(tuple(tokens[-n:]))
             if e is not None:
-                return tokens[e: e + limit]
-        return []
+                return tokens[e: e + limit], n
+        return [], 0
 
 
 class Acceptance:
@@ -127,26 +130,27 @@ class Drafter:
         # (a constraint of another kind still holds: `pick` obeys it, drafts or not)
         self.constraint = constraint if isinstance(constraint, GrammarConstraint) else None
         self.tokenizer = tokenizer
-        self.context = Acceptance(ACCEPTANCE_PRIOR)
+        self.context = {n: Acceptance(prior) for n, prior in ACCEPTANCE_PRIOR.items()}  # by match length
         self.forced = Acceptance(FORCED_PRIOR)
 
     def extend(self, tokens: list[int]) -> None:
         self.lookup.extend(tokens)
 
     def propose(self, limit: int) -> tuple[list[int], Acceptance]:
-        """A draft of at most `limit` tokens to follow the sequence, and the rate that
-        predicts its acceptance. Called after the constraint took the last token."""
-        if limit <= 0:
-            return [], self.context
+        """A draft of at most `limit` (> 0) tokens to follow the sequence, and the rate
+        that predicts its acceptance (None: no draft). Called after the constraint took
+        the last token."""
         constraint = self.constraint
         if constraint is not None:
             forced = forced_tokens(constraint, self.tokenizer)[:limit]
             if forced:
                 return forced, self.forced
-        draft = self.lookup.propose(limit)
-        if constraint is not None and draft:
+        draft, n = self.lookup.propose(limit)
+        if not draft:
+            return [], None
+        if constraint is not None:
             draft = draft[: constraint.allowed_prefix(draft)]
-        return draft, self.context
+        return draft, self.context[n]
 
 
 def draft_lengths(proposals: list[tuple[list[int], Acceptance]], rows: int, tokens: int,
