@@ -35,6 +35,8 @@ pays, none is sent (free text, whose guesses mostly fail, runs as without).
 
 from __future__ import annotations
 
+import math
+
 from .constrain import GrammarConstraint
 from .jump_forward import forced_tokens
 
@@ -42,7 +44,7 @@ NGRAM_MAX = 4        # the longest context match looked for
 MAX_DRAFT = 16       # draft tokens per sequence per step, at most
 # a new request's per-token acceptance of a draft after a match of n tokens, until observed:
 # one shared token predicts the next far worse than four (free text repeats single tokens)
-ACCEPTANCE_PRIOR = {1: 0.15, 2: 0.3, 3: 0.45, 4: 0.6}
+ACCEPTANCE_PRIOR = {1: 0.1, 2: 0.2, 3: 0.35, 4: 0.5}
 FORCED_PRIOR = 0.9   # forced text: the model almost always takes the canonical split
 SMOOTHING = 0.2      # weight of each new observation in the acceptance rate
 ROW_COST_PRIOR = 0.25  # one more row, relative to a one-row step, until measured
@@ -99,27 +101,31 @@ class Acceptance:
 
 
 class StepCost:
-    """Seconds of a forward step by its rows, as measured (smoothed), for the ratios that
-    decide a draft's length. Row counts not measured yet are estimated from the nearest
-    measured one by the prior ratio (ROW_COST_PRIOR per row)."""
+    """Seconds of a forward step by its rows, as measured, for the ratios that decide a
+    draft's length.
+
+    Each row count keeps its fastest step: on a shared machine other processes only
+    ever add time, so the fastest is the step's own cost, and a row count seen rarely
+    (its fastest still slow) looks dearer than it is, which errs towards not drafting.
+    A row count not measured yet is estimated from the nearest one measured, by the
+    prior ratio (ROW_COST_PRIOR per row), and no count costs less than a smaller one.
+    """
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
 
     def record(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        self.seconds[rows] = min(seconds, self.seconds.get(rows, math.inf))
 
     def __call__(self, rows: int) -> float:
-        """The cost of a step of `rows` rows, in the unit of the measurements (or of a
-        one-row step's prior, before any)."""
-        if rows in self.seconds:
-            return self.seconds[rows]
+        """The cost of a step of `rows` rows, in seconds (or in one-row steps, before any
+        measurement)."""
         prior = lambda n: 1.0 + ROW_COST_PRIOR * (n - 1)  # noqa: E731
         if not self.seconds:
             return prior(rows)
-        near = min(self.seconds, key=lambda n: abs(n - rows))
-        return self.seconds[near] * prior(rows) / prior(near)
+        near = min(self.seconds, key=lambda n: (abs(n - rows), n))
+        cost = self.seconds[near] * prior(rows) / prior(near)
+        return max([cost] + [seconds for n, seconds in self.seconds.items() if n < rows])
 
 
 class Drafter:
