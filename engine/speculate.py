@@ -105,10 +105,11 @@ class StepCost:
     draft's length.
 
     Each row count keeps its fastest step: on a shared machine other processes only
-    ever add time, so the fastest is the step's own cost, and a row count seen rarely
-    (its fastest still slow) looks dearer than it is, which errs towards not drafting.
-    A row count not measured yet is estimated from the nearest one measured, by the
-    prior ratio (ROW_COST_PRIOR per row), and no count costs less than a smaller one.
+    ever add time, so the fastest is the step's own cost. A row count not measured yet
+    is estimated from the nearest one measured, by the prior ratio (ROW_COST_PRIOR per
+    row), and no count costs less than a smaller one. The prior times the one-row
+    cost also caps the estimate: a row count first measured in a busy moment would
+    otherwise look too dear to draft for, and never be measured again.
     """
 
     def __init__(self):
@@ -125,7 +126,9 @@ class StepCost:
             return prior(rows)
         near = min(self.seconds, key=lambda n: (abs(n - rows), n))
         cost = self.seconds[near] * prior(rows) / prior(near)
-        return max([cost] + [seconds for n, seconds in self.seconds.items() if n < rows])
+        cost = max([cost] + [seconds for n, seconds in self.seconds.items() if n < rows])
+        one = self.seconds.get(1)
+        return cost if one is None else min(cost, one * prior(rows))
 
 
 class Drafter:
