@@ -353,8 +353,13 @@ def test_draft_lengths_back_off_where_drafts_do_not_pay():
     draft = list(range(8))
     assert speculate.draft_lengths([(draft, sure)], 1, 1, cost)[0] >= 4
     assert speculate.draft_lengths([(draft, doubtful)], 1, 1, cost) == [0]
-    doubtful.observe(1, 1)  # one success does not make a habit
-    assert speculate.draft_lengths([(draft, doubtful)], 1, 1, cost) == [0]
+    for _ in range(6):  # drafts that keep failing stop being sent
+        sure.observe(8, 0)
+    assert speculate.draft_lengths([(draft, sure)], 1, 1, cost) == [0]
+    # beside a long prompt chunk, a row more costs little: a doubtful draft pays there
+    cost.record(64, 8.0)
+    cost.record(66, 8.1)
+    assert speculate.draft_lengths([(draft, doubtful)], 64, 1, cost)[0] > 0
 
 
 def test_prompt_lookup_drafts_what_followed_the_longest_match():
