@@ -350,6 +350,8 @@ class Scheduler:
             seq = request.seq
             limit = min(MAX_DRAFT, budget - 1, request.max_tokens - request.generated - 1,
                         self.model.n_ctx - len(seq.tokens) - 1)
+            if self.kv_cache_bytes is not None:  # a draft never grows a cache past what the budget counted
+                limit = min(limit, seq.cache.capacity - len(seq.tokens))
             if request.drafter is None:
                 request.drafter = Drafter(seq.tokens, request.constraint, self.model.tokenizer)
             request.proposal = request.drafter.propose(limit) if limit > 0 else ([], None)

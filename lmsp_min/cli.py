@@ -390,6 +390,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--kv-cache-mib", type=_number(int, 1), default=1024, metavar="N",
                    help="the KV caches of a model's running requests together, in MiB (default 1024): past it, "
                         "requests wait their turn; one request alone may exceed it, up to its context window")
+    p.add_argument("--no-speculate", action="store_true",
+                   help="decode one token per step: no drafts from the context or forced text (they never "
+                        "change the output, and back off where they do not pay)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -418,6 +421,7 @@ def cmd_serve(args) -> int:
         context_cap=args.ctx,
         kv_cache_bytes=args.kv_cache_mib << 20,
         queue_depth=args.queue_depth,
+        speculate=not args.no_speculate,
     )
     try:
         run(config, args.host, args.port)

@@ -94,6 +94,7 @@ class ModelEntry:
     context_cap: int | None = None  # `serve --ctx`: the window is at most this (D4)
     kv_cache_bytes: int | None = None  # `serve --kv-cache-mib`: its running requests' KV caches together
     queue_depth: int = DEFAULT_QUEUE_DEPTH  # requests admitted at once; past it: 429
+    speculate: bool = True  # `serve --no-speculate` turns drafts off (engine/speculate.py)
     model: object | None = None
     admissions: Admissions = field(init=False, repr=False)  # its admitted requests, and their turns
     _load_lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
@@ -105,7 +106,8 @@ class ModelEntry:
 
     @classmethod
     def from_file(cls, path: Path, context_cap: int | None = None,
-                  kv_cache_bytes: int | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> "ModelEntry":
+                  kv_cache_bytes: int | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH,
+                  speculate: bool = True) -> "ModelEntry":
         header = read_header(path)  # arrays skipped: their length only
         meta = header.metadata
         architecture = meta.get("general.architecture")
@@ -128,6 +130,7 @@ class ModelEntry:
             context_cap=context_cap,
             kv_cache_bytes=kv_cache_bytes,
             queue_depth=queue_depth,
+            speculate=speculate,
         )
 
     def model_object(self, service_capabilities: tuple[str, ...]) -> dict:
@@ -158,7 +161,8 @@ class ModelEntry:
                 started = time.perf_counter()
                 try:
                     model = await trio.to_thread.run_sync(functools.partial(
-                        engine.load_model, self.path, self.context_cap, kv_cache_bytes=self.kv_cache_bytes))
+                        engine.load_model, self.path, self.context_cap, kv_cache_bytes=self.kv_cache_bytes,
+                        speculate=self.speculate))
                 except Exception as exc:
                     if log is not None:
                         log(f"error: model {self.id} failed to load: {type(exc).__name__}: {exc}")
@@ -221,26 +225,27 @@ class Registry:
 
     def __init__(self, entries: list[ModelEntry], models_dir: Path | None = None, log=None,
                  context_cap: int | None = None, kv_cache_bytes: int | None = None,
-                 queue_depth: int = DEFAULT_QUEUE_DEPTH):
+                 queue_depth: int = DEFAULT_QUEUE_DEPTH, speculate: bool = True):
         self._entries = {entry.id: entry for entry in entries}
         self.models_dir = models_dir
         self.context_cap = context_cap  # caps the context window of every model found (D4)
         self.kv_cache_bytes = kv_cache_bytes  # bounds each model's running KV caches together
         self.queue_depth = queue_depth  # requests each model admits at once
+        self.speculate = speculate  # drafts from the context and forced text, for every model found
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._known = {entry.path.resolve() for entry in entries}  # files read, served or not
 
     @classmethod
     async def scan(cls, paths: list[Path], models_dir: Path | None, log=None,
                    context_cap: int | None = None, kv_cache_bytes: int | None = None,
-                   queue_depth: int = DEFAULT_QUEUE_DEPTH) -> "Registry":
+                   queue_depth: int = DEFAULT_QUEUE_DEPTH, speculate: bool = True) -> "Registry":
         """Read the headers of every `--model` path and every .gguf in `models_dir`.
 
         A `--model` that cannot be read is an error (raised as ValueError with a
         message for the command line); an unreadable file in the models
         directory is reported and skipped.
         """
-        registry = cls([], models_dir, log, context_cap, kv_cache_bytes, queue_depth)
+        registry = cls([], models_dir, log, context_cap, kv_cache_bytes, queue_depth, speculate)
         await registry._add([Path(path) for path in paths], _gguf_files(models_dir))
         return registry
 
@@ -273,7 +278,8 @@ class Registry:
         read = []
         for path in paths:
             try:
-                read.append((path, ModelEntry.from_file(path, self.context_cap, self.kv_cache_bytes, self.queue_depth)))
+                read.append((path, ModelEntry.from_file(path, self.context_cap, self.kv_cache_bytes, self.queue_depth,
+                                                         self.speculate)))
             except (OSError, GGUFHeaderError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 if path in explicit:

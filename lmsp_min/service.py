@@ -72,6 +72,7 @@ class ServiceConfig:
     kv_cache_bytes: int | None = 1024 << 20  # --kv-cache-mib: each model's running requests' KV caches
                                              # together (None: no bound)
     queue_depth: int = DEFAULT_QUEUE_DEPTH  # --queue-depth: requests each model admits at once (D9)
+    speculate: bool = True  # --no-speculate: no drafts from the context or forced text (never changes output)
 
 
 class Service:
@@ -101,7 +102,7 @@ class Service:
         tokens file (ValueError: a message for the user) and opens the store; at the end
         it closes the models loaded meanwhile, then the store."""
         registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap,
-                                       config.kv_cache_bytes, config.queue_depth)
+                                       config.kv_cache_bytes, config.queue_depth, config.speculate)
         auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
         location = config.store_url or ((config.data_dir or paths.data_dir()) if config.store else None)
         store = await open_store(location, lease=config.store_lease, log=log)

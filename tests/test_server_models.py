@@ -155,7 +155,7 @@ async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
             capabilities = ("tools",)
             context_length = 256
 
-    def slow_load(path, n_ctx=None, kv_cache_bytes=None):
+    def slow_load(path, n_ctx=None, kv_cache_bytes=None, speculate=True):
         calls.append(path)
         import time
 
@@ -275,6 +275,25 @@ async def test_the_kv_cache_bound_reaches_the_loaded_models_scheduler(nursery, t
     body = {"model": TINY_ID, "input": [{"role": "user", "content": "Hello there!"}], "max_output_tokens": 2}
     assert (await server.responses(body)).status == 200
     assert service.registry.get(TINY_ID).model.scheduler.kv_cache_bytes == 3 << 20
+
+
+def test_serve_no_speculate_reaches_the_loaded_models_scheduler(monkeypatch, tiny_path):
+    from lmsp_min import cli, service
+
+    configs = []
+    monkeypatch.setattr(service, "run", lambda config, host, port: configs.append(config))
+    assert cli.main(["serve", "--model", str(tiny_path), "--no-speculate"]) == 0
+    assert cli.main(["serve", "--model", str(tiny_path)]) == 0
+    assert [config.speculate for config in configs] == [False, True]
+
+
+async def test_speculation_off_reaches_the_loaded_models_scheduler(nursery, tiny_path):
+    service = await open_service(ServiceConfig(model_paths=[tiny_path], store=False, speculate=False),
+                                log=lambda line: None)
+    server = await start_server(nursery, service)
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "Hello there!"}], "max_output_tokens": 2}
+    assert (await server.responses(body)).status == 200
+    assert service.registry.get(TINY_ID).model.scheduler.speculate is False
 
 
 async def test_a_model_id_with_a_dot_and_a_colon_is_served(nursery, tiny_path, tmp_path):
