@@ -11,6 +11,7 @@ wrong token planted), which makes every path run: taken runs, rejections, rollba
 
 import json
 import math
+import threading
 
 import jsonschema
 import numpy as np
@@ -23,7 +24,7 @@ from engine.chat import ChatRequest, TextDelta, ToolCall
 from engine.constrain import json_constraint, TokenIndex
 from engine.jump_forward import forced_bytes
 from engine.reference import reference_logits
-from engine.sampling import SamplingParams
+from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import Scheduler
 from test_scheduler import assert_same_greedy, greedy
 from tiny import ARCHITECTURES, write_tiny_model
@@ -104,12 +105,15 @@ async def test_greedy_output_is_the_same_with_oracle_drafts(model, monkeypatch):
     assert model.steps - steps < 30 // 2  # several tokens per step
 
 
-async def test_batched_sequences_with_drafts_give_the_same_tokens(llama, monkeypatch):
+@pytest.mark.parametrize("kv_positions", [None, 600])
+async def test_batched_sequences_with_drafts_give_the_same_tokens(llama, kv_positions):
     prompts = [repeating_prompt(40 + 9 * i, period=3 + i, seed=i) for i in range(5)]
     plain = Scheduler(llama, speculate=False)
     expected = [await run(plain, p, 24) for p in prompts]
     plain.close()
-    drafted = Scheduler(llama, max_batch=4, prefill_chunk=32, interleave_chunk=16)
+    # (600 positions: two requests' caches at a time, the others wait, drafts within the bound)
+    budget = kv_positions and kv_positions * llama.kv_bytes_per_position
+    drafted = Scheduler(llama, max_batch=4, prefill_chunk=32, interleave_chunk=16, kv_cache_bytes=budget)
     got = [None] * len(prompts)
 
     async def one(i: int) -> None:
@@ -164,7 +168,7 @@ async def test_max_tokens_and_stop_ids_end_a_taken_run(llama, monkeypatch):
         drafted.close()
 
 
-async def test_a_cancel_during_a_draft_step_delivers_nothing_more(llama, monkeypatch):
+async def test_a_cancel_during_a_draft_step_leaves_no_draft_token_behind(llama, monkeypatch):
     prompt = repeating_prompt(seed=4)
     plain = Scheduler(llama, speculate=False)
     expected = await run(plain, prompt, 30)
@@ -172,7 +176,7 @@ async def test_a_cancel_during_a_draft_step_delivers_nothing_more(llama, monkeyp
     OracleDrafts(monkeypatch, prompt, expected, wrong=1000)
     drafted = Scheduler(llama)
     inner = llama.step
-    entered, release = trio.Event(), __import__("threading").Event()
+    entered, release = trio.Event(), threading.Event()
     token = trio.lowlevel.current_trio_token()
 
     def gated_step(sequences, **kw):
@@ -216,8 +220,6 @@ def top_k_probs(logits: np.ndarray, k: int) -> dict[int, float]:
 async def test_sampling_with_drafts_keeps_the_distribution(llama, monkeypatch):
     """Seeded draws repeat exactly with drafts; over many seeds the pairs of tokens after
     the first follow the exact top-k distribution (chi-square, fixed seeds)."""
-    from engine.sampling import Sampler
-
     k, n = 3, 1000
     prompt = repeating_prompt(20, seed=5)
     first = max(p := top_k_probs(reference_logits(llama, prompt)[-1], k), key=p.get)
