@@ -354,7 +354,10 @@ class Scheduler:
                 limit = min(limit, seq.cache.capacity - len(seq.tokens))
             if request.drafter is None:
                 request.drafter = Drafter(seq.tokens, request.constraint, self.model.tokenizer)
-            request.proposal = request.drafter.propose(limit) if limit > 0 else ([], None)
+            try:
+                request.proposal = request.drafter.propose(limit) if limit > 0 else ([], None)
+            except Exception:  # its constraint failed looking ahead (a schema's bound): no draft; the
+                request.proposal = ([], None)  # pick meets the same error, for this request alone
             proposals.append(request.proposal)
         lengths = draft_lengths([p for p in proposals if p[1] is not None], rows, len(decoding), self.step_cost)
         for request in decoding:
