@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +128,7 @@ class _Polling(AbstractContextManager):
         return None
 
 
-class Store:
+class Store(ABC):
     """The operations the service needs of its database (see the module docstring).
 
     `owner` is this store's random id: tasks and idempotency claims record the
@@ -142,42 +143,45 @@ class Store:
     liveness_period: float = math.inf
 
     @property
+    @abstractmethod
     def location(self) -> str:
         """Where the data is, for the service's banner (never a password)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Close the database connections (blocking: the service calls it in a worker thread)."""
 
     # -- stored responses -----------------------------------------------------------
 
+    @abstractmethod
     async def put_response(self, response_id: str, principal: str, input_items: list, body: str) -> None:
         """Store a final response (`body` is its JSON as served), durably."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def get_response(self, response_id: str, principal: str) -> StoredResponse | None:
         """The stored response, or None if unknown or owned by another principal."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def delete_response(self, response_id: str, principal: str) -> bool:
-        raise NotImplementedError
+        """Delete a stored response of `principal`; False if there was none."""
 
     # -- tasks ----------------------------------------------------------------------
 
+    @abstractmethod
     async def create_task(self, task_id: str, principal: str, created_at: int, model: str,
                           response_id: str, request: str) -> None:
         """A new task, `queued`, owned by this store (durably)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def set_task_status(self, task_id: str, status: str) -> None:
         """A non-final status change (queued -> in_progress)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def append_events(self, task_id: str, events: list[LoggedEvent]) -> None:
         """Append events to a task's log in one transaction (survives a kill -9 of
         the process); followers in other processes are told."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def finish_task(self, task_id: str, status: str, response: str, final_events: list[LoggedEvent],
                           stored: tuple[str, list] | None = None) -> bool:
         """End a task in one durable transaction: its last events, its final status
@@ -185,20 +189,19 @@ class Store:
         when its request asked for `store: true`. False (nothing written) if the task
         had already ended: two processes recovering the same dead owner's tasks end
         each only once."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def get_task(self, task_id: str, principal: str | None) -> TaskRow | None:
         """The task, or None if unknown or (principal given) owned by another principal."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def get_task_of_response(self, response_id: str, principal: str) -> TaskRow | None:
         """The task that generates (or generated) the response `response_id`, or None: the
         OpenAI dialect names a background response by its response id, not by its task's."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def read_events(self, task_id: str, after: int, limit: int | None = None) -> list[LoggedEvent]:
         """Up to `limit` (None: all) logged events with seq > `after`, in order, in one read."""
-        raise NotImplementedError
 
     def watch(self, task_id: str) -> AbstractContextManager[Watch]:
         """`with store.watch(task_id) as watch:` then read, `await watch.wait(timeout)`,
@@ -206,9 +209,9 @@ class Store:
         status), or after `timeout` seconds. Entered before the first read."""
         return _Polling()
 
+    @abstractmethod
     async def request_cancel(self, task_id: str) -> None:
         """Ask the process that runs a task to cancel it."""
-        raise NotImplementedError
 
     async def next_cancel_requests(self, running: Callable[[], bool] = lambda: True) -> list[str]:
         """Wait for cancels asked through other processes, then return the ids of our
@@ -220,61 +223,61 @@ class Store:
             if running():
                 return await self.cancel_requests()
 
+    @abstractmethod
     async def cancel_requests(self) -> list[str]:
         """The ids of our unfinished tasks that another process asked to cancel."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def interrupted_tasks(self, running: Callable[[str], bool] = lambda task_id: False
                                 ) -> list[tuple[TaskRow, list[LoggedEvent]]]:
         """Tasks left queued or in progress by an owner that is gone, with their logs,
         and this store's own unfinished tasks that are not `running` (asked after the
         rows are read: a task of ours is running before its row exists, until it is final)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def delete_task(self, task_id: str, principal: str) -> bool:
         """Delete a final task of `principal` with its event log, in one transaction.
         False (nothing deleted) if there is no such task, or it is not final: a running
         task is cancelled first (Tasks.delete says 409). Its stored response, if it made
         one, is a resource of its own (delete_response)."""
-        raise NotImplementedError
 
     # -- expiry ---------------------------------------------------------------------
 
+    @abstractmethod
     async def purge_stored(self, older_than: float) -> tuple[int, int]:
         """Delete the stored responses created, and the final tasks (with their event logs)
         ended, at or before `older_than` (Unix seconds): the --store-retention purge.
         Returns (responses, tasks) deleted."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def purge(self, now: float, event_retention: float, idempotency_ttl: float) -> int:
         """Delete the events of tasks that ended more than `event_retention` seconds
         ago and finished idempotency records older than `idempotency_ttl`.
         Returns how many tasks had their events purged."""
-        raise NotImplementedError
 
     # -- idempotency ----------------------------------------------------------------
 
+    @abstractmethod
     async def claim_idempotency_key(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | None:
         """Claim `key` for a new request: None if this request now owns it (it is
         recorded as running), else the record of the request that owns it."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def complete_idempotency_key(self, principal: str, key: str, *, status: int,
                                        content_type: str | None = None, body: bytes | None = None,
                                        task_id: str | None = None) -> None:
         """Record the result to replay for `key` (durably: the client sees it next)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def release_idempotency_key(self, principal: str, key: str) -> None:
         """Forget a claim whose request produced nothing to replay (it failed, or its
         client went away), so that a retry runs again."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def release_abandoned_keys(self) -> int:
         """Release the claims of requests that died with their process, and our own
         claims that no request holds any more (it could neither complete nor release
         its key: the disk was full, say). Returns how many were released."""
-        raise NotImplementedError
 
 
 def is_database_url(location: str | Path | None) -> bool:
