@@ -113,6 +113,16 @@ async def replay_rate(store: Store, task_id: str, tasks: Tasks) -> dict:
     return {"events_per_s": events / seconds, "mb_per_s": size / seconds / 1e6}
 
 
+async def follow_in_process(log: LiveLog, produced: dict[int, float], latencies: list[float]) -> None:
+    """Follow a live log as a stream of its own process does, noting for each event the
+    seconds since it was produced (`produced`: perf_counter() by sequence number)."""
+    async for batch in log.follow(0):
+        for event in batch or []:
+            sse(event)
+            if event.seq in produced:
+                latencies.append(time.perf_counter() - produced[event.seq])
+
+
 async def follow_latency(store: Store, n: int, rate: float) -> dict:
     """Per-event latency (ms) from production to SSE bytes: followed vs direct."""
     log = await new_task(store, "task_follow")
@@ -120,16 +130,9 @@ async def follow_latency(store: Store, n: int, rate: float) -> dict:
     followed: list[float] = []
     direct: list[float] = []
 
-    async def follower():
-        async for batch in log.follow(0):
-            for event in batch or []:
-                sse(event)
-                if event.seq in produced:
-                    followed.append(time.perf_counter() - produced[event.seq])
-
     async with trio.open_nursery() as nursery:
         nursery.start_soon(log.write_loop)
-        nursery.start_soon(follower)
+        nursery.start_soon(follow_in_process, log, produced, followed)
         period = 1.0 / rate
         for seq in range(1, n + 1):
             event = delta(seq)
@@ -164,16 +167,9 @@ async def follow_latency_across_nodes(node_a: Store, node_b: Store, n: int, rate
                 if int(seq) in produced:
                     across.append(now - produced[int(seq)])
 
-    async def on_a():
-        async for batch in log.follow(0):
-            for event in batch or []:
-                sse(event)
-                if event.seq in produced:
-                    same_node.append(time.perf_counter() - produced[event.seq])
-
     async with trio.open_nursery() as nursery:
         nursery.start_soon(log.write_loop)
-        nursery.start_soon(on_a)
+        nursery.start_soon(follow_in_process, log, produced, same_node)
         nursery.start_soon(on_b)
         period = 1.0 / rate
         for seq in range(1, n + 1):
