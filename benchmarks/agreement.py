@@ -53,10 +53,11 @@ def mean_kl(p_log: np.ndarray, q_log: np.ndarray) -> float:
 
 def llama_cpp_logits(path: str, ids: list[int], threads: int = 2) -> np.ndarray:
     """llama.cpp's logits (len(ids), V) float32 of every position, from one fresh context."""
-    from llama_cpp import Llama
+    from benchmarks import llamacpp
 
-    llm = Llama(model_path=str(path), logits_all=True, n_ctx=max(512, len(ids)), n_batch=max(512, len(ids)),
-                n_threads=threads, n_threads_batch=threads, verbose=False)
+    # through llamacpp.load for its plain CPU buffers: with llama.cpp's extra (AMX, repacked)
+    # buffers, a build on an AMX machine crashed evaluating the tiny models
+    llm = llamacpp.load(path, threads, n_ctx=max(512, len(ids)), n_batch=max(512, len(ids)), logits_all=True)
     llm.eval(ids)
     return np.array(llm.scores[: len(ids)], np.float32)
 

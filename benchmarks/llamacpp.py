@@ -30,8 +30,10 @@ import numpy as np
 from benchmarks import prompts, worker
 
 
-def load(path: str, threads: int = 2, n_ctx: int = 2048, extra_buffer_types: bool = False):
-    """A llama.cpp context on the GGUF at `path`: CPU only, `threads` threads for decode and batches.
+def load(path: str, threads: int = 2, n_ctx: int = 2048, extra_buffer_types: bool = False,
+         n_batch: int = 512, logits_all: bool = False):
+    """A llama.cpp context on the GGUF at `path`: CPU only, `threads` threads for decode and batches
+    (`logits_all`: the logits of every position evaluated, not only the last).
 
     Without `extra_buffer_types` llama.cpp keeps the weights in plain CPU buffers:
     a build for a CPU that advertises AMX uses AMX tiles for them, and where the
@@ -54,9 +56,10 @@ def load(path: str, threads: int = 2, n_ctx: int = 2048, extra_buffer_types: boo
         return Llama(
             model_path=str(path),
             n_ctx=n_ctx,
-            n_batch=512,
-            n_ubatch=512,
+            n_batch=n_batch,
+            n_ubatch=n_batch,
             n_threads=threads,
+            logits_all=logits_all,
             n_threads_batch=threads,
             verbose=False,
         )
