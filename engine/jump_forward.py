@@ -26,35 +26,64 @@ from __future__ import annotations
 from .constrain import GrammarConstraint
 
 MAX_FORCED_BYTES = 64  # a forced run is at most this long per step (a key and its quotes fit)
+SPACE = 0x20
 
 
 def forced_bytes(constraint: GrammarConstraint, limit: int = MAX_FORCED_BYTES) -> bytes:
     """The bytes that must come next, whatever the model picks (b"" when it has a choice)."""
     if constraint.ended:
         return b""
-    grammar, state = constraint.grammar, constraint.state
+    return _forced_from(constraint.grammar, constraint.state)[0][:limit]
+
+
+def draft_bytes(constraint: GrammarConstraint, limit: int = MAX_FORCED_BYTES) -> bytes:
+    """The forced bytes, continued through each optional space that forced text follows.
+
+    The grammar lets a JSON document put one space after a ',' or a ':' or not, so the
+    text forced after `"name": "Ada",` stops at that choice, and a record's keys would
+    cost a step each for their space alone. Models write the space (`", "age": `, as
+    json.dumps does), so the draft assumes it where more forced text comes after it:
+    ` "age":` in one step. It is a guess, not a certainty, which is why the result is
+    only drafted (the model verifies it like any draft), never appended unseen.
+    """
+    if constraint.ended:
+        return b""
+    grammar = constraint.grammar
+    out, at = _forced_from(grammar, constraint.state)
+    while len(out) < limit and not grammar.complete(at):
+        spaced = grammar.step(at, SPACE)
+        if spaced is None:
+            break
+        more, after = _forced_from(grammar, spaced)
+        if not more:  # free text after the space (a number, inside a string): no guess
+            break
+        out, at = out + b" " + more, after
+    return out[:limit]
+
+
+def _forced_from(grammar, state) -> tuple[bytes, frozenset]:
+    """The bytes forced from `state` (at most MAX_FORCED_BYTES), and the state after them."""
     cache = grammar.forced
     cached = cache.get(state)
     if cached is not None:
-        return cached[:limit]
+        return cached
     out = bytearray()
     at = state
-    while len(out) < limit and not grammar.complete(at):  # (complete: the end token is a choice)
+    while len(out) < MAX_FORCED_BYTES and not grammar.complete(at):  # (complete: the end token is a choice)
         nexts = [(b, s) for b in range(256) if (s := grammar.step(at, b)) is not None]
         if len(nexts) != 1:
             break
         b, at = nexts[0]
         out.append(b)
-    forced = bytes(out)
     if len(cache) >= grammar.MAX_MASKS * 16:
         cache.clear()
-    cache[state] = forced
-    return forced
+    cache[state] = (bytes(out), at)
+    return cache[state]
 
 
 def forced_tokens(constraint: GrammarConstraint, tokenizer) -> list[int]:
-    """The canonical tokens of the forced bytes ([] when nothing is forced)."""
-    data = forced_bytes(constraint)
+    """The canonical tokens of the bytes to draft ([] when the model has a choice)."""
+    data = draft_bytes(constraint)
     while data:  # whole characters only: a cut multi-byte character would not tokenize
         try:
             text = data.decode("utf-8")

@@ -22,7 +22,7 @@ import engine.speculate as speculate
 from engine import load_model
 from engine.chat import ChatRequest, TextDelta, ToolCall
 from engine.constrain import json_constraint, TokenIndex
-from engine.jump_forward import forced_bytes
+from engine.jump_forward import draft_bytes, forced_bytes
 from engine.reference import reference_logits
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import Scheduler
@@ -287,6 +287,18 @@ def test_forced_bytes_are_what_the_schema_leaves_no_choice_about(llama):
         constraint.advance(token)
     assert forced_bytes(constraint) == b'"age":'
 
+
+
+def test_drafts_assume_the_space_after_commas_and_colons_where_forced_text_follows(llama):
+    constraint = json_constraint(SCHEMA, TokenIndex.of(llama.tokenizer))
+    assert draft_bytes(constraint) == b'{"name": "'  # the space, then the string's quote
+    for token in llama.tokenize('{"name": "Ada",', add_special=False):
+        constraint.advance(token)
+    assert forced_bytes(constraint) == b""  # a space or none: the model's choice
+    assert draft_bytes(constraint) == b' "age":'  # an integer follows: no guess past the colon
+    for token in llama.tokenize(' "age": 7', add_special=False):
+        constraint.advance(token)
+    assert draft_bytes(constraint) == b""  # inside the number: free
 
 async def chat_text(model, request: ChatRequest) -> tuple[str, list]:
     prepared = model.prepare_chat(request)

@@ -87,7 +87,7 @@ class Grammar:
                               f"{MAX_CONFIGURATIONS} ways to read one output", "", "anyOf")
         self._steps: dict = {}
         self._masks: dict = {}  # state -> uint8 (n_vocab / 8,) packed mask
-        self.forced: dict = {}  # state -> the bytes it forces (engine/jump_forward.py fills it)
+        self.forced: dict = {}  # state -> the bytes it forces, the state after (engine/jump_forward.py)
         self._lock = threading.Lock()
 
     def step(self, state: frozenset, b: int) -> frozenset | None:
