@@ -59,8 +59,8 @@ def load(path: str, threads: int = 2, n_ctx: int = 2048, extra_buffer_types: boo
             n_batch=n_batch,
             n_ubatch=n_batch,
             n_threads=threads,
-            logits_all=logits_all,
             n_threads_batch=threads,
+            logits_all=logits_all,
             verbose=False,
         )
     finally:

@@ -24,9 +24,9 @@ holding back would have given, in as many steps; if not, the step gained a token
 from __future__ import annotations
 
 from .constrain import GrammarConstraint
+from .constrain.grammar import SPACE
 
 MAX_FORCED_BYTES = 64  # a forced run is at most this long per step (a key and its quotes fit)
-SPACE = 0x20
 
 
 def forced_bytes(constraint: GrammarConstraint, limit: int = MAX_FORCED_BYTES) -> bytes:
@@ -57,7 +57,7 @@ def draft_bytes(constraint: GrammarConstraint, limit: int = MAX_FORCED_BYTES) ->
         more, after = _forced_from(grammar, spaced)
         if not more:  # free text after the space (a number, inside a string): no guess
             break
-        out, at = out + b" " + more, after
+        out, at = out + bytes((SPACE,)) + more, after
     return out[:limit]
 
 

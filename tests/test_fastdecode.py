@@ -288,7 +288,6 @@ def test_forced_bytes_are_what_the_schema_leaves_no_choice_about(llama):
     assert forced_bytes(constraint) == b'"age":'
 
 
-
 def test_drafts_assume_the_space_after_commas_and_colons_where_forced_text_follows(llama):
     constraint = json_constraint(SCHEMA, TokenIndex.of(llama.tokenizer))
     assert draft_bytes(constraint) == b'{"name": "'  # the space, then the string's quote
@@ -299,6 +298,7 @@ def test_drafts_assume_the_space_after_commas_and_colons_where_forced_text_follo
     for token in llama.tokenize(' "age": 7', add_special=False):
         constraint.advance(token)
     assert draft_bytes(constraint) == b""  # inside the number: free
+
 
 async def chat_text(model, request: ChatRequest) -> tuple[str, list]:
     prepared = model.prepare_chat(request)
