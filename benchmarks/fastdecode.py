@@ -9,8 +9,9 @@ both engines as the same token ids:
 - record: a 13-field JSON record under `json_schema`, its facts in the prompt; wall
   time of the whole request (prefill included), against llama.cpp with the GBNF
   grammar llama-cpp-python makes of the same schema;
-- tool: a required tool call (ours: the tool-call grammar; llama.cpp: a GBNF of the
-  call object);
+- tool: a required tool call, one at most (ours: the tool-call grammar with
+  `parallel_tool_calls` false; llama.cpp: a GBNF of the call object). With parallel
+  calls allowed, SmolLM2 writes the same call again until the token limit;
 - grounded copies: repeat a passage, return code with one fix, summarize quoting the
   source; output tokens per second after the first token, against llama.cpp's default
   decode (one token per step, no speculation: llama-server's default) of the same prompt;
@@ -87,7 +88,7 @@ def cases() -> dict[str, dict]:
         "record": {"messages": [{"role": "user", "content": f"{PERSON}\n\nWrite her record as JSON."}],
                    "json_schema": RECORD_SCHEMA, "max_tokens": N_RECORD},
         "tool": {"messages": [{"role": "user", "content": "What is the weather in Reykjavik, in celsius?"}],
-                 "tools": TOOLS, "tool_choice": "required", "max_tokens": 80},
+                 "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 80},
         "repeat": {"messages": [{"role": "system", "content": "You copy text exactly."},
                                 {"role": "user", "content": f"Copy this text exactly:\n\n{passage}"}]},
         "code edit": {"messages": [{"role": "system", "content": "You fix bugs and return the whole code."},
@@ -121,6 +122,7 @@ def _ours_main(job: dict) -> None:
         return model.prepare_chat(ChatRequest(spec["messages"], max_tokens=spec.get("max_tokens", N_GROUNDED),
                                               sampling=SamplingParams(temperature=0),
                                               tools=spec.get("tools"), tool_choice=spec.get("tool_choice", "auto"),
+                                              parallel_tool_calls=spec.get("parallel_tool_calls", True),
                                               json_schema=spec.get("json_schema")))
 
     async def one(name: str) -> dict:
