@@ -31,6 +31,10 @@ examples/trio-server.py:
 - A handler that raises a `Problem` gets its problem document; any other
   exception is logged and becomes 500 `internal_error`, never a crash or a
   hung connection.
+- Every response carries `X-Request-Id`, also on its access-log line: the
+  client's own (a proxy's `$request_id`) when it sent a short token-like one,
+  else a new `req_...`, so a report can be matched with the log line (the
+  openai SDK shows it as `_request_id`).
 
 Handlers see a `Request` and return a `Response` (a whole body) or a
 `StreamingResponse` (an async iterator of byte chunks, each written and
@@ -40,6 +44,7 @@ flushed as soon as it exists). `HTTPServer` listens and can stop gracefully.
 import json
 import math
 import re
+import secrets
 import sys
 import time
 import traceback
@@ -66,6 +71,8 @@ DRAIN_LIMIT = 64 * 1024  # an unread request body up to this size is read and dr
 READ_AHEAD = 256 * 1024
 LINGER = 2.0  # seconds a closing connection reads and drops what its client still sends
 MAX_LINGERING_REFUSALS = 32  # connections refused over the limit that may linger at once
+# A client's X-Request-Id is echoed when it is this (it goes into headers and log lines).
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,10 @@ def problem_response(problem: Problem) -> Response:
                     list(problem.headers))
 
 
+def new_request_id() -> str:
+    return f"req_{secrets.token_hex(12)}"
+
+
 class Request:
     """One HTTP request as handlers see it.
 
@@ -155,6 +166,8 @@ class Request:
         if authority is not None:  # RFC 9112 3.2.2: the target's authority, not the Host header
             headers["host"] = authority.decode("ascii")
         self.headers = headers
+        given = headers.get("x-request-id", "")
+        self.id = given if CLIENT_REQUEST_ID.fullmatch(given) else new_request_id()
         self.params: dict[str, str] = {}  # route parameters, filled by the router
         self.principal: str | None = None  # filled by authentication
         self.log_note = ""  # appended to the access-log line (token counts)
@@ -237,6 +250,7 @@ class _Connection:
         self._content_length: int | None = None  # of the request being served
         self._body_abandoned = False
         self._answering_head = False  # the request being served is a HEAD
+        self._request_id: str | None = None  # of the request being served, for X-Request-Id
         self.server = server
         self._idle_scope: trio.CancelScope | None = None  # waiting for a next request
 
@@ -431,6 +445,7 @@ class _Connection:
 
     async def _serve_request(self, event: h11.Request) -> None:
         request = Request(event, self)
+        self._request_id = request.id
         length = request.headers.get("content-length")
         self._content_length = int(length) if length is not None else None  # h11 checked it
         started = time.perf_counter()
@@ -463,7 +478,7 @@ class _Connection:
             self._request_scope = None
             duration = (time.perf_counter() - started) * 1000
             note = f" {request.log_note}" if request.log_note else ""
-            self.log(f"{request.method} {request.path} {status} {duration:.1f}ms{note}{outcome}")
+            self.log(f"{request.method} {request.path} {status} {duration:.1f}ms {request.id}{note}{outcome}")
 
     def watch_disconnect(self) -> None:
         """Cancel the current request when the client goes away (now, if it already has)."""
@@ -509,6 +524,8 @@ class _Connection:
 
     async def _head(self, status: int, content_type: str | None, extra, length: int | None) -> h11.Response:
         headers = _base_headers()
+        if self._request_id is not None:
+            headers.append((b"X-Request-Id", self._request_id.encode("ascii")))
         if content_type is not None:
             headers.append((b"Content-Type", content_type.encode("ascii")))
         if length is not None:
@@ -617,12 +634,14 @@ class _Connection:
         """
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
+        request_id = new_request_id()  # (no request was read: none of the client's)
         with trio.move_on_after(self.limits.write_timeout):
             try:
-                await self.stream.send_all(_raw_response(problem_response(problem), to_head=self._answering_head))
+                await self.stream.send_all(_raw_response(problem_response(problem), request_id,
+                                                         to_head=self._answering_head))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-        self.log(f"- - {problem.status} ({problem.detail})")
+        self.log(f"- - {problem.status} {request_id} ({problem.detail})")
 
 
 # RFC 3986's host (an IP literal in brackets, or a name or IPv4 address) and optional port
@@ -758,7 +777,7 @@ async def _refuse_connection(stream: trio.SocketStream, detail: str, linger: boo
     problem = Problem("rate_limited", detail, headers=[("Retry-After", "1")])
     try:
         with trio.move_on_after(1):
-            await stream.send_all(_raw_response(problem_response(problem)))
+            await stream.send_all(_raw_response(problem_response(problem), new_request_id()))
             if linger:
                 await _close_gently(stream)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -784,11 +803,12 @@ async def _close_gently(stream: trio.SocketStream) -> None:
             pass
 
 
-def _raw_response(response: Response, to_head: bool = False) -> bytes:
+def _raw_response(response: Response, request_id: str, to_head: bool = False) -> bytes:
     """A complete `Connection: close` response as bytes, for when no h11 state can send it
     (`to_head`: the answer to a HEAD, without its body)."""
     head = [
         *_base_headers(),
+        (b"X-Request-Id", request_id.encode("ascii")),
         (b"Content-Type", (response.content_type or "application/octet-stream").encode("ascii")),
         (b"Content-Length", str(len(response.body)).encode("ascii")),
         *[(name.encode("ascii"), value.encode("latin-1"))

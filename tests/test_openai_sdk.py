@@ -86,6 +86,7 @@ async def test_models_are_listed_and_found(server):
     assert found.id == TINY_ID and found.object == "model" and found.owned_by == "local"
     assert isinstance(found.created, int)
     assert missing.status_code == 404 and missing.code == "model_not_found" and "nope" in missing.message
+    assert found._request_id.startswith("req_") and missing.request_id.startswith("req_")
 
 
 async def test_errors_are_the_sdk_exceptions_with_the_param(server):

@@ -34,6 +34,21 @@ async def test_every_response_has_version_date_and_length(server):
     assert int(error.headers["content-length"]) == len(error.body)
 
 
+async def test_every_response_has_a_request_id_also_in_its_log_line(server):
+    ids = []
+    for path in (MODELS, "/nowhere"):
+        reply = await server.request("GET", path)
+        ids.append(reply.headers["x-request-id"])
+        assert ids[-1].startswith("req_") and len(ids[-1]) > 12
+    assert ids[0] != ids[1]
+    assert any(ids[0] in line and MODELS in line for line in server.service.log_lines)
+    # a proxy's own id is kept; one that is not a short token is replaced, never echoed
+    assert (await server.request("GET", MODELS, headers={"X-Request-Id": "edge-7f3a.1"})).headers["x-request-id"] \
+        == "edge-7f3a.1"
+    odd = (await server.request("GET", MODELS, headers={"X-Request-Id": "a b<script>"})).headers["x-request-id"]
+    assert odd.startswith("req_")
+
+
 async def test_keep_alive_serves_many_requests_on_one_connection(server):
     async with server.connection() as client:
         for _ in range(3):
@@ -136,6 +151,7 @@ async def test_malformed_request_gets_400_and_close(server):
         data = await client.read_until_closed()
     assert data.startswith(b"HTTP/1.1 400 ")
     assert b"\r\nlmsp-version: 1.0\r\n" in data.lower()  # D1: every response, even to no request at all
+    assert b"\r\nx-request-id: req_" in data.lower()
     body = json.loads(data.partition(b"\r\n\r\n")[2])
     assert body["code"] == "invalid_request" and body["status"] == 400
 
