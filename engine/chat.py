@@ -59,6 +59,7 @@ class ChatRequest:
     tools: list[dict] | None = None         # [{"name", "description", "parameters"}]
     tool_choice: str | dict = "auto"        # "auto" | "none" | "required" | {"name": str}
     parallel_tool_calls: bool = True        # False: one call at most
+    allowed_tools: tuple[str, ...] | None = None  # calls name only these (all are still shown)
     json_schema: dict | None = None         # structured output
 
 

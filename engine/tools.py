@@ -28,6 +28,10 @@ request says `parallel_tool_calls: false`), and nothing but calls after the firs
 - "auto": free text until the model writes `<tool_call>`, then constrained;
 - "none": the tools are not shown and `<tool_call>` can never be completed.
 
+`allowed` (a request's `allowed_tools`) narrows the tools a call may name to those, under
+any choice; all of them are still shown, so the prompt, and what the prefix cache holds
+of it, does not change with the subset.
+
 With a `json_schema` too (an agent with tools and a structured answer, D5), the message
 text is one document valid for the schema: under "auto" the output is calls from its
 first byte, or that document (`either_constraint`: no JSON document begins with the
@@ -112,17 +116,26 @@ def render_generic(messages: list[dict], tools: list[dict] | None) -> list[dict]
             if m.get("_tool_results") else m for m in out]
 
 
-def check_tools(tools: list[dict], tool_choice) -> list[dict]:
-    """The tools a call may use under `tool_choice`; SchemaError for a bad tool or choice.
+def check_tools(tools: list[dict], tool_choice, allowed=None) -> list[dict]:
+    """The tools a call may use under `tool_choice`, among the `allowed` names (None: all);
+    SchemaError for a bad tool or choice.
 
     SchemaError paths are relative to the `tools` list ("/0/parameters/...")."""
     names = [t["name"] for t in tools]
     if len(set(names)) != len(names):
         raise SchemaError("tool names must be unique", "", "name")
+    if allowed is not None:
+        if not allowed:
+            raise SchemaError("allowed_tools names no tool")
+        for name in allowed:
+            if name not in names:
+                raise SchemaError(f"allowed_tools names {name!r}, which is not a listed tool")
+        tools = [t for t in tools if t["name"] in allowed]
     if isinstance(tool_choice, dict):
         chosen = [t for t in tools if t["name"] == tool_choice.get("name")]
         if not chosen:
-            raise SchemaError(f"tool_choice names {tool_choice.get('name')!r}, which is not a listed tool")
+            raise SchemaError(f"tool_choice names {tool_choice.get('name')!r}, which is not "
+                              f"{'an allowed' if allowed is not None else 'a listed'} tool")
         return chosen
     if tool_choice not in ("auto", "none", "required"):
         raise SchemaError(f"unknown tool_choice {tool_choice!r}")
@@ -150,10 +163,10 @@ def _call_object(tools: list[dict], chosen: list[dict]):
     return AnyOf([calls[tool["name"]] for tool in chosen])
 
 
-def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool = True):
+def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool = True, allowed=None):
     """The grammar of a whole response under `tool_choice` (see the module docstring);
-    not `parallel`: one call at most."""
-    chosen = check_tools(tools, tool_choice)
+    not `parallel`: one call at most; calls name only `allowed` tools (None: any)."""
+    chosen = check_tools(tools, tool_choice, allowed)
     newline = Literal([b"", b"\n"])
     body = [newline, _call_object(tools, chosen), newline, Literal([CLOSER.encode()])]
     one = Seq([Literal([OPENER.encode()]), *body])
@@ -187,11 +200,11 @@ def plan_output(model, request, literal=lambda tools: tools) -> OutputPlan:
     index = TokenIndex.of(model.tokenizer)
     # each is compiled as it would be alone, so that what cannot be enforced is refused by
     # name even where the choice leaves it unused
-    calls = (_in_field("tools", tool_constraint, tools, choice, index, request.parallel_tool_calls)
-             if tools else None)
+    parallel, allowed = request.parallel_tool_calls, request.allowed_tools
+    calls = _in_field("tools", tool_constraint, tools, choice, index, parallel, allowed) if tools else None
     document = _in_field("json_schema", json_constraint, schema, index) if schema is not None else None
     if calls is not None and document is not None and choice == "auto":
-        constraint = _in_field("json_schema", either_constraint, tools, schema, index, request.parallel_tool_calls)
+        constraint = _in_field("json_schema", either_constraint, tools, schema, index, parallel, allowed)
     elif calls is not None and (document is None or choice != "none"):
         constraint = calls
     else:
@@ -227,18 +240,23 @@ def output_field(request, output: bytes) -> str:
     return "tools" if output.startswith(OPENER.encode()[:1]) else "json_schema"
 
 
-def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex, parallel: bool = True) -> GrammarConstraint:
-    """The constraint for a response with tools (grammars cached per tools + choice + parallel)."""
-    key = ("tools", schema_key([tools, tool_choice, parallel]))
-    return GrammarConstraint(index.grammar(key, lambda: tool_call_grammar(tools, tool_choice, parallel)))
+def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex, parallel: bool = True,
+                    allowed=None) -> GrammarConstraint:
+    """The constraint for a response with tools (grammars cached per tools + choice + parallel
+    + allowed)."""
+    allowed = None if allowed is None else list(allowed)
+    key = ("tools", schema_key([tools, tool_choice, parallel, allowed]))
+    return GrammarConstraint(index.grammar(key, lambda: tool_call_grammar(tools, tool_choice, parallel, allowed)))
 
 
-def either_constraint(tools: list[dict], schema, index: TokenIndex, parallel: bool = True) -> GrammarConstraint:
+def either_constraint(tools: list[dict], schema, index: TokenIndex, parallel: bool = True,
+                      allowed=None) -> GrammarConstraint:
     """tool_choice "auto" with a json_schema: calls from the first byte, as "required" makes
     them, or one document valid for `schema` (see the module docstring)."""
-    key = ("tools|json", schema_key([tools, schema, parallel]))
+    allowed = None if allowed is None else list(allowed)
+    key = ("tools|json", schema_key([tools, schema, parallel, allowed]))
     return GrammarConstraint(index.grammar(
-        key, lambda: AnyOf([tool_call_grammar(tools, "required", parallel), compile_schema(schema)])))
+        key, lambda: AnyOf([tool_call_grammar(tools, "required", parallel, allowed), compile_schema(schema)])))
 
 
 @dataclass(frozen=True)

@@ -374,6 +374,7 @@ def _chat_request(request: ResponsesRequest, messages: list[dict]):
         tools=tools or None,
         tool_choice=request.tool_choice,
         parallel_tool_calls=request.parallel_tool_calls,
+        allowed_tools=request.allowed_tools,
         json_schema=request.json_schema,
     )
 

@@ -75,6 +75,7 @@ class ResponsesRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     parallel_tool_calls: bool = True  # extensions.lmsp-min.parallel_tool_calls: false, one call at most
+    allowed_tools: tuple[str, ...] | None = None  # extensions.lmsp-min.allowed_tools: calls name only these
 
 
 def invalid(param: str, detail: str) -> Problem:
@@ -410,6 +411,25 @@ def _extensions(extensions: dict, request: ResponsesRequest) -> None:
         if not isinstance(ours["parallel_tool_calls"], bool):
             raise invalid(f"{prefix}.parallel_tool_calls", f"'{prefix}.parallel_tool_calls' must be a boolean")
         request.parallel_tool_calls = ours["parallel_tool_calls"]
+    if ours.get("allowed_tools") is not None:
+        request.allowed_tools = _allowed_tools(ours["allowed_tools"], request, f"{prefix}.allowed_tools")
+
+
+def _allowed_tools(value, request: ResponsesRequest, param: str) -> tuple[str, ...]:
+    """Names of listed tools, at least one, each once; a named tool_choice among them."""
+    if not isinstance(value, list) or not value:
+        raise invalid(param, f"'{param}' must be a non-empty array of tool names")
+    listed = {tool.name for tool in request.tools}
+    for index, name in enumerate(value):
+        _string(name, f"{param}[{index}]")
+        if name not in listed:
+            raise invalid(f"{param}[{index}]", f"'{param}[{index}]' names {quoted(name)}, which is not in 'tools'")
+        if name in value[:index]:
+            raise invalid(f"{param}[{index}]", f"'{param}[{index}]' names {quoted(name)} twice")
+    choice = request.tool_choice
+    if isinstance(choice, dict) and choice["name"] not in value:
+        raise invalid("tool_choice.name", f"'tool_choice' names {quoted(choice['name'])}, which is not in '{param}'")
+    return tuple(value)
 
 
 # -- input items -> chat messages -------------------------------------------------

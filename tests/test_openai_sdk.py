@@ -731,6 +731,38 @@ async def test_parallel_tool_calls_false_is_at_most_one_call(server):
     assert len(chats[1].choices[0].message.tool_calls) == 1
 
 
+async def test_allowed_tools_narrow_the_calls_and_a_bad_one_names_its_param(server):
+    """tool_choice allowed_tools, both dialects: every tool is shown, only the allowed are called."""
+    clock = {"type": "function", "name": "get_time", "description": "The time now.",
+             "parameters": {"type": "object", "properties": {}}}
+    chat_tools = [{"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")}}
+                  for tool in (WEATHER, clock)]
+
+    def work(client):
+        allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+        response = client.responses.create(model=TINY_ID, input=ASK, tools=[WEATHER, clock], tool_choice=allowed,
+                                           temperature=0, max_output_tokens=64)
+        chat = client.chat.completions.create(
+            model=TINY_ID, messages=[{"role": "user", "content": ASK}], tools=chat_tools, max_tokens=64, temperature=0,
+            tool_choice={"type": "allowed_tools", "allowed_tools": {
+                "mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}})
+        errors = []
+        for entries in ([{"type": "function", "name": "nope"}], [{"type": "mcp", "server_label": "x"}]):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.responses.create(model=TINY_ID, input=ASK, tools=[WEATHER, clock],
+                                        tool_choice={"type": "allowed_tools", "mode": "auto", "tools": entries})
+            errors.append(caught.value)
+        return response, chat, errors
+
+    response, chat, errors = await sync_sdk(server, work)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and {call.name for call in calls} == {"get_time"}
+    assert response.tool_choice.type == "allowed_tools" and len(response.tools) == 2
+    assert {call.function.name for call in chat.choices[0].message.tool_calls} == {"get_time"}
+    assert [error.param for error in errors] == ["tool_choice.tools[0]"] * 2
+    assert "'nope'" in errors[0].message
+
+
 async def test_a_failed_response_is_what_the_sdk_types_declare(server):
     from openai.types.responses import Response, ResponseStreamEvent
 

@@ -123,6 +123,14 @@ async def test_a_number_past_a_doubles_range_is_refused(server, number):
     ({"extensions": {"lmsp-min": {"seed": "7"}}}, "extensions.lmsp-min.seed"),
     ({"extensions": {"lmsp-min": {"stop": [""]}}}, "extensions.lmsp-min.stop[0]"),
     ({"extensions": {"lmsp-min": {"stop": 5}}}, "extensions.lmsp-min.stop"),
+    ({"extensions": {"lmsp-min": {"allowed_tools": ["f"]}}}, "extensions.lmsp-min.allowed_tools[0]"),  # no tools
+    ({"tools": [{"type": "function", "name": "f"}], "extensions": {"lmsp-min": {"allowed_tools": []}}},
+     "extensions.lmsp-min.allowed_tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "extensions": {"lmsp-min": {"allowed_tools": ["f", "f"]}}},
+     "extensions.lmsp-min.allowed_tools[1]"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "g"}],
+      "tool_choice": {"type": "function", "name": "g"}, "extensions": {"lmsp-min": {"allowed_tools": ["f"]}}},
+     "tool_choice.name"),
 ])
 async def test_invalid_fields_name_their_param(server, fields, param):
     assert_problem(await server.responses(body(**fields)), 400, "invalid_request", param)

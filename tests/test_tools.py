@@ -117,6 +117,26 @@ def test_calls_end_the_response(smollm2):
     assert c.allows(tok.encode("\n", add_special=False)[0])
 
 
+def test_allowed_tools_narrow_the_calls_to_those_named(smollm2):
+    _, index = smollm2
+    allowed = ("add", "get_time")
+    names = set()
+    for seed in range(30):
+        choice = ("required", "auto")[seed % 2]
+        text, complete = random_run(tool_constraint(TOOLS, choice, index, allowed=allowed), index.n_vocab, seed,
+                                    max_tokens=600)
+        calls = check_calls(parse(text.decode(errors="replace")), TOOLS)  # (auto: free text is random bytes)
+        assert complete and all(call.name in allowed for call in calls), text
+        names |= {call.name for call in calls}
+    assert names == set(allowed)  # both, never get_weather
+    text, _ = random_run(tool_constraint(TOOLS, {"type": "function", "name": "add"}, index, allowed=allowed),
+                         index.n_vocab, 0, max_tokens=600)
+    assert [call.name for call in check_calls(parse(text.decode()), TOOLS)] == ["add"]
+    for bad_allowed, choice in (((), "auto"), (("nope",), "auto"), (("add",), {"type": "function", "name": "get_time"})):
+        with pytest.raises(SchemaError):
+            tool_constraint(TOOLS, choice, index, allowed=bad_allowed)
+
+
 def test_unknown_named_tool_and_bad_parameters_are_rejected(smollm2):
     _, index = smollm2
     with pytest.raises(SchemaError):
@@ -239,7 +259,7 @@ def test_output_plan(smollm2):
 
     def request(**kw):
         return SimpleNamespace(**{"messages": HISTORY, "tools": None, "tool_choice": "auto",
-                                  "parallel_tool_calls": True, "json_schema": None, **kw})
+                                  "parallel_tool_calls": True, "allowed_tools": None, "json_schema": None, **kw})
 
     plan = plan_output(smol, request(tools=TOOLS))
     assert plan.tool_calls and plan.template_tools is None and plan.messages == render_generic(HISTORY, TOOLS)

@@ -12,7 +12,8 @@ we cannot honour (`n` > 1, `logprobs`, penalties, image or audio parts...) is a 
 naming it, never silently ignored; parameters that change nothing we produce (`user`,
 `metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`) are accepted, and so
 are `top_k` and `min_p`, which llama-server's and vLLM's users send. Any other unknown
-parameter is a 400, as OpenAI's API answers it.
+parameter is a 400, as OpenAI's API answers it. An `allowed_tools` tool choice (either
+API's form) becomes its mode and our `allowed_tools` extension (docs/protocol.md, D1).
 """
 
 import re
@@ -145,6 +146,25 @@ def _parallel_tool_calls(body: dict, lmsp: dict) -> None:
         lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})["parallel_tool_calls"] = False
 
 
+def _allowed_tools(choice: dict, param: str, lmsp: dict, name_of) -> str:
+    """An `allowed_tools` choice ({"mode": ..., "tools": [function tools by name]}) as
+    LMSP's: the names go to our `allowed_tools` extension (validated there against
+    `tools`), the mode is the tool_choice returned."""
+    mode = choice.get("mode")
+    if mode not in ("auto", "required"):
+        raise invalid(f"{param}.mode", f"'{param}.mode' must be 'auto' or 'required'")
+    entries = choice.get("tools")
+    if not isinstance(entries, list):
+        raise invalid(f"{param}.tools", f"'{param}.tools' must be an array")
+    names = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or entry.get("type") != "function":
+            raise _cannot(f"{param}.tools[{index}]", "the tools here are functions only")
+        names.append(name_of(entry))
+    lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})["allowed_tools"] = names
+    return mode
+
+
 def _schema_format(spec: dict, param: str) -> dict | None:
     """A json_schema / json_object / text format as LMSP's response_format (None for text)."""
     if not isinstance(spec, dict):
@@ -204,6 +224,9 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
     lmsp = {name: body[name] for name in ("model", "max_output_tokens", "tools", "tool_choice") if name in body}
     _sampling(body, lmsp)
     _parallel_tool_calls(body, lmsp)
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        lmsp["tool_choice"] = _allowed_tools(choice, "tool_choice", lmsp, lambda entry: entry.get("name"))
     if text is not None and text.get("format") is not None:
         fmt = _schema_format(text["format"], "text.format")
         if fmt is not None and fmt["type"] == "json_schema" and "json_schema" not in fmt:
@@ -217,7 +240,7 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
                             instructions=body.get("instructions"),
                             previous_response_id=body.get("previous_response_id"),
                             renames={"response_format.json_schema": "text.format", "response_format": "text.format",
-                                     **EXTENSION_RENAMES})
+                                     _EXTENSION + "allowed_tools": "tool_choice.tools", **EXTENSION_RENAMES})
     if "input" not in body:
         raise invalid("input", "'input' is required")
     if isinstance(body["input"], str):
@@ -337,7 +360,15 @@ def chat_request(body: dict) -> Translated:
     if body.get("tools") is not None:
         lmsp["tools"] = _chat_tools(body["tools"])
         renames.update({f"tools[{index}]": f"tools[{index}].function" for index in range(len(lmsp["tools"]))})
-    if tool_choice is not None:
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        allowed = tool_choice.get("allowed_tools")
+        if not isinstance(allowed, dict):
+            raise invalid("tool_choice.allowed_tools", "'tool_choice.allowed_tools' must be an object")
+        lmsp["tool_choice"] = _allowed_tools(allowed, "tool_choice.allowed_tools", lmsp,
+                                             lambda entry: entry["function"].get("name")
+                                             if isinstance(entry.get("function"), dict) else None)
+        renames[_EXTENSION + "allowed_tools"] = "tool_choice.allowed_tools.tools"
+    elif tool_choice is not None:
         lmsp["tool_choice"] = _chat_tool_choice(tool_choice)
         renames["tool_choice.name"] = "tool_choice.function.name"
     translated = Translated(lmsp, [], stream=bool(body.get("stream")),
