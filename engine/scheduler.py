@@ -20,7 +20,8 @@ of them through `model.step` together:
   (its context window bounds it), or it could never run;
 - a cancelled request leaves at the next step;
 - with `speculate` (the default), a decoding request may feed a draft after its
-  last token: tokens guessed from its context or forced by its constraint
+  last token, and so may a prompt whose last chunk this step computes: tokens
+  guessed from its context or forced by its constraint
   (engine/speculate.py), verified in the same step by its own `pick` at every
   drafted position; the tokens it agrees with, and its own next one, are taken, the
   rest are dropped from the sequence and its KV cache. Each taken token is its own
@@ -325,8 +326,12 @@ class Scheduler:
                 break
             chunks.append(request)
             used += take
-        if self.speculate and decoding:
-            self._draft(decoding, len(decoding) + used, budget)
+        # a prompt that ends in this step, with room left in its chunk, may carry a draft
+        # too: its constraint's forced start (`{"name": "`, `<tool_call>`) rides the
+        # prefill instead of costing a step after it
+        ending = [r for r in chunks if r.seq.n_pending < budget]
+        if self.speculate and (decoding or ending):
+            self._draft(decoding + ending, len(decoding) + used, budget)
         batch = decoding + chunks
         wanted = [1 + len(r.draft) for r in batch]
         try:
@@ -343,12 +348,13 @@ class Scheduler:
                 continue                 # mid-prompt: its logits are not wanted yet
             self._take(request, rows, active)
 
-    def _draft(self, decoding: list[Request], rows: int, budget: int) -> None:
-        """Append to each decoding request's sequence the draft that pays (see engine/speculate.py)."""
+    def _draft(self, requests: list[Request], rows: int, budget: int) -> None:
+        """Append to the sequence of each request about to pick a token (decoding, or at
+        the end of its prompt) the draft that pays (see engine/speculate.py)."""
         proposals = []
-        for request in decoding:
+        for request in requests:
             seq = request.seq
-            limit = min(MAX_DRAFT, budget - 1, request.max_tokens - request.generated - 1,
+            limit = min(MAX_DRAFT, budget - seq.n_pending, request.max_tokens - request.generated - 1,
                         self.model.n_ctx - len(seq.tokens) - 1)
             if self.kv_cache_bytes is not None:  # a draft never grows a cache past what the budget counted
                 limit = min(limit, seq.cache.capacity - len(seq.tokens))
@@ -359,8 +365,8 @@ class Scheduler:
             except Exception:  # its constraint failed looking ahead (a schema's bound): no draft; the
                 request.proposal = ([], None)  # pick meets the same error, for this request alone
             proposals.append(request.proposal)
-        lengths = draft_lengths([p for p in proposals if p[1] is not None], rows, len(decoding), self.step_cost)
-        for request in decoding:
+        lengths = draft_lengths([p for p in proposals if p[1] is not None], rows, len(requests), self.step_cost)
+        for request in requests:
             if request.proposal[1] is not None:
                 request.draft = list(request.proposal[0][: lengths.pop(0)])
                 request.seq.tokens.extend(request.draft)

@@ -325,6 +325,26 @@ async def test_constrained_output_is_the_same_and_valid_with_forced_text(model, 
     assert model.scheduler.drafted > drafted  # forced text was drafted
 
 
+async def test_a_constrained_prompt_carries_its_forced_start_in_its_last_step(llama, monkeypatch):
+    """The text a schema forces first (`{"name": "`) is drafted after the prompt, in the
+    step that computes the prompt's end, not in a step of its own after it."""
+    request = ChatRequest([{"role": "user", "content": "Someone else, please."}], max_tokens=40,
+                          sampling=SamplingParams(temperature=0), json_schema=SCHEMA)
+    prepared = llama.prepare_chat(request)
+    first_step = []
+    real_step = llama.step
+
+    def step(sequences, **kwargs):
+        if not first_step:
+            first_step.append(len(sequences[0].tokens) - len(prepared.prompt_ids))  # tokens fed after the prompt
+        return real_step(sequences, **kwargs)
+
+    monkeypatch.setattr(llama, "step", step)
+    events = [e async for e in llama.generate_chat(prepared)]
+    assert first_step[0] > 0
+    assert events[-1].reason in ("stop", "length")
+
+
 async def test_a_tool_call_is_the_same_with_forced_text(model):
     tools = [{"name": "get_weather", "description": "the weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}]
