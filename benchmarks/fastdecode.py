@@ -18,7 +18,9 @@ both engines as the same token ids:
 - chat: a free answer, ours with the feature on against off (it must never cost);
 - 8 streams: 8 concurrent grounded requests (the three cycled), aggregate output
   tokens over the wall time of the burst (prefill included), against llama.cpp's
-  single stream on the grounded set.
+  single stream on the grounded set, counted the same way: output tokens over the
+  request's wall time, prefill included (the ratio against its decode alone, which
+  leaves its prefill out but not ours, is printed beside it).
 
 Ours runs each case with speculation off and on (the same tokens: the run checks it
 and counts the texts that differ), and reports tokens per forward step and the share
@@ -206,8 +208,10 @@ def _llama_main(job: dict) -> None:
                 "text": out["choices"][0]["text"]}
 
     def default_decode(name: str) -> dict:
-        """One token per step, greedy, until the end token or the token limit."""
+        """One token per step, greedy, until the end token or the token limit: tokens per
+        second after the first, and over the whole request (prefill included)."""
         llm.reset()
+        begin = time.perf_counter()
         llm.eval(prompt_ids[name])
         token = llamacpp._next_token(llm)
         start, n = time.perf_counter(), 1
@@ -215,8 +219,9 @@ def _llama_main(job: dict) -> None:
             llm.eval([token])
             token = llamacpp._next_token(llm)
             n += 1
-        elapsed = time.perf_counter() - start
-        return {"decode_tok_s": (n - 1) / elapsed if n > 1 else 0.0, "tokens": n}
+        end = time.perf_counter()
+        return {"decode_tok_s": (n - 1) / (end - start) if n > 1 else 0.0, "request_tok_s": n / (end - begin),
+                "tokens": n}
 
     llm.eval(prompt_ids["chat"][:8])
     reply({"engine": "llama.cpp", "version": llama_cpp.__version__})
@@ -320,17 +325,20 @@ def report(runs: dict, specs: dict, with_llama: bool) -> list[dict]:
     s_offs, s_ons = runs[("streams", False)], runs[("streams", True)]
     s_off, s_on = best(s_offs, "aggregate_tok_s", False), best(s_ons, "aggregate_tok_s", False)
     s_gain = ratio(s_ons, s_offs, "aggregate_tok_s", False)
-    s_vs, grounded_llama = float("nan"), None
-    if with_llama:  # the mean of llama.cpp's grounded cases, round by round
-        per_round = [statistics.mean(runs[(n, "llama")][i]["decode_tok_s"] for n in GROUNDED)
-                     for i in range(len(s_ons))]
-        grounded_llama = max(per_round)
-        s_vs = statistics.median(on["aggregate_tok_s"] / lla for on, lla in zip(s_ons, per_round))
+    s_vs, grounded_llama, s_vs_decode = float("nan"), None, float("nan")
+    if with_llama:  # the mean of llama.cpp's grounded cases, round by round, prefill included as in ours
+        def per_round(key: str) -> list[float]:
+            return [statistics.mean(runs[(n, "llama")][i][key] for n in GROUNDED) for i in range(len(s_ons))]
+        grounded_llama = max(per_round("request_tok_s"))
+        s_vs = statistics.median(on["aggregate_tok_s"] / lla for on, lla in zip(s_ons, per_round("request_tok_s")))
+        s_vs_decode = statistics.median(on["aggregate_tok_s"] / lla
+                                        for on, lla in zip(s_ons, per_round("decode_tok_s")))
     print(f"{'8 streams':<10} {s_off['aggregate_tok_s']:>7.2f} {s_on['aggregate_tok_s']:>7.2f} {s_gain:>6.2f}x "
           f"{grounded_llama or float('nan'):>9.2f} {s_vs:>7.2f}x {'':>25}   tok/s together "
-          f"(llama.cpp: one stream, grounded mean)")
+          f"(llama.cpp: one stream, grounded mean, prefill included; against its decode alone {s_vs_decode:.2f}x)")
     rows.append({"name": "fastdecode 8 streams", "value": s_on["aggregate_tok_s"], "unit": "tok/s",
-                 "off": s_off["aggregate_tok_s"], "on_vs_off": s_gain, "llama": grounded_llama, "on_vs_llama": s_vs})
+                 "off": s_off["aggregate_tok_s"], "on_vs_off": s_gain, "llama": grounded_llama, "on_vs_llama": s_vs,
+                 "on_vs_llama_decode": s_vs_decode})
     print(f"texts that differ with the feature on: {differ} of {compared}")
     if with_llama:
         print(targets(rows))
@@ -345,7 +353,7 @@ def targets(rows: list[dict]) -> str:
         ("record wall time <= 1.0x llama.cpp grammar", 1 / by["record"]["on_vs_llama"], "<=", 1.0),
         ("grounded tok/s >= 0.6x llama.cpp decode (worst case)", grounded, ">=", 0.6),
         ("chat >= 0.97x ours with the feature off", by["chat"]["on_vs_off"], ">=", 0.97),
-        ("8 streams >= 1.0x llama.cpp one stream", by["8 streams"]["on_vs_llama"], ">=", 1.0),
+        ("8 streams >= 1.0x llama.cpp one stream (both with prefill)", by["8 streams"]["on_vs_llama"], ">=", 1.0),
     ]
     lines = []
     for what, value, op, bound in checks:
