@@ -244,7 +244,6 @@ def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex, parallel:
                     allowed=None) -> GrammarConstraint:
     """The constraint for a response with tools (grammars cached per tools + choice + parallel
     + allowed)."""
-    allowed = None if allowed is None else list(allowed)
     key = ("tools", schema_key([tools, tool_choice, parallel, allowed]))
     return GrammarConstraint(index.grammar(key, lambda: tool_call_grammar(tools, tool_choice, parallel, allowed)))
 
@@ -253,7 +252,6 @@ def either_constraint(tools: list[dict], schema, index: TokenIndex, parallel: bo
                       allowed=None) -> GrammarConstraint:
     """tool_choice "auto" with a json_schema: calls from the first byte, as "required" makes
     them, or one document valid for `schema` (see the module docstring)."""
-    allowed = None if allowed is None else list(allowed)
     key = ("tools|json", schema_key([tools, schema, parallel, allowed]))
     return GrammarConstraint(index.grammar(
         key, lambda: AnyOf([tool_call_grammar(tools, "required", parallel, allowed), compile_schema(schema)])))
