@@ -122,7 +122,7 @@ def slowdown(path, max_tokens: int = 48, repeats: int = 2) -> dict:
     import trio
 
     from engine.model import load_model
-    from engine.sampling import SamplingParams
+    from engine.api import SamplingParams
 
     model = load_model(path)
     prompt = model.apply_chat_template([{"role": "user", "content":

@@ -111,8 +111,7 @@ def _ours_main(job: dict) -> None:
     import trio
 
     from engine import load_model
-    from engine.chat import ChatRequest, TextDelta, ToolCall
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, SamplingParams, TextDelta, ToolCall
 
     reply = worker.take_stdout()
     model = load_model(prompts.model_path(job["model"]), n_ctx=4096)

@@ -101,8 +101,7 @@ def engine_worker(name: str) -> None:
     import trio
 
     from engine import load_model
-    from engine.chat import ChatRequest
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, SamplingParams
     from engine.accel import blas_kernel
 
     reply = worker.take_stdout()

@@ -88,8 +88,7 @@ async def sync_latency(client: Client, n: int) -> float:
 
 async def engine_latency(model, n: int) -> float:
     """Mean seconds the engine alone takes for the same 1-token request."""
-    from engine.chat import ChatRequest
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, SamplingParams
 
     request = ChatRequest(messages=[{"role": "user", "content": "Hello there!"}], max_tokens=1,
                           sampling=SamplingParams(temperature=0))
@@ -111,7 +110,7 @@ class StubEngine:
         self.scheduler = model.scheduler  # its batch size is how many the registry lets generate at once
 
     def prepare_chat(self, request):
-        from engine.chat import TokenCounts
+        from engine.api import TokenCounts
 
         class Prepared:
             input_tokens = 3
@@ -119,7 +118,7 @@ class StubEngine:
         return Prepared()
 
     async def generate_chat(self, prepared):
-        from engine.chat import Finished, TextDelta
+        from engine.api import Finished, TextDelta
 
         for _ in range(self.n_tokens):
             await trio.sleep(0)  # as a real token arrives: from another task
@@ -129,7 +128,7 @@ class StubEngine:
 
 async def sse_latencies(client: Client, model, n_tokens: int) -> list[float]:
     """Seconds from each engine text delta to its SSE event's arrival at the client."""
-    from engine.chat import TextDelta
+    from engine.api import TextDelta
 
     yielded: list[float] = []
     generate_chat = model.generate_chat

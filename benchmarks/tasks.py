@@ -193,14 +193,14 @@ class ScriptedModel:
         self.scheduler = types.SimpleNamespace(max_batch=8)  # as many generate at once as the registry lets
 
     def prepare_chat(self, request):
-        from engine.chat import TokenCounts
+        from engine.api import TokenCounts
 
         request.input_tokens = 1
         request.counts = TokenCounts(1)
         return request
 
     async def generate_chat(self, prepared):
-        from engine.chat import Finished, TextDelta
+        from engine.api import Finished, TextDelta
 
         for _ in range(prepared.max_tokens):
             await trio.sleep(self.period)

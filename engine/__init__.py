@@ -6,8 +6,13 @@ as an async generator.
 
 The names below are imported on first use (PEP 562), not by `import engine`: the
 protocol package reads model headers with `engine.gguf_header` and
-`engine.describe`, which need only the standard library, and must not pull numpy
-in by importing this package on the way.
+`engine.describe`, and exchanges the plain values of `engine.api` and the errors of
+`engine.errors`, which need only the standard library; it must not pull numpy in by
+importing this package on the way. (`blas_kernel` and `num_threads`, which a server
+prints at start-up, bring numpy with them, when they are first used.)
+
+Next: README.md's reading order (engine/reference.py first); engine/api.py is the
+contract with the server.
 """
 
 import importlib
@@ -15,21 +20,23 @@ from typing import TYPE_CHECKING
 
 # public name -> the module of this package that defines it
 _DEFINED_IN = {
-    "ChatRequest": "chat", "PreparedChat": "chat", "TextDelta": "chat", "ReasoningDelta": "chat",
-    "ToolCall": "chat", "Finished": "chat",
+    "ChatRequest": "api", "PreparedChat": "api", "TokenCounts": "api", "TextDelta": "api",
+    "ReasoningDelta": "api", "ToolCall": "api", "Finished": "api", "SamplingParams": "api",
     "EngineError": "errors", "ModelFileError": "errors", "UnsupportedModelError": "errors",
     "ContextLengthExceeded": "errors", "SchemaError": "errors", "QueueFull": "errors",
     "ChatTemplateError": "errors",
     "Generation": "generate", "Token": "generate",
     "Model": "model", "ModelInfo": "model", "load_model": "model",
-    "Constraint": "sampling", "SamplingParams": "sampling",
+    "Constraint": "sampling",
+    "blas_kernel": "accel", "num_threads": "accel",
 }
 
 __all__ = [
     "load_model", "Model", "ModelInfo", "SamplingParams", "Constraint", "Token", "Generation",
-    "ChatRequest", "PreparedChat", "TextDelta", "ReasoningDelta", "ToolCall",
+    "ChatRequest", "PreparedChat", "TokenCounts", "TextDelta", "ReasoningDelta", "ToolCall",
     "Finished", "EngineError", "ModelFileError", "UnsupportedModelError",
     "ContextLengthExceeded", "SchemaError", "QueueFull", "ChatTemplateError",
+    "blas_kernel", "num_threads",
 ]
 
 
@@ -47,9 +54,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
-    from .chat import ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, ToolCall
+    from .accel import blas_kernel, num_threads
+    from .api import (ChatRequest, Finished, PreparedChat, ReasoningDelta, SamplingParams, TextDelta,
+                      TokenCounts, ToolCall)
     from .errors import (ChatTemplateError, ContextLengthExceeded, EngineError, ModelFileError,
                          QueueFull, SchemaError, UnsupportedModelError)
     from .generate import Generation, Token
     from .model import Model, ModelInfo, load_model
-    from .sampling import Constraint, SamplingParams
+    from .sampling import Constraint

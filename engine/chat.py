@@ -5,12 +5,10 @@ generated, synchronously: it renders the chat template, tokenizes the result
 (special tokens in the template text are parsed as such, never in the messages'
 text) and checks that the
 input and the requested output fit the context window (decision D4). Then
-`model.generate_chat(prepared)` is an async generator of events:
-
-    TextDelta(text)              message text (complete UTF-8, never a stop sequence)
-    ReasoningDelta(text)         text between <think> and </think>, for models that reason
-    ToolCall(index, name, arguments)   a whole tool call (see below)
-    Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
+`model.generate_chat(prepared)` is an async generator of events: TextDelta,
+ReasoningDelta, ToolCall (see below), Finished always last. These values, the request
+and the prepared chat are plain types of engine/api.py, what the server exchanges with
+this module.
 
 The tokens are counted as they go, in `prepared.counts` (TokenCounts): the input
 when prepared, the output after each generated token. A consumer that stops the
@@ -40,79 +38,14 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from .api import ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, ToolCall
 from .errors import ContextLengthExceeded, SchemaError
 from .generate import StopFilter
-from .sampling import SamplingParams
-from .tools import ToolCall, ToolCallParser, output_field, plan_output
+from .tools import ToolCallParser, output_field, plan_output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-@dataclass
-class ChatRequest:
-    messages: list[dict]      # HF chat-template messages (role, content, tool_calls, tool_call_id)
-    max_tokens: int | None = None           # None -> until the context window is full
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    tools: list[dict] | None = None         # [{"name", "description", "parameters"}]
-    tool_choice: str | dict = "auto"        # "auto" | "none" | "required" | {"name": str}
-    parallel_tool_calls: bool = True        # False: one call at most
-    allowed_tools: tuple[str, ...] | None = None  # calls name only these (all are still shown)
-    json_schema: dict | None = None         # structured output
-
-
-@dataclass
-class TokenCounts:
-    """The tokens of one chat completion so far, which a consumer can read at any time:
-    a response that ends before `Finished` (cancelled, failed) reports what they say then."""
-
-    input_tokens: int
-    output_tokens: int = 0
-    cached_tokens: int = 0  # input tokens the prefix cache supplied (known at the first output token)
-
-    def update(self, generation) -> None:
-        """Take the output counts of a `Generation` (engine/generate.py) as they stand."""
-        self.output_tokens, self.cached_tokens = generation.n_generated, generation.cached_tokens
-
-
-@dataclass
-class PreparedChat:
-    request: ChatRequest
-    prompt: str               # the rendered template
-    prompt_ids: list[int]
-    max_tokens: int           # resolved: never past the context window
-    reasoning: bool           # <think> blocks in the output are reasoning (not with json_schema)
-    starts_in_reasoning: bool  # the template's generation prompt opened a <think> block
-    constraint: object = None  # engine/constrain/matcher.py GrammarConstraint for tools / json_schema
-    tool_calls: bool = False   # split the output into text and tool calls
-    counts: TokenCounts = field(init=False)  # its tokens so far (a PreparedChat is generated once)
-
-    def __post_init__(self):
-        self.counts = TokenCounts(len(self.prompt_ids))
-
-    @property
-    def input_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str               # "stop" | "length"
-    input_tokens: int
-    output_tokens: int
-    cached_tokens: int = 0
 
 
 class Literals:

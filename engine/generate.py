@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .api import SamplingParams
 from .errors import ContextLengthExceeded
-from .sampling import Constraint, Sampler, SamplingParams
+from .sampling import Constraint, Sampler
 from .tokenizer import IncrementalDecoder
 
 

@@ -1,11 +1,12 @@
 """Choosing the next token from the logits.
 
-Temperature 0 is greedy: the argmax, deterministic (the lowest id wins a tie).
-Otherwise the logits are divided by the temperature, then filtered, in this
-order, by top_k (keep the k most likely), top_p (keep the smallest set whose
-probability reaches p) and min_p (drop tokens below min_p × the top
-probability), and one token is drawn with the request's own numpy Generator
-(seeded when `seed` is given, so a seeded request repeats exactly).
+A request's `SamplingParams` (engine/api.py) say how. Temperature 0 is greedy: the
+argmax, deterministic (the lowest id wins a tie). Otherwise the logits are divided
+by the temperature, then filtered, in this order, by top_k (keep the k most
+likely), top_p (keep the smallest set whose probability reaches p) and min_p
+(drop tokens below min_p × the top probability), and one token is drawn with the
+request's own numpy Generator (seeded when `seed` is given, so a seeded request
+repeats exactly).
 
 A constraint (engine/constrain/) restricts which tokens may come next. Its
 mask costs a pass over the vocabulary, so the sampler first draws as if
@@ -21,31 +22,12 @@ redraws with the filters applied to the allowed tokens, which mixes the two.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from .api import SamplingParams
 from .errors import EngineError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0   # 0 -> greedy, deterministic
-    top_k: int = 0             # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError("min_p must be in [0, 1]")
 
 
 class Constraint(Protocol):

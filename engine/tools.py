@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from .api import ToolCall
 from .constrain import (AnyOf, FreeText, GrammarConstraint, Literal, Object, Repeat, Seq, TokenIndex,
                         compile_schema, json_constraint, schema_key, writes_objects)
 from .errors import EngineError, SchemaError
@@ -255,15 +256,6 @@ def either_constraint(tools: list[dict], schema, index: TokenIndex, parallel: bo
     key = ("tools|json", schema_key([tools, schema, parallel, allowed]))
     return GrammarConstraint(index.grammar(
         key, lambda: AnyOf([tool_call_grammar(tools, "required", parallel, allowed), compile_schema(schema)])))
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A whole tool call of a response (engine.chat gives it out as an event as it is)."""
-
-    index: int      # 0, 1, ... in the order of the response
-    name: str
-    arguments: str  # compact JSON, valid for the tool's parameters schema
 
 
 class ToolCallParser:

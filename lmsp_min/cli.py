@@ -15,6 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import engine
+from engine.api import ChatRequest, Finished, ReasoningDelta, SamplingParams, TextDelta, ToolCall
+from engine.errors import ContextLengthExceeded, EngineError
 from lmsp_min import __version__, fetch
 from lmsp_min.paths import models_dir
 
@@ -176,17 +179,13 @@ def cmd_run(args) -> int:
         raise CommandError("no PROMPT, and stdin is closed: there is no chat to read")
     path = resolve_model(args.model)
 
-    from engine import load_model
-
-    with load_model(path, n_ctx=args.ctx) as model:  # (closed at the end: its threads end with it)
+    with engine.load_model(path, n_ctx=args.ctx) as model:  # (closed at the end: its threads end with it)
         return _chat(args, path, model)
 
 
 def _chat(args, path, model) -> int:
     """`lmsp-min run` with its model loaded: one answer to PROMPT, or a chat on stdin."""
     import trio
-
-    from engine import ChatRequest, ContextLengthExceeded, SamplingParams
 
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
@@ -250,8 +249,6 @@ async def _stream_answer(model, request, max_tokens: int | None) -> str:
 
     `max_tokens` is a cap, so past what the context window has left it is that: a request
     for more would be refused by the engine (the protocol's rule, D4), on every turn."""
-    from engine import Finished, ReasoningDelta, TextDelta, ToolCall
-
     prepared = model.prepare_chat(request)  # (a request without max_tokens: all the window has left)
     if max_tokens is not None:
         prepared.max_tokens = min(prepared.max_tokens, max_tokens)
@@ -436,8 +433,6 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.errors import EngineError
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if getattr(args, "passes_extra_args", False):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import trio
 
+import engine
 from engine import describe
 from engine.gguf_header import GGUFHeaderError, read_header
 from lmsp_min.admission import Admission, Admissions
@@ -156,8 +157,6 @@ class ModelEntry:
             return self.model
         async with self._load_lock:  # concurrent first requests wait for one load
             if self.model is None:
-                import engine
-
                 started = time.perf_counter()
                 try:
                     model = await trio.to_thread.run_sync(functools.partial(

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import trio
 
+import engine
 from lmsp_min import paths
 from lmsp_min.app import App, GenerationsInProgress, default_router
 from lmsp_min.auth import Auth, is_loopback
@@ -296,10 +297,8 @@ def _banner(service: Service, addresses) -> None:
 def _compute() -> str:
     """The engine's threads and the BLAS kernels behind its prefill, which an environment
     variable can make older than the CPU's (docs/performance.md says how much slower)."""
-    from engine.accel import blas_kernel, num_threads
-
-    kernel = blas_kernel()
+    kernel = engine.blas_kernel()
     blas = f"OpenBLAS with its {kernel} kernels" if kernel else "not OpenBLAS"
     if kernel and os.environ.get("OPENBLAS_CORETYPE"):
         blas += f", as OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']} asks"
-    return f"{num_threads()} threads; numpy's BLAS: {blas}"
+    return f"{engine.num_threads()} threads; numpy's BLAS: {blas}"

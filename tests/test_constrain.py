@@ -424,7 +424,7 @@ def tiny(tmp_path_factory):
 
 async def generate_text(model, constraint, seed, max_tokens=300):
     """A tiny random-weight model's seeded sample under `constraint`: (text, finish reason)."""
-    from engine.sampling import SamplingParams
+    from engine.api import SamplingParams
 
     ids = model.tokenize(model.apply_chat_template([{"role": "user", "content": "Answer in JSON."}]),
                          parse_special=True)
@@ -466,8 +466,7 @@ async def chat_events(model, request):
 
 
 async def test_chat_json_schema(tiny):
-    from engine.chat import ChatRequest, Finished, TextDelta
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, Finished, SamplingParams, TextDelta
 
     assert {"tools", "structured_output"} <= set(tiny.info.capabilities)
     messages = [{"role": "user", "content": "A person, as JSON."}]
@@ -552,8 +551,7 @@ def smollm2_model(smollm2_path):
 
 @pytest.mark.slow
 async def test_smollm2_json_documents_are_valid(smollm2_model):
-    from engine.chat import ChatRequest, TextDelta
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, SamplingParams, TextDelta
 
     def request(i):
         text, schema = REAL_JSON[i]

@@ -20,11 +20,12 @@ import trio
 
 import engine.speculate as speculate
 from engine import load_model
-from engine.chat import ChatRequest, TextDelta, ToolCall
+from engine.api import ChatRequest, TextDelta, ToolCall
 from engine.constrain import json_constraint, TokenIndex
 from engine.jump_forward import draft_bytes, forced_bytes
 from engine.reference import reference_logits
-from engine.sampling import Sampler, SamplingParams
+from engine.api import SamplingParams
+from engine.sampling import Sampler
 from engine.scheduler import Scheduler
 from test_scheduler import assert_same_greedy, greedy
 from tiny import ARCHITECTURES, write_tiny_model

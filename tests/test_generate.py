@@ -7,8 +7,8 @@ import pytest
 import trio
 
 from engine import (ChatRequest, ContextLengthExceeded, Finished, ReasoningDelta,
-                    SamplingParams, TextDelta, load_model)
-from engine.chat import Literals, MessageStop, OutputSplitter, ReasoningSplitter, ToolCall
+                    SamplingParams, TextDelta, ToolCall, load_model)
+from engine.chat import Literals, MessageStop, OutputSplitter, ReasoningSplitter
 from engine.tools import ToolCallParser
 from engine.generate import StopFilter
 from engine.sampling import Sampler

@@ -1,6 +1,6 @@
 """events.ResponseRun: engine chat events -> LMSP events and the response object (6.2, 6.3, D4, D5).
 
-These feed scripted engine events (the classes of engine/chat.py) so that
+These feed scripted engine events (the classes of engine/api.py) so that
 every shape a model can produce (reasoning, text, tool calls, failures) is
 covered whatever the tiny model happens to say.
 """
@@ -10,7 +10,7 @@ import json
 import pytest
 import trio
 
-from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall
+from engine.api import Finished, ReasoningDelta, TextDelta, ToolCall
 from lmsp_min.events import Event, ResponseRun, new_id
 from lmsp_min.problems import Problem
 from lmsp_min.validate import items_to_messages, validate_responses_request
@@ -173,7 +173,7 @@ async def test_cancellation_propagates_and_cancelled_event_follows_the_sequence(
 async def test_a_response_ended_early_reports_the_tokens_counted_until_then():
     """6.2: `usage` says what was consumed, for a failed or cancelled response too (the
     engine's counts as they stand); their final events keep the data 6.3 lists."""
-    from engine.chat import TokenCounts
+    from engine.api import TokenCounts
 
     counts = TokenCounts(7, output_tokens=2, cached_tokens=2)
     expected = {"input_tokens": 7, "output_tokens": 2, "total_tokens": 9, "input_tokens_details": {"cached_tokens": 2}}
@@ -190,7 +190,7 @@ async def test_a_response_ended_early_reports_the_tokens_counted_until_then():
 
 
 async def test_an_engine_failure_reports_the_tokens_counted_until_then():
-    from engine.chat import TokenCounts
+    from engine.api import TokenCounts
 
     counts = TokenCounts(5)
 
@@ -223,7 +223,7 @@ EVENT_DATA_FIELDS = {
 async def test_each_event_carries_the_data_fields_of_its_row():
     """6.3: every event of the table carries its row's data fields, with the status its
     name says (`in_progress` for response.created)."""
-    from engine.chat import TokenCounts
+    from engine.api import TokenCounts
 
     seen = []
     for reason in ("stop", "length"):

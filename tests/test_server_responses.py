@@ -169,7 +169,7 @@ async def test_tool_history_is_rendered(server):
 
 
 async def test_streaming_generation_failure_ends_with_response_failed(server, monkeypatch):
-    from engine.chat import TextDelta
+    from engine.api import TextDelta
 
     model = server.service.registry.get(TINY_ID).model
 
@@ -445,7 +445,7 @@ async def test_smollm2_answers(nursery, smollm2_path):
 
 
 async def test_a_silent_stream_gets_keep_alive_comments(nursery, tiny_path, monkeypatch):
-    from engine.chat import Finished, TextDelta
+    from engine.api import Finished, TextDelta
 
     service = await make_service([tiny_path], limits=Limits(stream_keepalive=0.05))
     server = await start_server(nursery, service)
@@ -474,7 +474,7 @@ async def test_a_silent_stream_gets_keep_alive_comments(nursery, tiny_path, monk
 
 async def test_a_client_that_stops_reading_is_dropped_and_its_generation_stopped(nursery, tiny_path,
                                                                                  monkeypatch):
-    from engine.chat import TextDelta
+    from engine.api import TextDelta
 
     service = await make_service([tiny_path], limits=Limits(write_timeout=0.3))
     server = await start_server(nursery, service)

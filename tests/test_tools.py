@@ -5,13 +5,13 @@ import json
 import jsonschema
 import pytest
 
-from engine.chat import TextDelta
+from engine.api import TextDelta, ToolCall
 from engine.chat_template import ChatTemplate
 from engine.constrain import TokenIndex
 from engine.errors import SchemaError
 from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
-from engine.tools import (CLOSER, MAX_CALLS, OPENER, ToolCall, ToolCallParser, either_constraint, render_generic,
+from engine.tools import (CLOSER, MAX_CALLS, OPENER, ToolCallParser, either_constraint, render_generic,
                           tool_constraint, uses_native_format)
 from tests.conftest import DATA
 from tests.test_constrain import random_run, smollm2_model, tiny  # noqa: F401 (fixtures)
@@ -392,8 +392,7 @@ async def test_tiny_model_makes_valid_calls_in_50_of_50_runs(tiny):
 
 
 async def test_chat_tool_calls(tiny):
-    from engine.chat import ChatRequest, Finished, TextDelta, ToolCall
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, Finished, SamplingParams, TextDelta, ToolCall
     from tests.test_constrain import chat_events
 
     messages = [{"role": "user", "content": "Lights on."}]
@@ -418,8 +417,7 @@ async def test_chat_with_tools_and_a_schema_calls_or_answers(tiny):
     """D5, through prepare_chat / generate_chat: over seeds and temperatures "auto" gives
     valid calls or a valid document, never neither; "required" and a named function calls
     only, "none" the document only."""
-    from engine.chat import ChatRequest
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, SamplingParams
     from tests.test_constrain import chat_events, run_concurrently
 
     messages = [{"role": "user", "content": "Lights on, or say why not."}]
@@ -500,8 +498,7 @@ REAL_REQUESTS = [
 
 @pytest.mark.slow
 async def test_smollm2_tool_calls_are_valid(smollm2_model):
-    from engine.chat import ChatRequest, ToolCall
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, SamplingParams, ToolCall
     from tests.test_constrain import chat_events, run_concurrently
 
     def request(i):
@@ -521,8 +518,7 @@ async def test_smollm2_tool_calls_are_valid(smollm2_model):
 
 @pytest.mark.slow
 async def test_smollm2_tool_round_trip(smollm2_model):
-    from engine.chat import ChatRequest, TextDelta, ToolCall
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, SamplingParams, TextDelta, ToolCall
     from tests.test_constrain import chat_events
 
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -546,8 +542,7 @@ async def test_smollm2_tool_round_trip(smollm2_model):
 async def test_smollm2_with_tools_and_a_schema_calls_or_answers(smollm2_model):
     """The real model, tools and a json_schema under "auto" (an agent's request): each
     response is valid calls or a valid answer, whichever it chose."""
-    from engine.chat import ChatRequest
-    from engine.sampling import SamplingParams
+    from engine.api import ChatRequest, SamplingParams
     from tests.test_constrain import chat_events, run_concurrently
 
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80}},

@@ -1,0 +1,116 @@
+"""The contract between the server and the engine: the plain values they exchange.
+
+A server (lmsp_min/, or any program) builds a `ChatRequest` (with its `SamplingParams`),
+hands it to `model.prepare_chat`, which answers with a `PreparedChat` whose `counts`
+(`TokenCounts`) it may read at any time, and reads the events of `model.generate_chat`:
+
+    TextDelta(text)              message text (complete UTF-8, never a stop sequence)
+    ReasoningDelta(text)         text between <think> and </think>, for models that reason
+    ToolCall(index, name, arguments)   a whole tool call
+    Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
+
+These are dataclasses of the standard library only, so that the protocol package,
+which never imports numpy, imports them at the top of its modules. The errors the
+engine raises on purpose are the other half of the contract: engine/errors.py, also
+standard library only.
+
+Next: engine/chat.py, which gives these values their meaning (how a request becomes
+events); engine/sampling.py applies `SamplingParams`, engine/tools.py makes `ToolCall`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0   # 0 -> greedy, deterministic
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]      # HF chat-template messages (role, content, tool_calls, tool_call_id)
+    max_tokens: int | None = None           # None -> until the context window is full
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    tools: list[dict] | None = None         # [{"name", "description", "parameters"}]
+    tool_choice: str | dict = "auto"        # "auto" | "none" | "required" | {"name": str}
+    parallel_tool_calls: bool = True        # False: one call at most
+    allowed_tools: tuple[str, ...] | None = None  # calls name only these (all are still shown)
+    json_schema: dict | None = None         # structured output
+
+
+@dataclass
+class TokenCounts:
+    """The tokens of one chat completion so far, which a consumer can read at any time:
+    a response that ends before `Finished` (cancelled, failed) reports what they say then."""
+
+    input_tokens: int
+    output_tokens: int = 0
+    cached_tokens: int = 0  # input tokens the prefix cache supplied (known at the first output token)
+
+    def update(self, generation) -> None:
+        """Take the output counts of a `Generation` (engine/generate.py) as they stand."""
+        self.output_tokens, self.cached_tokens = generation.n_generated, generation.cached_tokens
+
+
+@dataclass
+class PreparedChat:
+    request: ChatRequest
+    prompt: str               # the rendered template
+    prompt_ids: list[int]
+    max_tokens: int           # resolved: never past the context window
+    reasoning: bool           # <think> blocks in the output are reasoning (not with json_schema)
+    starts_in_reasoning: bool  # the template's generation prompt opened a <think> block
+    constraint: object = None  # engine/constrain/matcher.py GrammarConstraint for tools / json_schema
+    tool_calls: bool = False   # split the output into text and tool calls
+    counts: TokenCounts = field(init=False)  # its tokens so far (a PreparedChat is generated once)
+
+    def __post_init__(self):
+        self.counts = TokenCounts(len(self.prompt_ids))
+
+    @property
+    def input_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A whole tool call of a response (engine/chat.py gives it out as an event as it is)."""
+
+    index: int      # 0, 1, ... in the order of the response
+    name: str
+    arguments: str  # compact JSON, valid for the tool's parameters schema
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str               # "stop" | "length"
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
