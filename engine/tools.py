@@ -49,7 +49,7 @@ import json
 from dataclasses import dataclass
 
 from .api import ToolCall
-from .constrain import (AnyOf, FreeText, GrammarConstraint, Literal, Object, Repeat, Seq, TokenIndex,
+from .constrain import (AnyOf, FreeText, Grammar, GrammarConstraint, Literal, Object, Repeat, Seq, TokenIndex,
                         compile_schema, json_constraint, schema_key, writes_objects)
 from .errors import EngineError, SchemaError
 
@@ -246,7 +246,7 @@ def tool_constraint(tools: list[dict], tool_choice, index: TokenIndex, parallel:
     """The constraint for a response with tools (grammars cached per tools + choice + parallel
     + allowed)."""
     key = ("tools", schema_key([tools, tool_choice, parallel, allowed]))
-    return GrammarConstraint(index.grammar(key, lambda: tool_call_grammar(tools, tool_choice, parallel, allowed)))
+    return GrammarConstraint(Grammar.of(index, key, lambda: tool_call_grammar(tools, tool_choice, parallel, allowed)))
 
 
 def either_constraint(tools: list[dict], schema, index: TokenIndex, parallel: bool = True,
@@ -254,8 +254,8 @@ def either_constraint(tools: list[dict], schema, index: TokenIndex, parallel: bo
     """tool_choice "auto" with a json_schema: calls from the first byte, as "required" makes
     them, or one document valid for `schema` (see the module docstring)."""
     key = ("tools|json", schema_key([tools, schema, parallel, allowed]))
-    return GrammarConstraint(index.grammar(
-        key, lambda: AnyOf([tool_call_grammar(tools, "required", parallel, allowed), compile_schema(schema)])))
+    return GrammarConstraint(Grammar.of(
+        index, key, lambda: AnyOf([tool_call_grammar(tools, "required", parallel, allowed), compile_schema(schema)])))
 
 
 class ToolCallParser:

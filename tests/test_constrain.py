@@ -111,8 +111,8 @@ def test_a_mask_inside_a_string_two_alternatives_share_takes_the_string_shortcut
     mask walk the whole vocabulary byte by byte: 70 ms for SmolLM2's, 0.5 s for Gemma's, at
     every token whose state was new. The mask is the union of the stacks' own: each takes
     its shortcut, and decides as allows() does. (Which way a mask was computed shows in no
-    public interface, only in its time, which a test must not race: the trie walk, private,
-    is watched.)"""
+    result, only in its time, which a test must not race: the trie walk that the others
+    share is watched.)"""
     schema = {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "string", "minLength": 3},
                         {"enum": ["abc\\n", "abd"]}]}
     c = json_constraint(schema, smollm2)
@@ -120,9 +120,9 @@ def test_a_mask_inside_a_string_two_alternatives_share_takes_the_string_shortcut
         c.advance(t)
     assert len(c.state) == 3
     walked = []
-    trie_walk = TokenIndex._trie_walk
-    monkeypatch.setattr(TokenIndex, "_trie_walk",
-                        lambda self, grammar, state: walked.append(state) or trie_walk(self, grammar, state))
+    trie_walk = TokenIndex.trie_walk
+    monkeypatch.setattr(TokenIndex, "trie_walk",
+                        lambda self, recognizer, state: walked.append(state) or trie_walk(self, recognizer, state))
     mask = c.mask()
     assert [[type(stack[-1][0]) for stack in state] for state in walked] == [[Literal]]
     sample = np.random.default_rng(2).choice(smollm2.n_vocab, 3000, replace=False).tolist()

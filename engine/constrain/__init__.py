@@ -5,26 +5,30 @@ whose bytes keep the output a valid prefix of an allowed document get a chance, 
 end-of-sequence token only once the document is complete. Five files, one concern each,
 read in this order (each imports only those before it):
 
-1. grammar.py, the grammar nodes. A schema compiles to a graph of small nodes (literal,
+1. masks.py, the token masks. `TokenIndex` keeps the vocabulary sorted by bytes; a sorted
+   list *is* a trie (the tokens sharing a prefix are contiguous), so a mask is a walk that
+   only descends into byte prefixes a `Recognizer` accepts; it knows no grammar (as in
+   llguidance, the parser implements the recognizer the token trie walks). Inside a JSON
+   string nearly every token is allowed, so there a vectorised precomputed mask of
+   "plain" tokens (no quote, backslash or control byte, whole UTF-8 characters) is used,
+   and only the few other tokens are checked one by one. The sampled token is checked
+   first with `allows()`, so most steps need no mask at all. `can_constrain`: whether a
+   vocabulary can be constrained.
+
+2. grammar.py, the grammar nodes. A schema compiles to a graph of small nodes (literal,
    string, number, array, object, any value, plus sequence / repeat / free text for tool
    calls). A node reads one byte at a time from an immutable local state and answers with
    actions: keep reading, or start a child value (the byte goes to the child, or the child
    starts with the next byte). Completed children are popped from the stack and their
-   parent resumes. Also there: how deep a node's documents must nest (Node.height).
+   parent resumes. Also there: how deep a node's documents must nest (Node.height), and
+   the nodes' mask shortcuts, from the vocabulary's precomputed masks (Node.fast).
 
-2. matcher.py, the matcher. A configuration is a stack (tuple) of frames `(node, local)`;
+3. matcher.py, the matcher. A configuration is a stack (tuple) of frames `(node, local)`;
    a matcher state is a frozenset of configurations, so alternatives (`anyOf`, type lists,
    a number that could end or go on) are followed side by side like an NFA. States are
    immutable and hashable: transitions and masks are cached by state (`Grammar`, shared by
-   every generation of one schema); `GrammarConstraint` is one generation's position.
-
-3. masks.py, the token masks. `TokenIndex` keeps the vocabulary sorted by bytes; a sorted
-   list *is* a trie (the tokens sharing a prefix are contiguous), so a mask is a walk that
-   only descends into byte prefixes the matcher accepts. Inside a JSON string nearly every
-   token is allowed, so there a vectorised precomputed mask of "plain" tokens (no quote,
-   backslash or control byte, whole UTF-8 characters) is used, and only the few other
-   tokens are checked one by one. The sampled token is checked first with `allows()`, so
-   most steps need no mask at all. `can_constrain`: whether a vocabulary can be constrained.
+   every generation of one schema, the recognizer of masks.py); `GrammarConstraint` is
+   one generation's position.
 
 4. validation.py, `validate`: a parsed document against the supported subset, with JSON
    Schema's meaning (the compiler keeps with it the values of an enum that the keywords

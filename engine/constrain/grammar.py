@@ -14,12 +14,10 @@ import functools
 import json
 import math
 from fractions import Fraction
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from ..errors import SchemaError
-
-if TYPE_CHECKING:  # (annotations only: masks.py builds on this module, through matcher.py)
-    from .masks import TokenIndex
+from .masks import TokenIndex
 
 # Actions a node returns from step(local, byte):
 SET = 0    # (SET, local): the byte is consumed, the frame moves to `local`

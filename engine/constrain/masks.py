@@ -1,12 +1,17 @@
-"""Token masks: which tokens of the vocabulary the matcher lets come next.
+"""Token masks: which tokens of the vocabulary a recognizer of bytes lets come next.
 
 `TokenIndex` keeps the vocabulary sorted by bytes; a sorted list *is* a trie (the tokens
 sharing a prefix are contiguous), so a mask is a walk that only descends into byte
-prefixes the matcher accepts. Inside a JSON string nearly every token is allowed, so there
-a vectorised precomputed mask of "plain" tokens (no quote, backslash or control byte,
-whole UTF-8 characters) is used, and only the few other tokens are checked one by one
-(Node.fast). The sampler checks the sampled token first with `allows()`, so most steps
-need no mask at all. `can_constrain` says whether a vocabulary can be constrained at all.
+prefixes the recognizer accepts (`trie_walk`). The recognizer is anything with the
+methods of `Recognizer`: this module knows no grammar, the grammar builds on it (as
+llguidance's token trie walks the `Recognizer` its parser implements). Inside a JSON
+string nearly every token is allowed, so there the grammar nodes take a precomputed
+mask of "plain" tokens (no quote, backslash or control byte, whole UTF-8 characters)
+from here, and only the few other tokens are checked one by one (Node.fast). The
+sampler checks the sampled token first with `allows()`, so most steps need no mask at
+all. `can_constrain` says whether a vocabulary can be constrained at all.
+
+Next: grammar.py, the nodes; matcher.py's `Grammar` is the recognizer.
 """
 
 from __future__ import annotations
@@ -15,13 +20,18 @@ import bisect
 import re
 import threading
 import weakref
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
-from .matcher import Grammar
-
 _NOT_PLAIN = re.compile(rb'[\x00-\x1f"\\]')  # control bytes, quote, backslash
+
+
+class Recognizer(Protocol):
+    """What the trie walk needs of a grammar: states it reads bytes from (None: refused)."""
+
+    def step(self, state, b: int): ...
+    def walk(self, state, data: bytes): ...
 
 
 def _plain_chars(data: bytes) -> int:
@@ -66,7 +76,7 @@ class TokenIndex:
         self.plain = self.nchars >= 0                            # (n_vocab,)
         self.string_specials = np.flatnonzero(self.normal & ~self.plain)
         self._without: dict = {}
-        self.grammars: dict = {}  # schema key -> Grammar, bounded
+        self.grammars: dict = {}  # schema key -> its grammar over this vocabulary, bounded
         self._lock = threading.Lock()
 
     def without_byte(self, byte: int):
@@ -77,50 +87,13 @@ class TokenIndex:
             self._without[byte] = (self.normal & ~has, np.flatnonzero(has))
         return self._without[byte]
 
-    def allowed(self, grammar: Grammar, state: frozenset) -> np.ndarray:
-        """bool (n_vocab,): the tokens `grammar` reads in `state` (Grammar.mask caches them).
-
-        A token is allowed when some stack of the state reads all its bytes: the mask is the
-        union of the stacks' own. Those whose node has a shortcut (inside a string, free text)
-        take it one by one, the others share one walk of the trie. (One walk for all, when two
-        alternatives are inside a string, reads every token byte by byte: 0.5 s for 262k.)"""
-        mask = np.zeros(self.n_vocab, dtype=np.bool_)
-        others = []
-        for stack in state:
-            fast = self._shortcut(stack)
-            if fast is None:
-                others.append(stack)
-                continue
-            sure, check = fast  # bool (n_vocab,), int ids
-            mask |= sure
-            alone = frozenset((stack,))
-            token_bytes = self.token_bytes
-            for t in check.tolist():
-                if not mask[t] and grammar.walk(alone, token_bytes[t]) is not None:
-                    mask[t] = True
-        if others:
-            mask[self.sorted_ids[self._trie_walk(grammar, frozenset(others))]] = True
-        if grammar.complete(state):
-            mask[self.eos_list] = True
-        return mask
-
-    def _shortcut(self, stack: tuple):
-        """The shortcut of a stack's top node (Node.fast), or None: also when the node may end
-        here, as then the next byte may go to the frame below it."""
-        if not stack:
-            return None
-        node, local = stack[-1]
-        if len(stack) > 1 and node.accepting(local):
-            return None
-        return node.fast(local, self)
-
-    def _trie_walk(self, grammar: Grammar, state: frozenset) -> list[int]:
-        """Positions in sorted_bytes of the tokens whose bytes the matcher accepts."""
+    def trie_walk(self, recognizer: Recognizer, state) -> np.ndarray:
+        """The ids of the tokens whose bytes `recognizer` reads whole from `state`."""
         tb = self.sorted_bytes
         hits = []
         todo = []
         for b, lo, hi in self.root:
-            s = grammar.step(state, b)
+            s = recognizer.step(state, b)
             if s is not None:
                 todo.append((lo, hi, 1, s))
         while todo:
@@ -129,24 +102,25 @@ class TokenIndex:
                 hits.append(lo)
                 lo += 1
             if hi - lo == 1:  # a single token left below: finish it directly
-                if grammar.walk(s, tb[lo][depth:]) is not None:
+                if recognizer.walk(s, tb[lo][depth:]) is not None:
                     hits.append(lo)
                 continue
             while lo < hi:
                 token = tb[lo]
                 b = token[depth]
                 end = hi if b == 255 else bisect.bisect_left(tb, token[:depth] + bytes((b + 1,)), lo, hi)
-                s2 = grammar.step(s, b)
+                s2 = recognizer.step(s, b)
                 if s2 is not None:
                     todo.append((lo, end, depth + 1, s2))
                 lo = end
-        return hits
+        return self.sorted_ids[hits]
 
-    def grammar(self, key, build) -> Grammar:
-        """The cached Grammar for `key`, built by `build()` on first use."""
+    def grammar(self, key, build):
+        """The cached grammar for `key` over this vocabulary, built by `build()` on first
+        use (matcher.py's `Grammar.of` asks for its grammars here)."""
         g = self.grammars.get(key)
         if g is None:
-            g = Grammar(build(), self)
+            g = build()
             with self._lock:
                 if len(self.grammars) >= 32:
                     self.grammars.pop(next(iter(self.grammars)))

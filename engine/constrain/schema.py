@@ -16,7 +16,7 @@ from ..errors import SchemaError, Unsatisfiable
 from .grammar import (MAX_FRAC_DIGITS, MAX_INT_DIGITS, MAX_SIGNIFICANT, AnyOf, AnyValue, Array, FreeObject,
                       Literal, Node, Number, Object, Ref, String, needed, reachable, set_heights)
 from .masks import TokenIndex
-from .matcher import MAX_CONFIGURATIONS, GrammarConstraint, feed
+from .matcher import MAX_CONFIGURATIONS, Grammar, GrammarConstraint, feed
 from .validation import is_number, pointer_keys, validate
 
 # Bounds on what a client's schema may cost (D9). An object's optional properties cost
@@ -431,5 +431,5 @@ def schema_key(schema) -> str:
 def json_constraint(schema, index: TokenIndex) -> GrammarConstraint:
     """A constraint that lets the model write exactly one JSON document valid for `schema`."""
     key = ("json", schema_key(schema))
-    return GrammarConstraint(index.grammar(key, lambda: compile_schema(schema)))
+    return GrammarConstraint(Grammar.of(index, key, lambda: compile_schema(schema)))
 
