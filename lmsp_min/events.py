@@ -21,9 +21,10 @@ and for a tool call (the engine gives out whole calls): output_item.added
 (arguments ""), then output_item.done (the complete call). Ids count from 1
 and only grow.
 
-Reading the request path: lmsp_min/app.py hands `events()` the engine's chat
-events (engine/chat.py `generate_chat`); what it yields goes back to app.py,
-which writes each one as SSE (`Event.sse`), or to lmsp_min/tasks.py's log.
+Reading the request path: lmsp_min/generation.py hands `events()` the engine's
+chat events (engine/api.py's types, from engine/chat.py `generate_chat`); what it
+yields goes back to generation.py's pump, then to a face, which frames it as SSE
+(lmsp_min/sse.py), or to lmsp_min/tasks.py's log.
 """
 
 import json
@@ -33,6 +34,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from engine.api import Finished, ReasoningDelta, TextDelta, ToolCall
 from lmsp_min.problems import Problem, shutting_down
 
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed",
@@ -42,7 +44,7 @@ _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
 class ServiceStopping(Exception):
-    """The service stopped before this response ended (see app.GenerationsInProgress)."""
+    """The service stopped before this response ended (see generation.GenerationsInProgress)."""
 
 
 def new_id(prefix: str) -> str:
@@ -63,11 +65,6 @@ def compact_json(data: dict) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
-def sse_message(event_id: int, name: str, data_json: str) -> bytes:
-    """One SSE message (event data is JSON, which never contains a raw newline)."""
-    return f"id: {event_id}\nevent: {name}\ndata: {data_json}\n\n".encode("utf-8")
-
-
 @dataclass(frozen=True)
 class Event:
     """One LMSP event: its sequence number, name and data object."""
@@ -79,12 +76,6 @@ class Event:
     @property
     def is_final(self) -> bool:
         return self.name in FINAL_EVENTS
-
-    def sse(self) -> bytes:
-        return sse_message(self.id, self.name, compact_json(self.data))
-
-
-SSE_KEEPALIVE = b": keep-alive\n\n"
 
 
 class ResponseRun:
@@ -210,8 +201,6 @@ class ResponseRun:
         `model_unavailable`. Cancellation is not caught: the caller decides what it
         means (a stream whose client left; a task cancelled, see `cancelled`).
         """
-        from engine.chat import Finished, ReasoningDelta, TextDelta, ToolCall
-
         yield self._event("response.created", status="in_progress")
         try:
             async with aclosing(chat_events) as chat:

@@ -17,7 +17,8 @@ service's `async with` closes the models it loaded (engine/model.py
 `Model.close`: their scheduler threads joined), then the store.
 
 Reading the request path starts here: `serve` runs lmsp_min/http.py's HTTPServer,
-whose handler is lmsp_min/app.py's `App`.
+whose handler is lmsp_min/routing.py's `App`, over the routes of both faces
+(`faces_router`: lmsp_min/routes.py, lmsp_min/openai_dialect/routes.py).
 """
 
 import os
@@ -30,19 +31,29 @@ from pathlib import Path
 import trio
 
 import engine
-from lmsp_min import paths
-from lmsp_min.app import App, GenerationsInProgress, default_router
+from lmsp_min import paths, routes
 from lmsp_min.auth import Auth, is_loopback
 from lmsp_min.events import compact_json
+from lmsp_min.generation import GenerationsInProgress
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem, leaf_exceptions, quoted
+from lmsp_min.openai_dialect import routes as openai_routes
 from lmsp_min.registry import DEFAULT_QUEUE_DEPTH, Registry
+from lmsp_min.routing import App, Router
 from lmsp_min.store import StoreError, open_store
 from lmsp_min.tasks import STORE_RETENTION, Tasks
 from lmsp_min.validate import MAX_INPUT_ITEMS
 
 SHUTDOWN_GRACE = 10.0  # seconds requests in progress get to finish after SIGINT / SIGTERM
 LAST_WORDS = 2.0  # seconds, after that, for the responses still generating to say they were stopped
+
+
+def faces_router() -> Router:
+    """The routes of both faces: LMSP at /lmsp/v1, OpenAI's API at /v1 (its own error format)."""
+    router = Router()
+    routes.add_routes(router)
+    openai_routes.add_routes(router)
+    return router
 
 
 def stderr_log(line: str) -> None:
@@ -92,7 +103,7 @@ class Service:
         self.config = config or ServiceConfig()
         self.tasks = None
         self.http: HTTPServer | None = None  # set by serve()
-        self.router = default_router()
+        self.router = faces_router()
         self.log = log
         self.generations = GenerationsInProgress()  # ended `failed` if the service stops first
 

@@ -20,10 +20,15 @@ usage unknown) from what its log holds; so does this process (`internal_error`)
 if a failing write (a full disk) kept its runner from ending it. A task another
 process runs (on this machine, or another node of a PostgreSQL store) is followed
 from the database, woken by the store's `watch` when it has new events, and
-cancelled by a request its owner is told of (lmsp_min/store.py).
+cancelled by a request its owner is told of (lmsp_min/store/).
 
-A task owns its generation (app.PreparedResponse) from `Tasks.start` on, and its
-runner releases the generation's admission when it ends, however it ends.
+A task owns its generation (lmsp_min/generation.py `Generation`) from `Tasks.start` on:
+its runner drives the generation's pump, which commits the final event to the log
+(`LiveLog.finish`) before it goes out, and releases the generation's admission when it
+ends, however it ends. Followers get batches of logged events; the routes frame them
+as SSE (lmsp_min/sse.py), which keeps an idle stream alive.
+
+Reading on: lmsp_min/store/ keeps the log; lmsp_min/routes.py serves it.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ from typing import AsyncIterator
 
 import trio
 
-from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, add_text, compact_json, new_id, sse_message
+from lmsp_min.events import FINAL_EVENTS, Event, add_text, compact_json, new_id
+from lmsp_min.generation import Generation, pump
 from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
 
-# D3: "at least every 15 seconds" while a stream is idle; 10 leaves room for a
-# busy loop and a slow network.
-KEEPALIVE_INTERVAL = 10.0
+# How often a follower of a task another process runs, told of nothing new, checks
+# that the process is still alive (and ends the task `failed` if it is not).
+OWNER_CHECK_INTERVAL = 10.0
 # How often tasks look for work a dead process, or a failed write, left unfinished
 # (tasks still `in_progress`, idempotency keys still 'running'); more often when the
 # store's leases are short, so that a dead node's tasks end soon after its lease.
@@ -127,34 +133,24 @@ class LiveLog:
 
     # -- a follower's side --------------------------------------------------------
 
-    async def follow(self, after: int) -> AsyncIterator[list[LoggedEvent] | None]:
+    async def follow(self, after: int) -> AsyncIterator[list[LoggedEvent]]:
         """Committed events with seq > `after`, then live ones, until the final one:
         each time, all those not yet yielded (a late follower catches up in one
-        batch). Yields None after KEEPALIVE_INTERVAL seconds without yielding
-        anything: counted from its last yield, not from the last publish, which
-        brings nothing to a follower resumed past the events published so far."""
+        batch)."""
         cursor = after  # index in self.events of the next event to yield
-        quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
         while True:
             if cursor < len(self.events):
                 batch = self.events[cursor:]
                 cursor += len(batch)
                 yield batch
-                quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
                 continue
             if self.done:
                 return
-            published = self._published
-            with trio.move_on_at(quiet_until) as idle:
-                await published.wait()
-            if idle.cancelled_caught:
-                yield None
-                quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
+            await self._published.wait()
 
 
-def sse(event: LoggedEvent) -> bytes:
-    """A logged event as SSE, byte for byte what a direct stream sends (events.Event.sse)."""
-    return sse_message(event.seq, event.event, event.data)
+def logged(event: Event) -> LoggedEvent:
+    return LoggedEvent(event.id, event.name, compact_json(event.data))
 
 
 @dataclass
@@ -163,7 +159,7 @@ class _Running:
 
     task_id: str
     principal: str
-    generation: object  # app.PreparedResponse: the prepared response
+    generation: Generation
     event_log: LiveLog
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     ended: trio.Event = field(default_factory=trio.Event)
@@ -222,8 +218,8 @@ class Tasks:
 
     # -- starting and running -----------------------------------------------------
 
-    async def start(self, generation, body: dict) -> TaskRow:
-        """Create a task for a prepared generation (app.PreparedResponse) and start it.
+    async def start(self, generation: Generation, body: dict) -> TaskRow:
+        """Create a task for a prepared generation and start it.
 
         Once this returns, the task is in the database (durably) and running. The task
         owns the generation from the call on: its runner releases the generation's
@@ -238,7 +234,7 @@ class Tasks:
             generation.release()
             raise
 
-    async def _start(self, generation, body: dict) -> TaskRow:
+    async def _start(self, generation: Generation, body: dict) -> TaskRow:
         task_id = new_id("task")
         run = generation.run
         # The row keeps the request's parameters, never its input: the runner has the
@@ -275,18 +271,20 @@ class Tasks:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(event_log.write_loop)
                 await self.store.set_task_status(running.task_id, "in_progress")
-                final = None
+                ending: list[Event] = []  # the final event, committed once the generation is over
+
+                async def note(final: Event) -> None:
+                    ending.append(final)
+
+                async def cut() -> None:  # cancelled by POST /cancel, or by a stopping service (`stop`)
+                    ending.append(run.failed(_shutting_down()) if self._stopping else run.cancelled())
+
                 with running.cancel_scope:
-                    async with aclosing(generation.events()) as events:
+                    async with aclosing(pump(generation, note, cut)) as events:
                         async for event in events:
-                            logged = LoggedEvent(event.id, event.name, compact_json(event.data))
-                            if event.is_final:
-                                final = logged
-                                break
-                            event_log.append(logged)
-                if final is None:  # cancelled by POST /cancel, or by a stopping service (stop(), below)
-                    event = run.failed(_shutting_down()) if self._stopping else run.cancelled()
-                    final = LoggedEvent(event.id, event.name, compact_json(event.data))
+                            if not event.is_final:
+                                event_log.append(logged(event))
+                final = logged(ending[0])
                 await event_log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
         except BaseException as exc:
             # A bug or a failing database: the task fails, the service goes on. What fails
@@ -418,9 +416,10 @@ class Tasks:
                 if running is not None:
                     running.cancel_scope.cancel()
 
-    async def events(self, task_id: str, principal: str, after: int) -> AsyncIterator[bytes]:
-        """The SSE body of GET /tasks/{id}/events (checks done before it starts:
-        404 for an unknown task or another principal's, 410 once expired)."""
+    async def events(self, task_id: str, principal: str, after: int) -> AsyncIterator[list[LoggedEvent]]:
+        """The logged events of a task after `after`, in batches, until its final event
+        (GET /tasks/{id}/events; checks done before it starts: 404 for an unknown task or
+        another principal's, 410 once expired)."""
         row = await self.get(task_id, principal)
         if row.events_expired or (
             row.ended_at is not None and self.clock() - row.ended_at > self.event_retention
@@ -428,7 +427,7 @@ class Tasks:
             raise _history_expired(task_id)
         running = self._running.get(task_id)
         if running is not None:
-            return self._follow(running.event_log, after)
+            return running.event_log.follow(after)
         if row.status not in FINAL_STATUSES and row.owner == self.store.owner:
             await self.recover()  # ours, but its runner is gone: it ends failed, with a final event
             row = await self.get(task_id, principal)
@@ -442,24 +441,21 @@ class Tasks:
             raise _history_expired(task_id)
         return _replay(events)
 
-    async def _follow(self, event_log: LiveLog, after: int) -> AsyncIterator[bytes]:
-        async with aclosing(event_log.follow(after)) as batches:
-            async for batch in batches:
-                yield SSE_KEEPALIVE if batch is None else b"".join(sse(event) for event in batch)
-
-    async def _from_database(self, task_id: str, after: int, batch: int = 512) -> AsyncIterator[bytes]:
+    async def _from_database(self, task_id: str, after: int,
+                             batch: int = 512) -> AsyncIterator[list[LoggedEvent]]:
         """The logged events after `after` of a task another process runs, read from
         the database each time the store's watch says there may be new ones, until the
-        final event; it recovers the task if that process dies meanwhile. Once the task
-        is final, what is left of its log is read at once."""
+        final event; it recovers the task if that process dies meanwhile (looked at
+        after OWNER_CHECK_INTERVAL seconds without news). Once the task is final, what is
+        left of its log is read at once."""
         follow = True
-        quiet_until = trio.current_time() + KEEPALIVE_INTERVAL  # (by the clock: reads take time too)
+        quiet_until = trio.current_time() + OWNER_CHECK_INTERVAL  # (by the clock: reads take time too)
         with self.store.watch(task_id) as watch:
             while True:
                 events = await self.store.read_events(task_id, after, batch if follow else None)
                 if events:
-                    yield b"".join(sse(event) for event in events)
-                    after, quiet_until = events[-1].seq, trio.current_time() + KEEPALIVE_INTERVAL
+                    yield events
+                    after, quiet_until = events[-1].seq, trio.current_time() + OWNER_CHECK_INTERVAL
                     if events[-1].event in FINAL_EVENTS:
                         return
                 if not follow:
@@ -467,8 +463,7 @@ class Tasks:
                 if len(events) < batch:
                     await watch.wait(quiet_until - trio.current_time())
                     if trio.current_time() >= quiet_until:
-                        yield SSE_KEEPALIVE
-                        quiet_until = trio.current_time() + KEEPALIVE_INTERVAL
+                        quiet_until = trio.current_time() + OWNER_CHECK_INTERVAL
                         await self.recover()  # (its process may have died)
                         row = await self.store.get_task(task_id, None)
                         follow = row is not None and row.status not in FINAL_STATUSES
@@ -505,10 +500,10 @@ class Tasks:
             await self.store.purge_stored(now - self.store_retention)
 
 
-async def _replay(events: list[LoggedEvent]) -> AsyncIterator[bytes]:
-    """The SSE body of a final task's events, read beforehand."""
+async def _replay(events: list[LoggedEvent]) -> AsyncIterator[list[LoggedEvent]]:
+    """A final task's events, read beforehand, as one batch."""
     if events:
-        yield b"".join(sse(event) for event in events)
+        yield events
 
 
 def _history_expired(task_id: str) -> Problem:

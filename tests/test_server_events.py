@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from engine.api import Finished, ReasoningDelta, TextDelta, ToolCall
+from lmsp_min import routes
 from lmsp_min.events import Event, ResponseRun, new_id
 from lmsp_min.problems import Problem
 from lmsp_min.validate import items_to_messages, validate_responses_request
@@ -243,9 +244,9 @@ async def test_each_event_carries_the_data_fields_of_its_row():
             assert {"type", "title", "status", "detail", "code"} <= set(event.data["error"])
 
 
-def test_sse_encoding():
+def test_an_lmsp_event_is_one_sse_message_with_its_id_name_and_json_data():
     event = Event(3, "response.output_text.delta", {"response_id": "resp_1", "delta": "a\nb \u2028é"})
-    text = event.sse().decode("utf-8")
+    text = routes.message(event).decode("utf-8")
     lines = text.split("\n")
     assert lines[0] == "id: 3" and lines[1] == "event: response.output_text.delta"
     assert lines[2].startswith("data: ") and json.loads(lines[2][6:])["delta"] == "a\nb \u2028é"

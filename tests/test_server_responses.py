@@ -371,7 +371,7 @@ async def test_a_stored_stream_closed_mid_response_stops_generating_before_it_is
     which does not wait for its reader, went on decoding while the store wrote)."""
     import types
 
-    from lmsp_min.app import _sse, prepare_generation
+    from lmsp_min import generation
 
     service = await make_service([tiny_path], data_dir=tmp_path / "data")
     model = await service.registry.get(TINY_ID).load()
@@ -395,14 +395,14 @@ async def test_a_stored_stream_closed_mid_response_stops_generating_before_it_is
         await put_response(*args)
 
     monkeypatch.setattr(service.store, "put_response", noting_the_engine)
-    generation = await prepare_generation({**request(max_output_tokens=400), "stream": True, "store": True},
-                                          "local", service)
-    body = _sse(generation, types.SimpleNamespace(log_note=None), service)
-    while b"output_text.delta" not in await body.__anext__():
+    prepared = await generation.prepare({**request(max_output_tokens=400), "stream": True, "store": True},
+                                        "local", service)
+    events = generation.response_events(prepared, types.SimpleNamespace(log_note=None), service)
+    while (await events.__anext__()).name != "response.output_text.delta":
         pass
-    await body.aclose()
+    await events.aclose()
     assert ended_when_stored == [True]
-    stored = await service.store.get_response(generation.run.id, "local")
+    stored = await service.store.get_response(prepared.run.id, "local")
     assert json.loads(stored.body)["status"] == "cancelled"
 
 

@@ -12,7 +12,8 @@ import trio
 import trio.testing
 
 from lmsp_min import tasks
-from lmsp_min.app import prepare_generation
+from lmsp_min.generation import prepare
+from lmsp_min.http import Limits
 from lmsp_min.problems import Problem
 from lmsp_min.store import LoggedEvent, StoreError
 from lmsp_min.store_sqlite import SQLiteStore
@@ -239,8 +240,8 @@ async def test_cancel_stops_a_running_task(server, monkeypatch):
 
 
 async def test_keepalive_comments_while_idle(nursery, tiny_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.02)
-    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path,
+                                                            limits=Limits(stream_keepalive=0.02)))
     gate = gated(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch)  # idle until opened
     task = await create(server, task_body(max_output_tokens=4))
     seen = []
@@ -253,13 +254,29 @@ async def test_keepalive_comments_while_idle(nursery, tiny_path, tmp_path, monke
     assert seen.count(None) >= 4 and seen[-1].event in FINAL
 
 
+async def test_a_follower_resumed_past_the_last_event_gets_keepalives_while_the_task_publishes(
+        nursery, tiny_path, tmp_path, monkeypatch):
+    """D3: an idle stream gets a comment at least every `stream_keepalive` seconds, also while
+    the task publishes events this follower does not get (it is ahead of them)."""
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path,
+                                                            limits=Limits(stream_keepalive=0.05)))
+    gate = gated(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch)
+    task = await create(server, task_body(max_output_tokens=200))
+    seen = []
+    with trio.fail_after(30):
+        async with server.connection() as client:
+            async for event in follow(client, task["id"], query="?after=100000"):
+                seen.append(event)
+                gate.allow(math.inf if seen.count(None) == 4 else 1)  # an event published per comment
+    assert seen == [None] * len(seen) and len(seen) >= 4
+
+
 def test_by_default_events_are_kept_an_hour_and_idle_streams_commented_within_15_seconds(monkeypatch, tiny_path):
     """D3's defaults: events retained one hour (in a program of one's own as with `serve`),
     and a keep-alive comment at least every 15 s in an idle task stream or direct stream."""
     from lmsp_min import cli, service
-    from lmsp_min.http import Limits
 
-    assert tasks.KEEPALIVE_INTERVAL <= 15 and Limits().stream_keepalive <= 15
+    assert Limits().stream_keepalive <= 15
     assert service.ServiceConfig().event_retention == 3600
     configs = []
     monkeypatch.setattr(service, "run", lambda config, host, port: configs.append(config))
@@ -411,9 +428,10 @@ async def test_two_processes_share_a_data_directory(nursery, tiny_path, tmp_path
     """A task one service runs is followed through another on the same data
     directory (by polling its log); when the first dies, the second fails the
     task and its followers get the final event."""
-    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.2)
+    monkeypatch.setattr(tasks, "OWNER_CHECK_INTERVAL", 0.2)
     first = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
-    second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path,
+                                                            limits=Limits(stream_keepalive=0.2)))
     task = await create(first, task_body(max_output_tokens=40))
     events = await all_events(second, task["id"])
     assert [e.id for e in events] == list(range(1, len(events) + 1)) and events[-1].event in FINAL
@@ -434,12 +452,12 @@ async def test_two_processes_share_a_data_directory(nursery, tiny_path, tmp_path
 
 async def test_a_follower_through_another_process_gets_keepalives_on_time(nursery, tiny_path, tmp_path,
                                                                          monkeypatch):
-    """D3: a comment at least every KEEPALIVE_INTERVAL while idle, however long the polls'
+    """D3: a comment at least every `stream_keepalive` seconds while idle, however long the polls'
     reads take: only the polls' sleeps were counted, so with reads of 0.2 s the comments
     came every 1 s instead of every 0.2 s."""
-    monkeypatch.setattr(tasks, "KEEPALIVE_INTERVAL", 0.2)
     first = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
-    second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path))
+    second = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path,
+                                                            limits=Limits(stream_keepalive=0.2)))
     await first.service.store.create_task("task_elsewhere", "local", 0, "tiny:chat-q8_0", "resp_1", "{}")
     read_events = second.service.store.read_events
 
@@ -620,7 +638,7 @@ async def test_a_task_created_once_the_service_has_stopped_at_once_ends_as_it_st
     """The row of a task was written just after a forced stop closed the tasks' nursery:
     its start raised RuntimeError, the task stayed running for good, and its row queued."""
     service = await make_service([tiny_path], data_dir=tmp_path)
-    generation = await prepare_generation(task_body(), "local", service)
+    generation = await prepare(task_body(), "local", service)
     create_task = service.store.create_task
     created, stopped = [], trio.Event()
 
@@ -660,7 +678,7 @@ async def test_a_runner_failing_as_a_forced_stop_cancels_it_lets_the_service_sto
     the runner's nursery raised both in one group, which escaped Tasks.run (serve
     printed a traceback at exit). The error is the task's, logged; the stop goes on."""
     service = await make_service([tiny_path], data_dir=tmp_path)
-    generation = await prepare_generation(task_body(max_output_tokens=50), "local", service)
+    generation = await prepare(task_body(max_output_tokens=50), "local", service)
     append_events = service.store.append_events
     writing = trio.Event()
 

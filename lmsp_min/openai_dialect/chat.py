@@ -16,8 +16,9 @@ sends `{"error": {...}}`, which the SDK raises as an APIError.
 
 from lmsp_min.events import compact_json
 from lmsp_min.openai_dialect.errors import error_type
+from lmsp_min import sse
 
-DONE = b"data: [DONE]\n\n"
+DONE = sse.message("[DONE]")
 
 
 def completion_id(response_id: str) -> str:
@@ -110,4 +111,4 @@ class ChatChunks:
 
 
 def _data(obj: dict) -> bytes:
-    return f"data: {compact_json(obj)}\n\n".encode("utf-8")
+    return sse.message(compact_json(obj))

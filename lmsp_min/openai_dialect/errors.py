@@ -11,18 +11,12 @@ WWW-Authenticate, Allow) go out as they are: the SDK's retries honour Retry-Afte
 from lmsp_min.http import Response, json_bytes
 from lmsp_min.problems import Problem
 
-PREFIX = "/v1/"
-
 # OpenAI's `type` of an error, by status (its API writes invalid_request_error for 404s too).
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 # Our D1 codes where OpenAI has its own name for the same thing; the others are kept
 # (model_not_found and context_length_exceeded are OpenAI's names already).
 _CODES = {"unauthorized": "invalid_api_key", "insufficient_scope": "insufficient_permissions",
           "rate_limited": "rate_limit_exceeded"}
-
-
-def is_dialect_path(path: str) -> bool:
-    return path.startswith(PREFIX) or path == PREFIX.rstrip("/")
 
 
 def error_type(status: int) -> str:

@@ -24,6 +24,7 @@ log from its start gives the same events, sequence numbers included.
 from typing import Callable
 
 from lmsp_min.events import add_text, compact_json
+from lmsp_min import sse
 from lmsp_min.openai_dialect.errors import response_error
 
 ECHO_DEFAULTS = {
@@ -133,8 +134,9 @@ def is_openai_object(body: dict) -> bool:
     return "tool_choice" in body
 
 
-def sse(event: dict) -> bytes:
-    return f"event: {event['type']}\ndata: {compact_json(event)}\n\n".encode("utf-8")
+def event_message(event: dict) -> bytes:
+    """An OpenAI event as its SSE message: named by its type, no id (sequence_number is its place)."""
+    return sse.message(compact_json(event), event=event["type"])
 
 
 class ResponseEvents:

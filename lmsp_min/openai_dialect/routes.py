@@ -15,9 +15,12 @@
     POST   /v1/responses/input_tokens        responses:write  the input tokens a request would have
     POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`
 
-Every request is translated (requests.py) into the LMSP request it asks for and
-prepared by `app.prepare_generation`, exactly as `/lmsp/v1/responses` prepares its own;
-its LMSP events are then written as the dialect writes them (responses.py, chat.py).
+Every request is translated (requests.py) into the LMSP request it asks for and runs
+through lmsp_min/generation.py exactly as `/lmsp/v1/responses` does (`prepare`, then
+`respond` or `response_events`); its LMSP events are then written as the dialect writes
+them (responses.py, chat.py), framed by lmsp_min/sse.py. Every failure under /v1, an
+unknown route's 404 included, is answered as an OpenAI error object (errors.py: the
+mount's error format).
 A background response is an LMSP task (tasks.py) whose request is the OpenAI body; it is
 named by its response id (`Store.get_task_of_response`). A response stored by this
 dialect is stored as the OpenAI object it served (its output items are valid LMSP input
@@ -25,21 +28,19 @@ items, so previous_response_id works across both faces); one stored through /lms
 by a task is an LMSP object, turned into OpenAI's when it is read here.
 """
 
-import functools
 import json
 import re
 import time
-import traceback
 from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
-import trio
-
-from lmsp_min.app import PreparedResponse, Router, prepare_generation, read_json_body
-from lmsp_min.events import FINAL_EVENTS, SSE_KEEPALIVE, compact_json
-from lmsp_min.http import Request, Response, StreamingResponse, json_response
-from lmsp_min.openai_dialect import chat, requests, responses
+from lmsp_min import generation, sse
+from lmsp_min.events import FINAL_EVENTS
+from lmsp_min.generation import Generation
+from lmsp_min.http import Request, Response, json_response
+from lmsp_min.openai_dialect import chat, errors, requests, responses
 from lmsp_min.problems import Problem, quoted
+from lmsp_min.routing import Router, read_json_body
 from lmsp_min.store import FINAL_STATUSES, TaskRow
 from lmsp_min.tasks import output_from_events
 from lmsp_min.validate import invalid, kept_items
@@ -48,6 +49,7 @@ RESPONSES = "/v1/responses"
 
 
 def add_routes(router: Router) -> None:
+    router.mount("/v1", errors.error_response)
     for method, path, scope, handler in (
         ("GET", "/v1/models", "models:read", list_models),
         ("GET", "/v1/models/{model_id}", "models:read", get_model),
@@ -59,22 +61,7 @@ def add_routes(router: Router) -> None:
         ("POST", RESPONSES + "/{response_id}/cancel", "tasks:write", cancel_response),
         ("POST", "/v1/chat/completions", "responses:write", create_chat_completion),
     ):
-        router.add(method, path, scope, _guarded(handler))
-
-
-def _guarded(handler):
-    """An unexpected exception is logged and answered as an OpenAI error (500), like a Problem:
-    the HTTP layer would answer it with an LMSP problem document."""
-    @functools.wraps(handler)
-    async def guarded(request: Request, service):
-        try:
-            return await handler(request, service)
-        except Problem:
-            raise
-        except Exception:
-            service.log(f"error: unexpected exception in {request.method} {request.path}:\n{traceback.format_exc()}")
-            raise Problem("internal_error", "an unexpected error occurred") from None
-    return guarded
+        router.add(method, path, scope, handler)
 
 
 # -- models ------------------------------------------------------------------------------
@@ -96,96 +83,45 @@ async def get_model(request: Request, service) -> Response:
 # -- generating ----------------------------------------------------------------------------
 
 
-def _event_stream(chunks: AsyncIterator[bytes], service) -> StreamingResponse:
-    return StreamingResponse(chunks, idle_chunk=SSE_KEEPALIVE, idle_interval=service.config.limits.stream_keepalive)
+async def _lmsp_events(prepared: Generation, call: requests.Translated, request: Request,
+                       service) -> AsyncIterator[tuple[str, dict]]:
+    """The (name, data) of each LMSP event of a streamed generation (generation.py's
+    `response_events`), an error naming the client's params (`call.rename_document`)."""
+    async with aclosing(generation.response_events(prepared, request, service)) as events:
+        async for event in events:
+            data = event.data
+            if "error" in data:
+                data = {**data, "error": call.rename_document(data["error"])}
+            yield event.name, data
 
 
-async def _lmsp_events(generation: PreparedResponse, call: requests.Translated, request: Request, service,
-                       stored_body: Callable[[], dict] | None, streamed: bool) -> AsyncIterator[tuple[str, dict]]:
-    """The (name, data) of each LMSP event of a generation, noted and stored as
-    /lmsp/v1/responses does: before the final event goes out, the tokens are noted and the
-    response stored if asked (`stored_body()` is what is stored). A streamed response
-    whose client leaves stops generating and is stored even so, `cancelled` (the client
-    had its id from `response.created`); an unexpected failure ends a stream with an
-    `error` event. An error names the client's params (`call.rename_document`)."""
-    run = generation.run
-    finished = False
-    async with aclosing(generation.events()) as events:
-        try:
-            async for event in events:
-                if event.is_final:
-                    await _finish(generation, request, service, stored_body)
-                    finished = True
-                data = event.data
-                if "error" in data:
-                    data = {**data, "error": call.rename_document(data["error"])}
-                yield event.name, data
-        except Exception as exc:
-            service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
-            yield "error", run.error_event(Problem("internal_error", "an unexpected error occurred")).data
-        except BaseException:  # cancelled (the client left) or closed, mid-response
-            if streamed and not finished and generation.request.store:
-                with trio.CancelScope(shield=True):
-                    await events.aclose()  # the generation ends first (D4), not after the write
-                    if run.status == "in_progress":
-                        run.cancelled()
-                    try:
-                        await _finish(generation, request, service, stored_body)
-                    except Exception as exc:
-                        service.log(f"error: storing {run.id}, whose client left, failed: {type(exc).__name__}: {exc}")
-            raise
-
-
-async def _finish(generation: PreparedResponse, request: Request, service,
-                  stored_body: Callable[[], dict] | None) -> None:
-    usage = generation.run.usage
-    if usage is not None:
-        request.log_note = f"tokens={usage['input_tokens']}+{usage['output_tokens']}"
-    failed_synchronously = generation.run.status == "failed" and not generation.request.stream
-    if stored_body is not None and generation.request.store and service.stores_responses and not failed_synchronously:
-        await service.store.put_response(generation.run.id, generation.principal, generation.input_items,
-                                         compact_json(stored_body()))
-
-
-async def _generate(generation: PreparedResponse, call: requests.Translated, request: Request, service,
-                    stored_body: Callable[[], dict] | None) -> None:
-    """Run a synchronous generation to its end; a failed one is its problem (as /lmsp/v1's)."""
-    request.cancel_on_disconnect()  # nobody left to read the response: stop generating
-    async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=False)) as events:
-        async for name, data in events:
-            if name == "error":
-                raise Problem("internal_error", "an unexpected error occurred")
-    run = generation.run
-    if run.status == "failed":
-        retry = [("Retry-After", "5")] if run.error["code"] == "model_unavailable" else None
-        error = call.rename_document(run.error)
-        raise Problem(error["code"], error["detail"], param=error.get("param"), headers=retry)
+async def _respond(prepared: Generation, call: requests.Translated, request: Request, service) -> None:
+    """Run a synchronous generation to its end; a failed one is its problem, named as the
+    client's request names things."""
+    try:
+        await generation.respond(prepared, request, service)
+    except Problem as problem:
+        raise call.rename(problem) from None
 
 
 # -- POST /v1/responses ------------------------------------------------------------------------
 
 
-async def _prepare_response(call: requests.Translated, principal: str, service) -> PreparedResponse:
+async def _prepare_response(call: requests.Translated, principal: str, service) -> Generation:
     """The LMSP generation of a Responses request: its instructions as a system message
     first, then the conversation previous_response_id names, then its own input."""
     prefix = [] if call.instructions is None else [{"type": "message", "role": "system",
                                                     "content": call.instructions}]
-    previous: list[dict] = []
-    if call.previous_response_id is not None:
-        if not service.stores_responses:
-            raise Problem("unsupported_capability", "this service does not store responses, so "
-                          "previous_response_id cannot be used", param="previous_response_id")
-        effective = await service.conversation_input(principal, call.previous_response_id, call.input)
-        previous = effective[:len(effective) - len(call.input)]
+    effective = await generation.effective_input(service, principal, call.previous_response_id, call.input)
+    previous = effective[:len(effective) - len(call.input)]
     call.skipped, call.previous = len(prefix), len(previous)
     try:
-        generation = await prepare_generation({**call.body, "input": [*prefix, *previous, *call.input]},
-                                              principal, service)
+        prepared = await generation.prepare({**call.body, "input": [*prefix, *effective]}, principal, service)
     except Problem as problem:
         raise call.rename(problem) from None
     # What a next turn's previous_response_id brings back: not these instructions (as OpenAI's API)
-    generation.input_items = kept_items([*previous, *call.input])
-    return generation
+    prepared.input_items = kept_items(effective)
+    return prepared
 
 
 async def create_response(request: Request, service):
@@ -193,19 +129,22 @@ async def create_response(request: Request, service):
     call = requests.responses_request(body, service.stores_responses)
     if call.background:
         return await _create_background(call, body, request, service)
-    generation = await _prepare_response(call, request.principal, service)
-    echo = responses.echo_of(body, store=generation.request.store)
+    prepared = await _prepare_response(call, request.principal, service)
+    echo = responses.echo_of(body, store=prepared.request.store)
     ended_at = _read_once(time.time)  # the same moment in the stored body, the reply and the final event
 
-    def stored_body() -> dict:
-        lmsp = generation.run.response_object()
+    def openai_object() -> dict:
+        lmsp = prepared.run.response_object()
         return responses.response_object(lmsp, echo, ended_at() if lmsp["status"] == "completed" else None)
 
+    prepared.stored_object = openai_object  # (stored as served: previous_response_id reads either)
     if call.stream:
-        return _event_stream(_responses_sse(generation, call, echo, ended_at, request, service, stored_body),
-                             service)
-    await _generate(generation, call, request, service, stored_body)
-    return json_response(stored_body())
+        adapter = responses.ResponseEvents(prepared.run.id, prepared.run.created_at, prepared.run.model_id,
+                                           echo, ended_at)
+        chunks = _translated(_lmsp_events(prepared, call, request, service), adapter)
+        return sse.stream(prepared.stream_body(chunks), service.config.limits)
+    await _respond(prepared, call, request, service)
+    return json_response(openai_object())
 
 
 def _read_once(clock: Callable[[], float]) -> Callable[[], float]:
@@ -224,21 +163,19 @@ async def count_input_tokens(request: Request, service) -> Response:
     previous_response_id names, the tools as its model's prompt shows them): it is prepared
     as `create_response` prepares it, then not generated."""
     body = await read_json_body(request)
-    generation = await _prepare_response(requests.responses_request(body, service.stores_responses),
-                                         request.principal, service)
-    generation.release()
-    counted = generation.prepared.counts.input_tokens
+    prepared = await _prepare_response(requests.responses_request(body, service.stores_responses),
+                                       request.principal, service)
+    prepared.release()
+    counted = prepared.prepared.counts.input_tokens
     return json_response({"object": "response.input_tokens", "input_tokens": counted})
 
 
-async def _responses_sse(generation: PreparedResponse, call: requests.Translated, echo: dict,
-                         ended_at: Callable[[], float], request: Request, service,
-                         stored_body: Callable[[], dict]) -> AsyncIterator[bytes]:
-    run = generation.run
-    adapter = responses.ResponseEvents(run.id, run.created_at, run.model_id, echo, ended_at)
-    async with aclosing(_lmsp_events(generation, call, request, service, stored_body, streamed=True)) as events:
+async def _translated(events: AsyncIterator[tuple[str, dict]],
+                      adapter: responses.ResponseEvents) -> AsyncIterator[bytes]:
+    """LMSP events as the Responses stream's SSE messages."""
+    async with aclosing(events):
         async for name, data in events:
-            yield b"".join(responses.sse(event) for event in adapter.translate(name, data))
+            yield b"".join(responses.event_message(event) for event in adapter.translate(name, data))
 
 
 async def _create_background(call: requests.Translated, body: dict, request: Request, service):
@@ -248,8 +185,8 @@ async def _create_background(call: requests.Translated, body: dict, request: Req
         raise Problem("unsupported_capability", "this service does not run background responses", param="background")
     if body.get("store") is False:
         raise invalid("store", "a background response is stored until it is fetched: 'store' cannot be false")
-    generation = await _prepare_response(call, request.principal, service)
-    row = await service.tasks.start(generation, body)
+    prepared = await _prepare_response(call, request.principal, service)
+    row = await service.tasks.start(prepared, body)
     if call.stream:
         return await _task_stream(row, request.principal, service, after=-1)
     return json_response(await _task_response(row, service))
@@ -292,11 +229,11 @@ def _not_found(response_id: str) -> Problem:
     return Problem("response_not_found", f"no stored or background response has the id {quoted(response_id)}")
 
 
-async def _task_stream(row: TaskRow, principal: str, service, after: int) -> StreamingResponse:
+async def _task_stream(row: TaskRow, principal: str, service, after: int):
     """A background response's events from the start, as OpenAI events, those numbered
     after `after` sent (the SDK's resume filters on sequence_number too)."""
     try:
-        chunks = await service.tasks.events(row.id, principal, 0)
+        batches = await service.tasks.events(row.id, principal, 0)
     except Problem as problem:  # (410 once its events expired: named by the id the client knows)
         if problem.code != "event_history_expired":
             raise
@@ -307,29 +244,18 @@ async def _task_stream(row: TaskRow, principal: str, service, after: int) -> Str
 
     async def body() -> AsyncIterator[bytes]:
         nonlocal row
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                if chunk == SSE_KEEPALIVE:
-                    yield chunk
-                    continue
-                logged = list(_logged_events(chunk))
-                if row.ended_at is None and any(name in FINAL_EVENTS for name, _ in logged):
+        async with aclosing(batches):
+            async for batch in batches:
+                if row.ended_at is None and any(event.event in FINAL_EVENTS for event in batch):
                     # (its final event and ended_at are written in one transaction: the row has it now)
                     row = await service.store.get_task(row.id, principal) or row
-                events = [event for name, data in logged for event in adapter.translate(name, data)
-                          if event["sequence_number"] > after]
+                events = [translated for event in batch
+                          for translated in adapter.translate(event.event, json.loads(event.data))
+                          if translated["sequence_number"] > after]
                 if events:
-                    yield b"".join(responses.sse(event) for event in events)
+                    yield b"".join(responses.event_message(event) for event in events)
 
-    return StreamingResponse(body())
-
-
-def _logged_events(chunk: bytes):
-    """(name, data) of each LMSP event of a task's SSE chunk (tasks.sse writes them whole)."""
-    for message in chunk.decode("utf-8").split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in message.split("\n") if line and not line.startswith(":"))
-        if "event" in fields:
-            yield fields["event"], json.loads(fields["data"])
+    return sse.stream(body(), service.config.limits)
 
 
 _SEQUENCE = re.compile(r"[0-9]{1,18}")
@@ -438,21 +364,21 @@ async def create_chat_completion(request: Request, service):
     body = await read_json_body(request)
     call = requests.chat_request(body)
     try:
-        generation = await prepare_generation({**call.body, "input": call.input}, request.principal, service)
+        prepared = await generation.prepare({**call.body, "input": call.input}, request.principal, service)
     except Problem as problem:
         raise call.rename(problem) from None
 
     if call.stream:  # (a chat completion is never stored: its LMSP request says store false)
-        return _event_stream(_chat_sse(generation, call, request, service), service)
-    await _generate(generation, call, request, service, stored_body=None)
-    return json_response(chat.completion_object(generation.run.response_object()))
+        return sse.stream(prepared.stream_body(_chat_sse(prepared, call, request, service)), service.config.limits)
+    await _respond(prepared, call, request, service)
+    return json_response(chat.completion_object(prepared.run.response_object()))
 
 
-async def _chat_sse(generation: PreparedResponse, call: requests.Translated, request: Request,
+async def _chat_sse(prepared: Generation, call: requests.Translated, request: Request,
                     service) -> AsyncIterator[bytes]:
-    run = generation.run
+    run = prepared.run
     chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, call.include_usage)
-    async with aclosing(_lmsp_events(generation, call, request, service, None, streamed=True)) as events:
+    async with aclosing(_lmsp_events(prepared, call, request, service)) as events:
         async for name, data in events:
             body = chunks.translate(name, data)
             if body:
