@@ -20,7 +20,7 @@ usage unknown) from what its log holds; so does this process (`internal_error`)
 if a failing write (a full disk) kept its runner from ending it. A task another
 process runs (on this machine, or another node of a PostgreSQL store) is followed
 from the database, woken by the store's `watch` when it has new events, and
-cancelled by a request its owner is told of (lmsp_min/store.py).
+cancelled by a request its owner is told of (lmsp_min/store/).
 
 A task owns its generation (app.PreparedResponse) from `Tasks.start` on, and its
 runner releases the generation's admission when it ends, however it ends.

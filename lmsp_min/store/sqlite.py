@@ -1,4 +1,4 @@
-"""The embedded store (lmsp_min/store.py's interface).
+"""The embedded store (lmsp_min/store/__init__.py's interface).
 
 One SQLite database (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
 readers never wait for the writer. The trio loop never touches the database:

@@ -3,10 +3,10 @@
 Stored responses, tasks, task event logs and idempotency records live behind
 one interface, `Store`, with two backends:
 
-- lmsp_min/store_sqlite.py (`SQLiteStore`), the embedded default: one SQLite
+- lmsp_min/store/sqlite.py (`SQLiteStore`), the embedded default: one SQLite
   file under `--data-dir`, or memory for `--no-store`. Several processes on one
   machine may share its directory.
-- lmsp_min/store_postgres.py (`PostgresStore`), `--store postgresql://...`:
+- lmsp_min/store/postgres.py (`PostgresStore`), `--store postgresql://...`:
   several nodes on several machines share one PostgreSQL database and act as
   one service (docs/scale-out.md).
 
@@ -21,6 +21,9 @@ Every method that touches the database runs it in a worker thread: the trio
 loop never waits on a database. A store that cannot reach its database raises
 `unavailable()`, a 503 problem: a request that needs it is answered so, and
 the same request succeeds once the database is back.
+
+This module imports neither backend: lmsp_min/store/open.py picks one for a
+`--store`. Next: lmsp_min/store/sql.py, the operations written once in SQL.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import math
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import trio
@@ -278,23 +280,3 @@ class Store(ABC):
         """Release the claims of requests that died with their process, and our own
         claims that no request holds any more (it could neither complete nor release
         its key: the disk was full, say). Returns how many were released."""
-
-
-def is_database_url(location: str | Path | None) -> bool:
-    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
-
-
-async def open_store(location: str | Path | None, *, lease: float = 10.0, log=None) -> Store:
-    """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
-    extra; `lease`: seconds after which a silent node's tasks are failed by the others),
-    a data directory (SQLite), or None (SQLite in memory, --no-store)."""
-    if is_database_url(location):
-        try:
-            from lmsp_min.store_postgres import PostgresStore
-        except ImportError as exc:
-            raise StoreError(f"--store {location.split('://')[0]}://... needs psycopg 3: "
-                             f"pip install 'lmsp-min[postgres]' ({exc})") from None
-        return await PostgresStore.open(location, lease=lease, log=log)
-    from lmsp_min.store_sqlite import SQLiteStore
-
-    return await SQLiteStore.open(location)

@@ -1,4 +1,4 @@
-"""The PostgreSQL store (lmsp_min/store.py's interface): several nodes, one service.
+"""The PostgreSQL store (lmsp_min/store/__init__.py's interface): several nodes, one service.
 
 `lmsp-min serve --store postgresql://USER[:PASS]@HOST[:PORT]/DB` on each node:
 the nodes share the stored responses, tasks, event logs and idempotency records,
@@ -70,7 +70,7 @@ CONNECT_OPTIONS = {"connect_timeout": 5, "tcp_user_timeout": 5000, "keepalives":
                    "keepalives_interval": 2, "keepalives_count": 2, "application_name": "lmsp-min"}
 
 MIGRATIONS: list[list[str]] = [
-    # version 1: the tables of the SQLite store (lmsp_min/store_sqlite.py says what each
+    # version 1: the tables of the SQLite store (lmsp_min/store/sqlite.py says what each
     # column holds), and the owners' leases
     [
         """CREATE TABLE responses (

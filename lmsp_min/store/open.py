@@ -1,0 +1,31 @@
+"""Which backend a `--store` (or `--data-dir`) names, opened: the one place that
+imports them, so that psycopg is imported only for a postgresql:// URL.
+
+Next: lmsp_min/store/__init__.py (the interface the store opened here implements).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmsp_min.store import Store, StoreError
+
+
+def is_database_url(location: str | Path | None) -> bool:
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
+
+
+async def open_store(location: str | Path | None, *, lease: float = 10.0, log=None) -> Store:
+    """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
+    extra; `lease`: seconds after which a silent node's tasks are failed by the others),
+    a data directory (SQLite), or None (SQLite in memory, --no-store)."""
+    if is_database_url(location):
+        try:
+            from lmsp_min.store.postgres import PostgresStore
+        except ImportError as exc:
+            raise StoreError(f"--store {location.split('://')[0]}://... needs psycopg 3: "
+                             f"pip install 'lmsp-min[postgres]' ({exc})") from None
+        return await PostgresStore.open(location, lease=lease, log=log)
+    from lmsp_min.store.sqlite import SQLiteStore
+
+    return await SQLiteStore.open(location)
