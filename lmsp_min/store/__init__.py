@@ -1,14 +1,10 @@
 """The durable store's interface: what the service keeps, and the operations on it.
 
 Stored responses, tasks, task event logs and idempotency records live behind
-one interface, `Store`, with two backends:
-
-- lmsp_min/store/sqlite.py (`SQLiteStore`), the embedded default: one SQLite
-  file under `--data-dir`, or memory for `--no-store`. Several processes on one
-  machine may share its directory.
-- lmsp_min/store/postgres.py (`PostgresStore`), `--store postgresql://...`:
-  several nodes on several machines share one PostgreSQL database and act as
-  one service (docs/scale-out.md).
+one interface, `Store`, with two backends (lmsp_min/store/open.py opens one):
+SQLite (sqlite.py), the embedded default, whose directory several processes on
+one machine may share; and PostgreSQL (postgres.py), which several nodes on
+several machines share to act as one service (docs/scale-out.md).
 
 The task, conversation and idempotency logic (tasks.py, idempotency.py,
 service.py) is written once, above this interface. What differs per backend is
@@ -22,8 +18,7 @@ loop never waits on a database. A store that cannot reach its database raises
 `unavailable()`, a 503 problem: a request that needs it is answered so, and
 the same request succeeds once the database is back.
 
-This module imports neither backend: lmsp_min/store/open.py picks one for a
-`--store`. Next: lmsp_min/store/sql.py, the operations written once in SQL.
+Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,14 +79,9 @@ class TaskRow:
 
     def object(self) -> dict:
         """The task object of D3."""
-        return {
-            "id": self.id,
-            "object": "task",
-            "status": self.status,
-            "created_at": self.created_at,
-            "response_id": self.response_id,
-            "response": json.loads(self.response) if self.response is not None else None,
-        }
+        response = json.loads(self.response) if self.response is not None else None
+        return {"id": self.id, "object": "task", "status": self.status, "created_at": self.created_at,
+                "response_id": self.response_id, "response": response}
 
 
 @dataclass(frozen=True)
@@ -114,20 +104,23 @@ class IdempotencyRecord:
 class Watch:
     """What a follower of a task another process runs waits on between two reads.
 
-    This one polls: `wait` returns after POLL_INTERVAL. A backend that is told of
-    new events (PostgreSQL's LISTEN) returns as soon as it is, and remembers a
-    notice that came while its follower was reading, so that none is missed."""
+    `wait` returns once the backend `notify`s it (PostgreSQL's LISTEN), remembering
+    a notice that came while its follower was reading, so that none is missed; or,
+    while `told()` says no notice can come (SQLite, always), after POLL_INTERVAL."""
+
+    def __init__(self, told: Callable[[], bool] = lambda: False):
+        self._told = told
+        self._changed = trio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
 
     async def wait(self, timeout: float) -> None:
-        await trio.sleep(max(0.0, min(POLL_INTERVAL, timeout)))
-
-
-class _Polling(AbstractContextManager):
-    def __enter__(self) -> Watch:
-        return Watch()
-
-    def __exit__(self, *exc) -> None:
-        return None
+        if not self._told():
+            timeout = min(timeout, POLL_INTERVAL)
+        with trio.move_on_after(max(0.0, timeout)):
+            await self._changed.wait()
+        self._changed = trio.Event()
 
 
 class Store(ABC):
@@ -209,7 +202,7 @@ class Store(ABC):
         """`with store.watch(task_id) as watch:` then read, `await watch.wait(timeout)`,
         read again...: each wait ends when the task may have new events (or a final
         status), or after `timeout` seconds. Entered before the first read."""
-        return _Polling()
+        return nullcontext(Watch())
 
     @abstractmethod
     async def request_cancel(self, task_id: str) -> None:

@@ -11,15 +11,11 @@ from pathlib import Path
 from lmsp_min.store import Store, StoreError
 
 
-def is_database_url(location: str | Path | None) -> bool:
-    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
-
-
 async def open_store(location: str | Path | None, *, lease: float = 10.0, log=None) -> Store:
     """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
     extra; `lease`: seconds after which a silent node's tasks are failed by the others),
     a data directory (SQLite), or None (SQLite in memory, --no-store)."""
-    if is_database_url(location):
+    if isinstance(location, str) and location.startswith(("postgresql://", "postgres://")):
         try:
             from lmsp_min.store.postgres import PostgresStore
         except ImportError as exc:
