@@ -102,11 +102,9 @@ class IdempotencyRecord:
 
 
 class Watch:
-    """What a follower of a task another process runs waits on between two reads.
-
-    `wait` returns once the backend `notify`s it (PostgreSQL's LISTEN), remembering
-    a notice that came while its follower was reading, so that none is missed; or,
-    while `told()` says no notice can come (SQLite, always), after POLL_INTERVAL."""
+    """What a follower of a task another process runs waits on between two reads: `wait`
+    returns once the backend `notify`s it (PostgreSQL's LISTEN; a notice that came while
+    the follower read is kept), or, while `told()` says none can come, after POLL_INTERVAL."""
 
     def __init__(self, told: Callable[[], bool] = lambda: False):
         self._told = told
@@ -146,8 +144,6 @@ class Store(ABC):
     def close(self) -> None:
         """Close the database connections (blocking: the service calls it in a worker thread)."""
 
-    # -- stored responses -----------------------------------------------------------
-
     @abstractmethod
     async def put_response(self, response_id: str, principal: str, input_items: list, body: str) -> None:
         """Store a final response (`body` is its JSON as served), durably."""
@@ -159,8 +155,6 @@ class Store(ABC):
     @abstractmethod
     async def delete_response(self, response_id: str, principal: str) -> bool:
         """Delete a stored response of `principal`; False if there was none."""
-
-    # -- tasks ----------------------------------------------------------------------
 
     @abstractmethod
     async def create_task(self, task_id: str, principal: str, created_at: int, model: str,
@@ -236,8 +230,6 @@ class Store(ABC):
         task is cancelled first (Tasks.delete says 409). Its stored response, if it made
         one, is a resource of its own (delete_response)."""
 
-    # -- expiry ---------------------------------------------------------------------
-
     @abstractmethod
     async def purge_stored(self, older_than: float) -> tuple[int, int]:
         """Delete the stored responses created, and the final tasks (with their event logs)
@@ -249,8 +241,6 @@ class Store(ABC):
         """Delete the events of tasks that ended more than `event_retention` seconds
         ago and finished idempotency records older than `idempotency_ttl`.
         Returns how many tasks had their events purged."""
-
-    # -- idempotency ----------------------------------------------------------------
 
     @abstractmethod
     async def claim_idempotency_key(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | None:

@@ -1,7 +1,5 @@
-"""Which backend a `--store` (or `--data-dir`) names, opened: the one place that
-imports them, so that psycopg is imported only for a postgresql:// URL.
-
-Next: lmsp_min/store/__init__.py (the interface the store opened here implements).
+"""Which backend a `--store` (or `--data-dir`) names, opened: the one module that
+imports them (psycopg only for a postgresql:// URL). Next: lmsp_min/store/__init__.py.
 """
 
 from __future__ import annotations
@@ -23,5 +21,4 @@ async def open_store(location: str | Path | None, *, lease: float = 10.0, log=No
                              f"pip install 'lmsp-min[postgres]' ({exc})") from None
         return await PostgresStore.open(location, lease=lease, log=log)
     from lmsp_min.store.sqlite import SQLiteStore
-
     return await SQLiteStore.open(location)

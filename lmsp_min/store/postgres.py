@@ -3,28 +3,26 @@ nodes share one database and act as one service. docs/scale-out.md says what the
 share and how one takes over from another; this module, how. The statements are
 lmsp_min/store/sql.py's; psycopg 3 (the `postgres` extra) is imported only here.
 
-Connections. Each operation runs in a worker thread on a connection of a small
-pool (at most POOL_SIZE), in one transaction when it writes; one that breaks is
-closed, never reused. One more connection, in a thread of its own (the
-listener), LISTENs and renews this node's lease.
+Connections: a small pool for the operations, whose worker threads take one each
+(POOL_SIZE at most), and one more, in a thread of its own (the listener), that
+LISTENs and renews this node's lease.
 
 Live across nodes, without polling. A transaction that appends a task's events
-(or ends it) also NOTIFYs `lmsp_events` with the task's id; a cancel NOTIFYs
-`lmsp_cancel`. The listener hands each notice to the trio loop, which wakes the
-`Watch`es of that task, or cancels the task if this node runs it. While the
-listener reconnects, watches poll; once it is back, every watch and the cancel
-check look again, so that nothing sent meanwhile is missed.
+(or ends it) NOTIFYs `lmsp_events` with its id, a cancel `lmsp_cancel`. The
+listener hands each notice to the trio loop, which wakes the `Watch`es of that
+task, or looks for cancels of this node's tasks. While the listener reconnects,
+watches poll; once it is back, all look again: nothing sent meanwhile is missed.
 
 Leases. A node's `owners` row says until when it is alive (by the database's
-clock), renewed every third of the lease; a node whose lease has expired is
-gone, and another node's recovery ends its unfinished tasks `failed`. Back, it
-finds them ended: `finish_task` writes nothing, and an event it appends collides
-with the other node's final one (the key is (task_id, seq)): `LeaseLost`.
+clock), renewed every third of the lease. Once it has expired, another node's
+recovery ends the node's unfinished tasks `failed`; back, the node finds them
+ended: `finish_task` writes nothing, and an event it appends collides with the
+other node's final one (the key is (task_id, seq)): `LeaseLost`.
 
 Durability: what a client is told of commits synchronously; task events and
 claims with `synchronous_commit = off` (a crash of the database server, not of a
 node, can lose the tail of a running task's log; that task then fails anyway).
-Migrations, and purges, run on one node at a time (advisory locks).
+Migrations and purges run on one node at a time (advisory locks).
 
 Next: lmsp_min/tasks.py, which runs tasks over either store.
 """
@@ -61,12 +59,10 @@ POSTGRES = Dialect(
     version="SELECT version FROM lmsp_schema", set_version="UPDATE lmsp_schema SET version = {}")
 
 MIGRATIONS: list[list[str]] = [
-    # version 1: SQLite's three, and the owners' leases
-    [
+    [  # version 1: SQLite's three, and the owners: a node (a Store) is alive until `lease_until`
         *(statement for step in schema(POSTGRES) for statement in step),
         "CREATE INDEX tasks_unfinished ON tasks (owner) WHERE status IN ('queued', 'in_progress')",
         "CREATE INDEX tasks_by_response ON tasks (response_id)",
-        # A node (a Store) is alive until `lease_until`; no row: gone.
         "CREATE TABLE owners (owner TEXT PRIMARY KEY, lease_until TIMESTAMPTZ NOT NULL)",
     ],
 ]
@@ -92,9 +88,10 @@ class _Connection(psycopg.Connection):
     def execute(self, query: str, params: Any = None, **kwargs: Any) -> psycopg.Cursor:
         return super().execute(query.replace("?", "%s"), params, **kwargs)
 
-    def executemany(self, query: str, params_seq: list) -> None:
-        with self.cursor() as cursor:
-            cursor.executemany(query.replace("?", "%s"), params_seq)
+    def executemany(self, query: str, params_seq: list) -> psycopg.Cursor:
+        cursor = self.cursor()
+        cursor.executemany(query.replace("?", "%s"), params_seq)
+        return cursor
 
 
 class PostgresStore(SQLStore):
@@ -103,7 +100,8 @@ class PostgresStore(SQLStore):
     dialect = POSTGRES
     elsewhere = "another database"
 
-    def __init__(self, url: str, lease: float, log: Callable[[str], None] | None = None):
+    def __init__(self, url: str, lease: float, log: Callable[[str], None] | None = None,
+                 token: trio.lowlevel.TrioToken | None = None):
         super().__init__()
         self.url = url
         self.lease = self.liveness_period = lease
@@ -115,8 +113,8 @@ class PostgresStore(SQLStore):
         self._listening = False
         self._stopping = threading.Event()
         self._wake_channel = f"lmsp_wake_{self.owner}"  # (what `close` tells the listener on)
-        self._listener: threading.Thread | None = None
-        self._token = None
+        self._token = token  # (of the trio loop the listener hands notices to; None: no listener)
+        self._listener = threading.Thread(target=self._listen, name="lmsp-min store listener", daemon=True)
         try:
             self._idle.append(self._connect())
         except psycopg.Error as exc:
@@ -127,14 +125,12 @@ class PostgresStore(SQLStore):
         except BaseException:
             self._close_idle()
             raise
+        if token is not None:
+            self._listener.start()
 
     @classmethod
     async def open(cls, url: str, *, lease: float = 10.0, log=None) -> "PostgresStore":
-        store = await trio.to_thread.run_sync(cls, url, lease, log)
-        store._token = trio.lowlevel.current_trio_token()
-        store._listener = threading.Thread(target=store._listen, name="lmsp-min store listener", daemon=True)
-        store._listener.start()
-        return store
+        return await trio.to_thread.run_sync(cls, url, lease, log, trio.lowlevel.current_trio_token())
 
     @property
     def location(self) -> str:
@@ -151,7 +147,7 @@ class PostgresStore(SQLStore):
             self._run_in_transaction(self._give_up_lease, (), durable=True)
         except (psycopg.Error, Problem):
             pass  # (the database is gone: the lease expires by itself)
-        if self._listener is not None:
+        if self._listener.is_alive():
             self._listener.join(timeout=10)
         self._close_idle()
 
@@ -204,15 +200,12 @@ class PostgresStore(SQLStore):
 
     def _gone_among(self, conn: _Connection, owners: set[str]) -> set[str]:
         """Those whose lease has expired, by the database's clock (or was given up: no row)."""
-        if not owners:
-            return set()
-        alive = conn.execute("SELECT owner FROM owners WHERE owner = ANY(?) AND lease_until > clock_timestamp()",
-                             (list(owners),)).fetchall()
+        alive = conn.execute("SELECT owner FROM owners WHERE lease_until > clock_timestamp()").fetchall()
         return owners - {owner for (owner,) in alive}
 
     def _may_purge(self, conn: _Connection) -> bool:
-        """One node at a time: a node that finds another purging leaves it to that one.
-        The one that purges also forgets the leases that expired (no row: gone too)."""
+        """One node at a time (one that finds another purging leaves it to that one), which
+        also forgets the leases that expired (no row: gone too)."""
         if not conn.execute("SELECT pg_try_advisory_xact_lock(?)", (PURGE_LOCK,)).fetchone()[0]:
             return False
         conn.execute("DELETE FROM owners WHERE lease_until < clock_timestamp()")

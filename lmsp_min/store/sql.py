@@ -3,13 +3,9 @@
 `SQLStore` implements the `Store` of lmsp_min/store/__init__.py in statements
 with sqlite3's `?` placeholders (the PostgreSQL backend's connections take them
 too); what the two databases spell differently (types, booleans, a row lock,
-NOTIFY, the schema's version) its backend's `Dialect` says. A backend adds what
-is its own: how a worker thread takes a connection and a transaction, how it
-knows that an owner is gone, and whether it purges now.
-
-The schema is `schema` below, brought up to date by one runner, `_migrate`;
-each backend numbers its versions in its own `MIGRATIONS`, a list that a later
-release appends to.
+NOTIFY, the schema's version) its backend's `Dialect` says. The schema is
+`schema` below, brought up to date by one runner (`_migrate`) through each
+backend's own `MIGRATIONS`, the list of its versions that a later release extends.
 
 Next: lmsp_min/store/sqlite.py and lmsp_min/store/postgres.py, the backends.
 """
@@ -46,8 +42,8 @@ class Dialect:
     without_rowid: str  # ends a CREATE TABLE whose rows are kept in its primary key's order
     lock_row: str  # ends a SELECT of the row that its transaction then updates
     notify: str | None  # tells the other processes (channel, task id) at commit; None: they poll
-    # The schema's version: read by `version` after `version_setup` (which also keeps processes
-    # that start together from migrating at once), then set by `set_version` (a format string).
+    # The schema's version: read by `version` after `version_setup` (which keeps processes that
+    # start together from migrating at once), set by `set_version` (a format string).
     version_setup: tuple[str, ...]
     version: str
     set_version: str
@@ -56,18 +52,17 @@ class Dialect:
 def schema(d: Dialect) -> list[list[str]]:
     """The schema both databases have, in the three steps it grew by (SQLite's versions)."""
     tables = [
-        # A stored response: `body` is the response object exactly as it was served
-        # (its output, usage, status, error and incomplete_details); `input` the
-        # effective input items (earlier turns of previous_response_id included).
+        # A stored response: `body` is the response object exactly as it was served (its
+        # output, usage, status, error and incomplete_details); `input` the effective input
+        # items (earlier turns of previous_response_id included).
         f"""CREATE TABLE responses (
             id TEXT PRIMARY KEY, principal TEXT NOT NULL, created_at {d.bigint} NOT NULL,
             model TEXT NOT NULL, status TEXT NOT NULL, input TEXT NOT NULL, body TEXT NOT NULL
         )""",
-        # A task: `owner` the Store (process) running it; `model` the id of the model it
-        # runs; `request` the request's parameters (tasks.py keeps no input there, see
-        # Tasks._start); `response` the final response object once the task is final;
-        # `ended_at` starts the event retention clock; `events_expired` is set when its
-        # events were purged.
+        # A task: `owner` the Store (process) running it; `model` the id of the model it runs;
+        # `request` the request's parameters (tasks.py keeps no input there, see Tasks._start);
+        # `response` the final response object once the task is final; `ended_at` starts the
+        # event retention clock; `events_expired` is set when its events were purged.
         f"""CREATE TABLE tasks (
             id TEXT PRIMARY KEY, principal TEXT NOT NULL, owner TEXT NOT NULL,
             created_at {d.bigint} NOT NULL, model TEXT NOT NULL, response_id TEXT NOT NULL,
@@ -102,11 +97,14 @@ def schema(d: Dialect) -> list[list[str]]:
 
 
 class SQLStore(Store):
-    """The operations of `Store` in SQL, over what a backend says (the module docstring)."""
+    """The operations of `Store` in SQL. A backend adds what is its own (below): how a
+    worker thread takes a connection and a transaction (and how many threads may at
+    once: its two limiters), how it knows that an owner is gone, whether it purges now."""
 
     dialect: Dialect
     elsewhere: str  # where to go instead of a database with a newer schema
-    _write_limiter: trio.CapacityLimiter  # (worker threads that may run a transaction at once)
+    damaged: type[Exception] | tuple = ()  # what says a database cannot be read (SQLite's damaged file)
+    _write_limiter: trio.CapacityLimiter
     _read_limiter: trio.CapacityLimiter
 
     def __init__(self) -> None:
@@ -116,11 +114,9 @@ class SQLStore(Store):
         # neither complete nor release it (a failing disk), see release_abandoned_keys
         self._claims_held: set[tuple[str, str]] = set()
 
-    # -- what a backend says (in a worker thread), and what it is used for ---------------
-
     @abstractmethod
     def _run_in_transaction(self, fn: Callable[..., Any], args: tuple, durable: bool) -> Any:
-        """`fn(conn, *args)` in one write transaction; `durable=False`: without waiting for the disk."""
+        """(In a worker thread) `fn(conn, *args)` in one transaction; durable=False: not waiting for the disk."""
 
     @abstractmethod
     def _run_read(self, fn: Callable[..., Any], args: tuple) -> Any:
@@ -157,8 +153,6 @@ class SQLStore(Store):
                 for statement in statements:
                     conn.execute(statement)
             conn.execute(self.dialect.set_version.format(len(migrations)))
-
-    # -- stored responses and tasks -----------------------------------------------------
 
     async def put_response(self, response_id: str, principal: str, input_items: list, body: str) -> None:
         await self._write(_insert_response, response_id, principal, input_items, body)
@@ -243,7 +237,10 @@ class SQLStore(Store):
             return [(_select_task(conn, task_id, None), _select_events(conn, task_id, 0))
                     for task_id, owner in rows if owner in ended and not running(task_id)]
 
-        return await self._read(select)
+        try:
+            return await self._read(select)
+        except self.damaged as exc:  # (the first read at start: said as for a database that cannot open)
+            raise StoreError(f"the database cannot be read: {exc}") from None
 
     async def delete_task(self, task_id: str, principal: str) -> bool:
         def delete(conn: Any) -> bool:
@@ -254,8 +251,6 @@ class SQLStore(Store):
             return deleted
 
         return await self._write(delete)
-
-    # -- expiry and idempotency ---------------------------------------------------------
 
     async def purge_stored(self, older_than: float) -> tuple[int, int]:
         def purge(conn: Any) -> tuple[int, int]:
@@ -327,14 +322,11 @@ class SQLStore(Store):
         found = await self._read(abandoned)
         if not found:
             return 0  # (the usual case: no write, no write lock)
-
-        def release(conn: Any) -> int:
-            # (still 'running': a claim of ours found abandoned is never held again, a dead
-            # owner stays dead, and one completed meanwhile is 'done')
-            return sum(conn.execute("DELETE FROM idempotency WHERE principal = ? AND key = ? AND owner = ?"
-                                    " AND state = 'running'", claim).rowcount for claim in found)
-
-        return await self._write(release)
+        # (still 'running': a claim of ours found abandoned is never held again, a dead
+        # owner stays dead, and one completed meanwhile is 'done')
+        return await self._write(lambda conn: conn.executemany(
+            "DELETE FROM idempotency WHERE principal = ? AND key = ? AND owner = ? AND state = 'running'",
+            found).rowcount)
 
 
 def _insert_response(conn: Any, response_id: str, principal: str, input_items: list, body: str) -> None:

@@ -1,11 +1,9 @@
-"""The embedded store: one SQLite file (stdlib `sqlite3`) under `--data-dir`, or
-memory for `--no-store`. The statements are lmsp_min/store/sql.py's.
-
-WAL mode, so that readers never wait for the writer. Writes go through ONE
-connection, used by one worker thread at a time (a capacity limiter of 1), so
-transactions never fight over the write lock; reads use a small pool of their
-own connections. `--no-store`'s in-memory database has one connection for both:
-tasks still work, and nothing outlives the process, nor is left on disk.
+"""The embedded store: one SQLite file (stdlib `sqlite3`) under `--data-dir`, in
+WAL mode so that readers never wait for the writer; the statements are
+lmsp_min/store/sql.py's. Writes go through ONE connection, used by one worker
+thread at a time, so transactions never fight over the write lock; reads use a
+small pool of their own connections. `--no-store` is an in-memory database (one
+connection for both): tasks still work, and nothing outlives the process.
 
 Durability. The promise is: nothing a client was told is stored is ever lost.
 - Writes a client is told about (a stored response, a created or finished task,
@@ -15,20 +13,17 @@ Durability. The promise is: nothing a client was told is stored is ever lost.
   (the OS page cache) when the call returns, which survives a kill -9 of the
   service. Only a power cut can lose the tail of a running task's log, and that
   task is then marked failed on restart anyway; the FULL commit that ends a task
-  fsyncs the same WAL file. Following a task stays cheap (an fsync is
-  milliseconds; see benchmarks/tasks.py) without weakening any promise.
+  fsyncs the same WAL file. Following a task stays cheap (an fsync takes
+  milliseconds: benchmarks/tasks.py) without weakening any promise.
 
 Owners. Several processes may share a data directory, so "the process that was
 running this task died" must mean exactly that, not "a process started". Each
-Store (an owner, with a random id) holds an exclusive `flock` on its own file
-`owners/<id>.lock` while it is open; the kernel drops the lock when the process
-dies, however it dies (kill -9 included). Only the tasks and idempotency claims
-of owners whose lock can be taken are recovered. (Without `fcntl`, on Windows,
-every other owner counts as dead: one process per data directory.)
+Store (an owner) holds an exclusive `flock` on its file `owners/<id>.lock` while
+it is open; the kernel drops it when the process dies, however it dies (kill -9
+included): only the work of owners whose lock can be taken is recovered. (Without
+`fcntl`, on Windows, every other owner counts as dead: one process per directory.)
 
-Size. Stored responses and final tasks are deleted once older than the
-retention (`purge_stored`), and what is stored of a request is what its answer
-needs (docs/protocol.md D3, D6). The pages they held go to SQLite's freelist,
+Size. The pages that rows deleted by the purges held go to SQLite's freelist,
 which later writes reuse: the file stays as large as its fullest retention window.
 
 Next: lmsp_min/store/postgres.py, the store that several machines share.
@@ -43,7 +38,7 @@ from typing import Any, Callable
 
 import trio
 
-from lmsp_min.store import LoggedEvent, StoreError, TaskRow
+from lmsp_min.store import StoreError
 from lmsp_min.store.sql import Dialect, SQLStore, schema
 
 try:
@@ -72,14 +67,11 @@ def _connect(path: str) -> sqlite3.Connection:
 
 
 def _use_wal(conn: sqlite3.Connection) -> None:
-    """Put the database in WAL mode (nothing to do once it is).
-
-    On a new database opened by several processes at once, two connections switching
-    together can deadlock, each holding the shared lock the other's switch waits for:
-    SQLite then answers one of them "database is locked" at once, without waiting for
-    busy_timeout (once in 200 to 300 rounds of 16 threads opening a new directory), and
-    that one tries again.
-    """
+    """Put the database in WAL mode (nothing to do once it is). On a new database opened
+    by several processes at once, two connections switching together can deadlock, each
+    holding the shared lock the other's switch waits for: SQLite then answers one of them
+    "database is locked" at once, without waiting for busy_timeout (once in 200 to 300
+    rounds of 16 threads opening a new directory), and that one tries again."""
     for attempt in range(100):
         try:
             conn.execute("PRAGMA journal_mode = WAL")
@@ -91,13 +83,12 @@ def _use_wal(conn: sqlite3.Connection) -> None:
 
 
 class SQLiteStore(SQLStore):
-    """The SQLite database. Build it with `await SQLiteStore.open(data_dir)` (or
-    `SQLiteStore.open_sync` outside trio); `data_dir=None` is the in-memory database
-    of `--no-store`.
-    """
+    """`await SQLiteStore.open(data_dir)` (`open_sync` outside trio); `data_dir=None`
+    is the in-memory database of `--no-store`."""
 
     dialect = SQLITE
     elsewhere = "another --data-dir"
+    damaged = sqlite3.DatabaseError
 
     def __init__(self, path: Path | None, readers: int = 2):
         super().__init__()
@@ -184,13 +175,6 @@ class SQLiteStore(SQLStore):
                 return False
         path.unlink(missing_ok=True)
         return True
-
-    async def interrupted_tasks(self, running: Callable[[str], bool] = lambda task_id: False
-                                ) -> list[tuple[TaskRow, list[LoggedEvent]]]:
-        try:
-            return await super().interrupted_tasks(running)
-        except sqlite3.DatabaseError as exc:  # a damaged file: say so, as for one that cannot open
-            raise StoreError(f"the database cannot be read: {exc}") from None
 
     def _run_in_transaction(self, fn: Callable[..., Any], args: tuple, durable: bool) -> Any:
         """`durable=True` commits with synchronous=FULL (fsync), else NORMAL."""
