@@ -50,8 +50,9 @@ from pathlib import Path
 
 import trio
 
-from lmsp_min.store import LoggedEvent, Store, open_store
-from lmsp_min.store_sqlite import SQLiteStore
+from lmsp_min.store import LoggedEvent, Store
+from lmsp_min.store.open import open_store
+from lmsp_min.store.sqlite import SQLiteStore
 from lmsp_min.tasks import LiveLog, Tasks, sse
 
 DELTA = json.dumps({"response_id": "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF",

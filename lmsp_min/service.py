@@ -40,7 +40,8 @@ from lmsp_min.problems import Problem, leaf_exceptions, quoted
 from lmsp_min.openai_dialect import routes as openai_routes
 from lmsp_min.registry import DEFAULT_QUEUE_DEPTH, Registry
 from lmsp_min.routing import App, Router
-from lmsp_min.store import StoreError, open_store
+from lmsp_min.store import StoreError
+from lmsp_min.store.open import open_store
 from lmsp_min.tasks import STORE_RETENTION, Tasks
 from lmsp_min.validate import MAX_INPUT_ITEMS
 
@@ -90,7 +91,7 @@ class ServiceConfig:
 class Service:
     """What a request handler can reach: the models, auth, the store, the log.
 
-    `store` (lmsp_min/store.py) is optional: without one, `previous_response_id`
+    `store` (lmsp_min/store/) is optional: without one, `previous_response_id`
     is `unsupported_capability` and `store: true` is ignored (D2). `tasks` (set
     by `open`) runs the background responses, in `serve`'s nursery.
     """

@@ -63,7 +63,7 @@ def postgres_url(postgres_server) -> str:
 @pytest.fixture(params=["sqlite", "postgres"])
 def store_location(request, tmp_path):
     """Where a store lives, once per backend: a data directory (SQLite), or the URL of a
-    new PostgreSQL database. `lmsp_min.store.open_store(store_location)` opens it."""
+    new PostgreSQL database. `lmsp_min.store.open.open_store(store_location)` opens it."""
     if request.param == "sqlite":
         return tmp_path / "data"
     return request.getfixturevalue("postgres_url")

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from engine import accel
-from lmsp_min.store_sqlite import SQLiteStore
+from lmsp_min.store.sqlite import SQLiteStore
 from server_harness import tiny_path  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import time
 import pytest
 import trio
 
-from lmsp_min.store_sqlite import DB_NAME, SQLiteStore
+from lmsp_min.store.sqlite import DB_NAME, SQLiteStore
 from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from test_tasks import create, gated, wait_final
 

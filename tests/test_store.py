@@ -9,8 +9,9 @@ import time
 import pytest
 import trio
 
-from lmsp_min.store import LoggedEvent, StoreError, open_store
-from lmsp_min.store_sqlite import DB_NAME, MIGRATIONS, SQLiteStore
+from lmsp_min.store import LoggedEvent, StoreError
+from lmsp_min.store.open import open_store
+from lmsp_min.store.sqlite import DB_NAME, MIGRATIONS, SQLiteStore
 
 
 def response_body(response_id: str, status: str = "completed", text: str = "hi") -> str:
@@ -45,7 +46,7 @@ async def test_a_later_migration_is_applied_once_and_keeps_the_data(tmp_path, mo
     s = await SQLiteStore.open(tmp_path)
     await s.put_response("resp_1", "alice", [], response_body("resp_1"))
     s.close()
-    monkeypatch.setattr("lmsp_min.store_sqlite.MIGRATIONS", [*MIGRATIONS, ["ALTER TABLE responses ADD COLUMN note TEXT"]])
+    monkeypatch.setattr("lmsp_min.store.sqlite.MIGRATIONS", [*MIGRATIONS, ["ALTER TABLE responses ADD COLUMN note TEXT"]])
     for _ in range(2):  # the second opening finds nothing to do
         s = await SQLiteStore.open(tmp_path)
         assert (await s.get_response("resp_1", "alice")).body == response_body("resp_1")

@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from lmsp_min.problems import Problem
-from lmsp_min.store import LoggedEvent, StoreError, open_store
-from lmsp_min.store_postgres import MIGRATIONS, PURGE_LOCK, PostgresStore
+from lmsp_min.store import LoggedEvent, StoreError
+from lmsp_min.store.open import open_store
+from lmsp_min.store.postgres import MIGRATIONS, PURGE_LOCK, PostgresStore
 from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from test_store import response_body
 from test_tasks import create, follow, gated, task_body

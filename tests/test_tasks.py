@@ -16,7 +16,7 @@ from lmsp_min.generation import prepare
 from lmsp_min.http import Limits
 from lmsp_min.problems import Problem
 from lmsp_min.store import LoggedEvent, StoreError
-from lmsp_min.store_sqlite import SQLiteStore
+from lmsp_min.store.sqlite import SQLiteStore
 from lmsp_min.service import _only
 from lmsp_min.tasks import Tasks
 from server_harness import SSE, close_service, make_service, parse_sse, start_server, tiny_path  # noqa: F401

@@ -8,7 +8,7 @@ import trio
 from lmsp_min import idempotency
 from lmsp_min.http import Response, StreamingResponse
 from lmsp_min.problems import Problem
-from lmsp_min.store_sqlite import SQLiteStore
+from lmsp_min.store.sqlite import SQLiteStore
 from server_harness import make_service, parse_sse, start_server, tiny_path  # noqa: F401
 
 BODY = {"model": "tiny:chat-q8_0", "input": [{"role": "user", "content": "Hi."}],

@@ -7,7 +7,7 @@ import trio
 
 from lmsp_min import tasks
 from lmsp_min.store import LoggedEvent, Store
-from lmsp_min.store_sqlite import SQLiteStore
+from lmsp_min.store.sqlite import SQLiteStore
 from lmsp_min.tasks import LiveLog
 
 

@@ -1,14 +1,10 @@
 """The durable store's interface: what the service keeps, and the operations on it.
 
 Stored responses, tasks, task event logs and idempotency records live behind
-one interface, `Store`, with two backends:
-
-- lmsp_min/store_sqlite.py (`SQLiteStore`), the embedded default: one SQLite
-  file under `--data-dir`, or memory for `--no-store`. Several processes on one
-  machine may share its directory.
-- lmsp_min/store_postgres.py (`PostgresStore`), `--store postgresql://...`:
-  several nodes on several machines share one PostgreSQL database and act as
-  one service (docs/scale-out.md).
+one interface, `Store`, with two backends (lmsp_min/store/open.py opens one):
+SQLite (sqlite.py), the embedded default, whose directory several processes on
+one machine may share; and PostgreSQL (postgres.py), which several nodes on
+several machines share to act as one service (docs/scale-out.md).
 
 The task, conversation and idempotency logic (tasks.py, idempotency.py,
 service.py) is written once, above this interface. What differs per backend is
@@ -21,6 +17,8 @@ Every method that touches the database runs it in a worker thread: the trio
 loop never waits on a database. A store that cannot reach its database raises
 `unavailable()`, a 503 problem: a request that needs it is answered so, and
 the same request succeeds once the database is back.
+
+Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import trio
@@ -82,14 +79,9 @@ class TaskRow:
 
     def object(self) -> dict:
         """The task object of D3."""
-        return {
-            "id": self.id,
-            "object": "task",
-            "status": self.status,
-            "created_at": self.created_at,
-            "response_id": self.response_id,
-            "response": json.loads(self.response) if self.response is not None else None,
-        }
+        response = json.loads(self.response) if self.response is not None else None
+        return {"id": self.id, "object": "task", "status": self.status, "created_at": self.created_at,
+                "response_id": self.response_id, "response": response}
 
 
 @dataclass(frozen=True)
@@ -110,22 +102,23 @@ class IdempotencyRecord:
 
 
 class Watch:
-    """What a follower of a task another process runs waits on between two reads.
+    """What a follower of a task another process runs waits on between two reads: `wait`
+    returns once the backend `notify`s it (PostgreSQL's LISTEN; a notice that came while
+    the follower read is kept), or, while `told()` says none can come, after POLL_INTERVAL."""
 
-    This one polls: `wait` returns after POLL_INTERVAL. A backend that is told of
-    new events (PostgreSQL's LISTEN) returns as soon as it is, and remembers a
-    notice that came while its follower was reading, so that none is missed."""
+    def __init__(self, told: Callable[[], bool] = lambda: False):
+        self._told = told
+        self._changed = trio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
 
     async def wait(self, timeout: float) -> None:
-        await trio.sleep(max(0.0, min(POLL_INTERVAL, timeout)))
-
-
-class _Polling(AbstractContextManager):
-    def __enter__(self) -> Watch:
-        return Watch()
-
-    def __exit__(self, *exc) -> None:
-        return None
+        if not self._told():
+            timeout = min(timeout, POLL_INTERVAL)
+        with trio.move_on_after(max(0.0, timeout)):
+            await self._changed.wait()
+        self._changed = trio.Event()
 
 
 class Store(ABC):
@@ -151,8 +144,6 @@ class Store(ABC):
     def close(self) -> None:
         """Close the database connections (blocking: the service calls it in a worker thread)."""
 
-    # -- stored responses -----------------------------------------------------------
-
     @abstractmethod
     async def put_response(self, response_id: str, principal: str, input_items: list, body: str) -> None:
         """Store a final response (`body` is its JSON as served), durably."""
@@ -164,8 +155,6 @@ class Store(ABC):
     @abstractmethod
     async def delete_response(self, response_id: str, principal: str) -> bool:
         """Delete a stored response of `principal`; False if there was none."""
-
-    # -- tasks ----------------------------------------------------------------------
 
     @abstractmethod
     async def create_task(self, task_id: str, principal: str, created_at: int, model: str,
@@ -207,7 +196,7 @@ class Store(ABC):
         """`with store.watch(task_id) as watch:` then read, `await watch.wait(timeout)`,
         read again...: each wait ends when the task may have new events (or a final
         status), or after `timeout` seconds. Entered before the first read."""
-        return _Polling()
+        return nullcontext(Watch())
 
     @abstractmethod
     async def request_cancel(self, task_id: str) -> None:
@@ -241,8 +230,6 @@ class Store(ABC):
         task is cancelled first (Tasks.delete says 409). Its stored response, if it made
         one, is a resource of its own (delete_response)."""
 
-    # -- expiry ---------------------------------------------------------------------
-
     @abstractmethod
     async def purge_stored(self, older_than: float) -> tuple[int, int]:
         """Delete the stored responses created, and the final tasks (with their event logs)
@@ -254,8 +241,6 @@ class Store(ABC):
         """Delete the events of tasks that ended more than `event_retention` seconds
         ago and finished idempotency records older than `idempotency_ttl`.
         Returns how many tasks had their events purged."""
-
-    # -- idempotency ----------------------------------------------------------------
 
     @abstractmethod
     async def claim_idempotency_key(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | None:
@@ -278,23 +263,3 @@ class Store(ABC):
         """Release the claims of requests that died with their process, and our own
         claims that no request holds any more (it could neither complete nor release
         its key: the disk was full, say). Returns how many were released."""
-
-
-def is_database_url(location: str | Path | None) -> bool:
-    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
-
-
-async def open_store(location: str | Path | None, *, lease: float = 10.0, log=None) -> Store:
-    """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
-    extra; `lease`: seconds after which a silent node's tasks are failed by the others),
-    a data directory (SQLite), or None (SQLite in memory, --no-store)."""
-    if is_database_url(location):
-        try:
-            from lmsp_min.store_postgres import PostgresStore
-        except ImportError as exc:
-            raise StoreError(f"--store {location.split('://')[0]}://... needs psycopg 3: "
-                             f"pip install 'lmsp-min[postgres]' ({exc})") from None
-        return await PostgresStore.open(location, lease=lease, log=log)
-    from lmsp_min.store_sqlite import SQLiteStore
-
-    return await SQLiteStore.open(location)

@@ -1,0 +1,24 @@
+"""Which backend a `--store` (or `--data-dir`) names, opened: the one module that
+imports them (psycopg only for a postgresql:// URL). Next: lmsp_min/store/__init__.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmsp_min.store import Store, StoreError
+
+
+async def open_store(location: str | Path | None, *, lease: float = 10.0, log=None) -> Store:
+    """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
+    extra; `lease`: seconds after which a silent node's tasks are failed by the others),
+    a data directory (SQLite), or None (SQLite in memory, --no-store)."""
+    if isinstance(location, str) and location.startswith(("postgresql://", "postgres://")):
+        try:
+            from lmsp_min.store.postgres import PostgresStore
+        except ImportError as exc:
+            raise StoreError(f"--store {location.split('://')[0]}://... needs psycopg 3: "
+                             f"pip install 'lmsp-min[postgres]' ({exc})") from None
+        return await PostgresStore.open(location, lease=lease, log=log)
+    from lmsp_min.store.sqlite import SQLiteStore
+    return await SQLiteStore.open(location)

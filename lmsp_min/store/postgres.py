@@ -1,0 +1,298 @@
+"""The PostgreSQL store, `--store postgresql://USER[:PASS]@HOST[:PORT]/DB`: several
+nodes share one database and act as one service. docs/scale-out.md says what they
+share and how one takes over from another; this module, how. The statements are
+lmsp_min/store/sql.py's; psycopg 3 (the `postgres` extra) is imported only here.
+
+Connections: a small pool for the operations, whose worker threads take one each
+(POOL_SIZE at most), and one more, in a thread of its own (the listener), that
+LISTENs and renews this node's lease.
+
+Live across nodes, without polling. A transaction that appends a task's events
+(or ends it) NOTIFYs `lmsp_events` with its id, a cancel `lmsp_cancel`. The
+listener hands each notice to the trio loop, which wakes the `Watch`es of that
+task, or looks for cancels of this node's tasks. While the listener reconnects,
+watches poll; once it is back, all look again: nothing sent meanwhile is missed.
+
+Leases. A node's `owners` row says until when it is alive (by the database's
+clock), renewed every third of the lease. Once it has expired, another node's
+recovery ends the node's unfinished tasks `failed`; back, the node finds them
+ended: `finish_task` writes nothing, and an event it appends collides with the
+other node's final one (the key is (task_id, seq)): `LeaseLost`.
+
+Durability: what a client is told of commits synchronously; task events and
+claims with `synchronous_commit = off` (a crash of the database server, not of a
+node, can lose the tail of a running task's log; that task then fails anyway).
+Migrations and purges run on one node at a time (advisory locks).
+
+Next: lmsp_min/tasks.py, which runs tasks over either store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager, suppress
+from typing import Any, Callable, Iterator
+
+import psycopg
+import trio
+
+from lmsp_min.problems import Problem
+from lmsp_min.store import LoggedEvent, StoreError, Watch, unavailable
+from lmsp_min.store.sql import CANCEL_CHANNEL, EVENTS_CHANNEL, Dialect, SQLStore, schema
+
+POOL_SIZE = 4
+# Advisory lock keys ('lmsp' and a number), held for one transaction each.
+MIGRATION_LOCK = 0x6C6D7370_0001
+PURGE_LOCK = 0x6C6D7370_0002
+# libpq: how long a connection waits to be made, and how long a request may stay unanswered
+# by the network (a partition) before the connection counts as broken.
+CONNECT_OPTIONS = {"connect_timeout": 5, "tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle": 5,
+                   "keepalives_interval": 2, "keepalives_count": 2, "application_name": "lmsp-min"}
+
+POSTGRES = Dialect(
+    bigint="BIGINT", double="DOUBLE PRECISION", blob="BYTEA", boolean="BOOLEAN", true="TRUE", false="FALSE",
+    without_rowid="", lock_row=" FOR UPDATE", notify="SELECT pg_notify(?, ?)",
+    version_setup=(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})",  # (the others wait here)
+                   "CREATE TABLE IF NOT EXISTS lmsp_schema (version INTEGER NOT NULL)",
+                   "INSERT INTO lmsp_schema SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM lmsp_schema)"),
+    version="SELECT version FROM lmsp_schema", set_version="UPDATE lmsp_schema SET version = {}")
+
+MIGRATIONS: list[list[str]] = [
+    [  # version 1: SQLite's three, and the owners: a node (a Store) is alive until `lease_until`
+        *(statement for step in schema(POSTGRES) for statement in step),
+        "CREATE INDEX tasks_unfinished ON tasks (owner) WHERE status IN ('queued', 'in_progress')",
+        "CREATE INDEX tasks_by_response ON tasks (response_id)",
+        "CREATE TABLE owners (owner TEXT PRIMARY KEY, lease_until TIMESTAMPTZ NOT NULL)",
+    ],
+]
+
+
+def describe(url: str) -> str:
+    """The database a URL names, for messages (never its password)."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.Error:
+        return "the --store URL (which cannot be parsed)"
+    return f"postgresql://{info.get('host', 'localhost')}:{info.get('port', 5432)}/{info.get('dbname', '')}"
+
+
+class LeaseLost(RuntimeError):
+    """This node's lease expired while it ran a task, and another node ended the task."""
+
+
+class _Connection(psycopg.Connection):
+    """A connection that takes sqlite3's `?` placeholders (psycopg's own are `%s`) and
+    has sqlite3's `executemany`: sql.py's statements are written once, for both."""
+
+    def execute(self, query: str, params: Any = None, **kwargs: Any) -> psycopg.Cursor:
+        return super().execute(query.replace("?", "%s"), params, **kwargs)
+
+    def executemany(self, query: str, params_seq: list) -> psycopg.Cursor:
+        cursor = self.cursor()
+        cursor.executemany(query.replace("?", "%s"), params_seq)
+        return cursor
+
+
+class PostgresStore(SQLStore):
+    """The PostgreSQL database. Build it with `await PostgresStore.open(url, lease=...)`."""
+
+    dialect = POSTGRES
+    elsewhere = "another database"
+
+    def __init__(self, url: str, lease: float, log: Callable[[str], None] | None = None,
+                 token: trio.lowlevel.TrioToken | None = None):
+        super().__init__()
+        self.url = url
+        self.lease = self.liveness_period = lease
+        self._log = log or (lambda line: None)
+        self._idle: list[_Connection] = []
+        self._write_limiter = self._read_limiter = trio.CapacityLimiter(POOL_SIZE)  # (one pool for both)
+        self._watches: dict[str, set[Watch]] = {}
+        self._cancel_notice = trio.Event()  # (set: a cancel may have been asked, look)
+        self._listening = False
+        self._stopping = threading.Event()
+        self._wake_channel = f"lmsp_wake_{self.owner}"  # (what `close` tells the listener on)
+        self._token = token  # (of the trio loop the listener hands notices to; None: no listener)
+        self._listener = threading.Thread(target=self._listen, name="lmsp-min store listener", daemon=True)
+        try:
+            self._idle.append(self._connect())
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to {describe(url)}: {str(exc).strip()}") from None
+        try:
+            self._run_in_transaction(self._migrate, (MIGRATIONS,), durable=True)
+            self._run_in_transaction(self._renew_lease, (), durable=True)
+        except BaseException:
+            self._close_idle()
+            raise
+        if token is not None:
+            self._listener.start()
+
+    @classmethod
+    async def open(cls, url: str, *, lease: float = 10.0, log=None) -> "PostgresStore":
+        return await trio.to_thread.run_sync(cls, url, lease, log, trio.lowlevel.current_trio_token())
+
+    @property
+    def location(self) -> str:
+        return f"PostgreSQL, {describe(self.url)}, lease {self.lease:g} s"
+
+    def _connect(self) -> _Connection:
+        return _Connection.connect(self.url, autocommit=True, **CONNECT_OPTIONS)
+
+    def close(self) -> None:
+        """Stop listening, give up the lease (the other nodes recover at once whatever this
+        node could not end), close the connections."""
+        self._stopping.set()
+        try:
+            self._run_in_transaction(self._give_up_lease, (), durable=True)
+        except (psycopg.Error, Problem):
+            pass  # (the database is gone: the lease expires by itself)
+        if self._listener.is_alive():
+            self._listener.join(timeout=10)
+        self._close_idle()
+
+    @contextmanager
+    def _pooled(self) -> Iterator[_Connection]:
+        """An idle connection (or a new one: the limiters keep the pool at POOL_SIZE); one
+        that breaks is closed, never reused, and what failed on it is `unavailable()`."""
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            try:
+                conn = self._connect()
+            except psycopg.OperationalError as exc:
+                raise unavailable() from exc
+        try:
+            yield conn
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise unavailable() from exc
+            raise
+        finally:
+            if conn.broken or conn.closed:
+                conn.close()
+            else:
+                self._idle.append(conn)
+
+    def _run_read(self, fn: Callable[..., Any], args: tuple) -> Any:
+        with self._pooled() as conn:
+            return fn(conn, *args)
+
+    def _run_in_transaction(self, fn: Callable[..., Any], args: tuple, durable: bool) -> Any:
+        """`durable=False` commits without waiting for the WAL flush."""
+        with self._pooled() as conn, conn.transaction():
+            if not durable:
+                conn.execute("SET LOCAL synchronous_commit = off")
+            return fn(conn, *args)
+
+    def _close_idle(self) -> None:
+        while self._idle:
+            with suppress(IndexError):  # (a worker thread may take the last one meanwhile)
+                self._idle.pop().close()
+
+    def _renew_lease(self, conn: _Connection) -> None:
+        conn.execute("INSERT INTO owners (owner, lease_until) VALUES (?, clock_timestamp() + make_interval(secs => ?))"
+                     " ON CONFLICT (owner) DO UPDATE SET lease_until = EXCLUDED.lease_until", (self.owner, self.lease))
+
+    def _give_up_lease(self, conn: _Connection) -> None:
+        conn.execute("SELECT pg_notify(?, '')", (self._wake_channel,))
+        conn.execute("DELETE FROM owners WHERE owner = ?", (self.owner,))
+
+    def _gone_among(self, conn: _Connection, owners: set[str]) -> set[str]:
+        """Those whose lease has expired, by the database's clock (or was given up: no row)."""
+        alive = conn.execute("SELECT owner FROM owners WHERE lease_until > clock_timestamp()").fetchall()
+        return owners - {owner for (owner,) in alive}
+
+    def _may_purge(self, conn: _Connection) -> bool:
+        """One node at a time (one that finds another purging leaves it to that one), which
+        also forgets the leases that expired (no row: gone too)."""
+        if not conn.execute("SELECT pg_try_advisory_xact_lock(?)", (PURGE_LOCK,)).fetchone()[0]:
+            return False
+        conn.execute("DELETE FROM owners WHERE lease_until < clock_timestamp()")
+        return True
+
+    async def append_events(self, task_id: str, events: list[LoggedEvent]) -> None:
+        try:
+            await super().append_events(task_id, events)
+        except psycopg.errors.UniqueViolation:  # after the final event another node wrote
+            raise LeaseLost(f"task {task_id} was ended by another node (this node's lease expired)") from None
+
+
+    def _listen(self) -> None:
+        """LISTEN, renew the lease, hand notices to the trio loop; reconnect when the
+        connection breaks (every watch then looks again), until `close`."""
+        pause = 0.1
+        while not self._stopping.is_set():
+            conn = None
+            try:
+                conn = self._connect()
+                for channel in (EVENTS_CHANNEL, CANCEL_CHANNEL, self._wake_channel):
+                    conn.execute(f'LISTEN "{channel}"')
+                self._renew_lease(conn)
+                renew_at = time.monotonic() + self.lease / 3
+                self._listening = True
+                self._to_trio(self._look_again)
+                pause = 0.1
+                while not self._stopping.is_set():
+                    wait = min(1.0, max(0.0, renew_at - time.monotonic()))
+                    for notice in conn.notifies(timeout=wait, stop_after=1):
+                        self._to_trio(self._notice, notice.channel, notice.payload)
+                    if time.monotonic() >= renew_at:
+                        self._renew_lease(conn)
+                        renew_at = time.monotonic() + self.lease / 3
+            except Exception as exc:  # the database is unreachable, or restarting
+                if self._listening:
+                    self._log(f"error: the store's database connection was lost ({type(exc).__name__}); "
+                              "reconnecting")
+                    self._listening = False
+                    self._to_trio(self._look_again)  # (watches poll meanwhile)
+                    self._close_idle()  # (broken too, most likely: the next operations connect afresh)
+                self._stopping.wait(pause)
+                pause = min(2 * pause, 2.0)
+            finally:
+                if conn is not None:
+                    conn.close()
+        self._listening = False
+
+    def _to_trio(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            pass
+
+    def _notice(self, channel: str, payload: str) -> None:
+        """(in the trio loop) A NOTIFY of another node, or of this one."""
+        if channel == EVENTS_CHANNEL:
+            for watch in self._watches.get(payload, ()):
+                watch.notify()
+        elif channel == CANCEL_CHANNEL:
+            self._cancel_notice.set()
+
+    def _look_again(self) -> None:
+        """(in the trio loop) Notices may have been missed: every watch and the cancel
+        check read the database again."""
+        for watches in self._watches.values():
+            for watch in watches:
+                watch.notify()
+        self._cancel_notice.set()
+
+    @contextmanager
+    def watch(self, task_id: str) -> Iterator[Watch]:
+        watch = Watch(lambda: self._listening)  # (reconnecting: no notice can come, it polls)
+        self._watches.setdefault(task_id, set()).add(watch)
+        try:
+            yield watch
+        finally:
+            watches = self._watches[task_id]
+            watches.discard(watch)
+            if not watches:
+                del self._watches[task_id]
+
+    async def next_cancel_requests(self, running: Callable[[], bool] = lambda: True) -> list[str]:
+        await self._cancel_notice.wait()  # (told by NOTIFY: nothing to poll, idle or not)
+        self._cancel_notice = trio.Event()
+        try:
+            return await self.cancel_requests()
+        except BaseException:  # (the database is away: look again on the next call)
+            self._cancel_notice.set()
+            raise
