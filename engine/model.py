@@ -22,15 +22,15 @@ from typing import Any
 import numpy as np
 from gguf.quants import dequantize
 
-from . import accel, architectures, describe
+from . import accel, architectures, describe, tuning
 from .architectures import Block, Hyperparameters, Weights
 from .chat_template import ChatTemplate
 from .constrain import can_constrain
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
-from .kv_cache import INITIAL_CAPACITY, KVCache, Sequence
+from .kv_cache import KVCache, Sequence
 from .quants import concat_weights, load_weight, reorder_rows
-from .scheduler import PREFILL_CHUNK, Scheduler
+from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
 
@@ -144,7 +144,7 @@ class Model:
 
     # --- what generation builds on -------------------------------------------------------
 
-    def new_sequence(self, tokens: list[int], capacity: int = INITIAL_CAPACITY) -> Sequence:
+    def new_sequence(self, tokens: list[int], capacity: int = tuning.INITIAL_CAPACITY) -> Sequence:
         """A sequence with an empty cache; its tokens are pending until stepped."""
         hp = self.hp
         cache = KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.n_ctx,
@@ -158,7 +158,7 @@ class Model:
         return hp.n_layer * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 4
 
     def step(self, sequences: list[Sequence], all_logits: bool = False,
-             chunk: int = PREFILL_CHUNK, logit_rows: list[int] | None = None) -> list[np.ndarray]:
+             chunk: int = tuning.PREFILL_CHUNK, logit_rows: list[int] | None = None) -> list[np.ndarray]:
         """One forward step over up to `chunk` pending tokens of each sequence (blocking).
 
         Returns per sequence the logits of its last fed token (1, V), of its last k

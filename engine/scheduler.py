@@ -57,12 +57,11 @@ from typing import Callable, NamedTuple
 import numpy as np
 import trio
 
+from . import tuning
 from .errors import ModelClosed, QueueFull
-from .kv_cache import INITIAL_CAPACITY, Sequence
+from .kv_cache import Sequence
 from .prefix_cache import PrefixCache
-from .speculate import MAX_DRAFT, Drafter, StepCost, draft_lengths
-
-PREFILL_CHUNK = 512  # prompt tokens per forward step while prefilling (Model.step's default too)
+from .speculate import Drafter, StepCost, draft_lengths
 
 Pick = Callable[[np.ndarray], int]  # logits (V,) float32 -> the next token id; runs in the worker thread
 
@@ -152,9 +151,10 @@ class StepStream:
 class Scheduler:
     """Continuous batching over one model's `step` (see the module docstring)."""
 
-    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 32, prefill_chunk: int = PREFILL_CHUNK,
-                 interleave_chunk: int = 64, prefix_cache_bytes: int = 256 << 20,
-                 kv_cache_bytes: int | None = None, speculate: bool = True):
+    def __init__(self, model, *, max_batch: int = tuning.MAX_BATCH, max_queue: int = 32,
+                 prefill_chunk: int = tuning.PREFILL_CHUNK, interleave_chunk: int = tuning.INTERLEAVE_CHUNK,
+                 prefix_cache_bytes: int = tuning.PREFIX_CACHE_BYTES, kv_cache_bytes: int | None = None,
+                 speculate: bool = True):
         self.model = model
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -296,7 +296,7 @@ class Scheduler:
         tokens (a new cache's at least), doubled once. Counting its first growth keeps it
         from being preempted at that growth, which could make a request leave and rejoin
         at every step."""
-        positions = min(self.model.n_ctx, 2 * max(INITIAL_CAPACITY, len(request.tokens)))
+        positions = min(self.model.n_ctx, 2 * max(tuning.INITIAL_CAPACITY, len(request.tokens)))
         return positions * self.model.kv_bytes_per_position
 
     def _preempt(self, request: Request, active: list[Request]) -> None:
@@ -354,7 +354,7 @@ class Scheduler:
         proposals = []
         for request in requests:
             seq = request.seq
-            limit = min(MAX_DRAFT, budget - seq.n_pending, request.max_tokens - request.generated - 1,
+            limit = min(tuning.MAX_DRAFT, budget - seq.n_pending, request.max_tokens - request.generated - 1,
                         self.model.n_ctx - len(seq.tokens) - 1)
             if self.kv_cache_bytes is not None:  # a draft never grows a cache past what the budget counted
                 limit = min(limit, seq.cache.capacity - len(seq.tokens))

@@ -11,8 +11,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as ref_quants
 
-from engine import accel, quants
-from engine.accel import threads, tuning
+from engine import accel, quants, tuning
+from engine.accel import threads
 from engine.gguf_file import SUPPORTED_TYPES, GGUFFile, Tensor
 from engine.quants import concat_weights, load_weight
 
@@ -75,7 +75,7 @@ def test_dequantize_matches_gguf_on_quantized_data(qtype):
     np.testing.assert_array_equal(weight.dequantize(), ref_quants.dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, quants.DECODE_MAX_ROWS, quants.DECODE_MAX_ROWS + 1])
+@pytest.mark.parametrize("n", [1, 2, 7, tuning.DECODE_MAX_ROWS, tuning.DECODE_MAX_ROWS + 1])
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_matmul_matches_reference(qtype, n):
     weight, reference = weight_and_reference(qtype)
@@ -300,7 +300,7 @@ def test_decode_floats_do_not_depend_on_how_the_tiles_are_shared(monkeypatch):
     tile ranges): every way gives the same
     floats (the mins' part too, which BLAS may sum differently by where a column falls
     in a product: it is added once, over every column)."""
-    monkeypatch.setattr(quants, "TILE_VALUES", 1 << 17)
+    monkeypatch.setattr(tuning, "TILE_VALUES", 1 << 17)
     weight, _ = weight_and_reference(T.Q4_1, n_out=576, n_in=1536)
     assert (weight.n_tiles, weight.tile_rows) == (8, 72)  # tiles that do not start at multiples of 16
     x = np.random.default_rng(6).standard_normal((3, 1536)).astype(np.float32)

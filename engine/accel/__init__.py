@@ -9,8 +9,9 @@ same interface, whose matmul shares the plain kernel's tiles out, and returns th
 - threads.py: a pool of worker threads (`WorkerPool`, `parallel_for`), and the process
   settings they rely on (BLAS on one thread, set by `single_threaded_blas`);
 - helper.py: a second process that computes part of every decode matmul, since
-  threads sharing many short numpy calls mostly hand each other the GIL;
-- tuning.py: their constants, in one table.
+  threads sharing many short numpy calls mostly hand each other the GIL.
+
+Their constants are in engine/tuning.py, the engine's one table.
 
 `model.accel` is that accelerator (None with one thread). Its `close()` stops the
 helper process and joins the threads; the model keeps working, on its calling thread.

@@ -23,7 +23,7 @@ from typing import Callable
 
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from . import tuning
+from engine import tuning
 
 _STOP = None  # what a worker takes from the queue to end
 
