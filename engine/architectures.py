@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from . import tuning
-from .accel.threads import parallel_for
 from .kv_cache import Sequence
 
 
@@ -250,6 +249,27 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
         out = np.concatenate([attend(q[rows], keys, values, batch.positions[rows], window, hp.attention_scale)
                               for rows, (keys, values) in zip(queries, caches)])  # (m, n_head*hd_v)
     return blk.attn_output.matmul(out)                         # (m, d)
+
+
+# The work between the matmuls: attention's query blocks and the position-wise ops of a
+# long chunk cut theirs into ranges and run them as `parallel_for(fn, n_items, n_values)`,
+# fn(i0, i1) over ranges covering [0, n_items) that stand for n_values values of work.
+# The plain engine runs it all on the calling thread; the acceleration layer on top, when
+# it gives a model threads, shares it out over them instead (engine/accel `install`).
+
+
+def on_this_thread(fn: Callable[[int, int], None], n_items: int, n_values: int) -> None:
+    """The plain engine's parallel_for: all the work at once, on the calling thread."""
+    fn(0, n_items)
+
+
+parallel_for = on_this_thread
+
+
+def share_work_with(runner: Callable[[Callable[[int, int], None], int, int], None]) -> None:
+    """Run the work between the matmuls with `runner` (a parallel_for) from now on."""
+    global parallel_for
+    parallel_for = runner
 
 
 @functools.lru_cache(maxsize=tuning.CAUSAL_MASKS)

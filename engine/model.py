@@ -6,6 +6,11 @@ architecture from the metadata and wraps each weight matrix in a quantized
 what the rest of the program talks to: tokenize, detokenize, logits, chat
 template, and (engine/generate.py, engine/chat.py) generation.
 
+`load_model` is also where the acceleration layer (engine/accel) is put on: the one
+place of the engine that imports it. It swaps the weights for wrappers that share
+their matmuls out over threads and a helper process; the rest of the engine never
+knows whether it is there.
+
 A model owns a worker thread (its scheduler's, while it generates) and, when
 acceleration is on, what `accel` holds: `close()` ends both, and a model used as
 `with load_model(path) as model:` is closed when the block ends.

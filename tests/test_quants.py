@@ -268,6 +268,19 @@ def test_one_thread_installs_nothing(tmp_path, monkeypatch):
     model.accel.close()
 
 
+def test_a_model_loaded_with_threads_shares_the_work_between_matmuls_out_too(tmp_path, monkeypatch):
+    """Attention's query blocks and the position-wise ops run on the accelerator's threads:
+    the plain engine runs them on the calling thread until `install` hands it the pool's."""
+    from engine import architectures, load_model
+    from tiny import write_tiny_model
+
+    monkeypatch.setattr(architectures, "parallel_for", architectures.on_this_thread)
+    monkeypatch.setenv("LMSP_THREADS", "2")
+    model = load_model(write_tiny_model(tmp_path / "tiny.gguf", "llama"))
+    assert architectures.parallel_for is accel.parallel_for
+    model.accel.close()
+
+
 def test_import_leaves_blas_alone_and_loading_a_model_keeps_it_to_one_thread(tmp_path):
     """We split matmuls over our threads ourselves (engine/accel/threads.py says why); that is
     set when a model is loaded, not by importing the engine."""
