@@ -73,7 +73,7 @@ def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int |
         if accelerator is not None:
             accelerator.close()
         raise
-    model.scheduler.kv_cache_bytes = kv_cache_bytes
+    model.scheduler.kv_budget.max_bytes = kv_cache_bytes
     model.scheduler.speculate = speculate
     model.accel = accelerator
     accel.release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd

@@ -31,6 +31,10 @@ request's drafts is observed (a per-token rate, also from the drafts not sent: t
 model's next token is compared with the draft's first for free), and a draft is as
 long as maximizes the expected tokens per second of the whole step; where no length
 pays, none is sent (free text, whose guesses mostly fail, runs as without).
+
+The scheduler's side of it (which requests of a step draft, within what room, and the
+bookkeeping after the step) is engine/drafting.py; the constants are in engine/tuning.py.
+Next: engine/jump_forward.py, the forced text.
 """
 
 from __future__ import annotations
