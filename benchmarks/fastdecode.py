@@ -144,10 +144,10 @@ def _ours_main(job: dict) -> None:
 
     async def measure(name: str, speculate: bool) -> dict:
         model.scheduler.speculate = speculate
-        sched = model.scheduler
-        steps, drafted, accepted = model.steps, sched.drafted, sched.accepted
+        drafting = model.scheduler.drafting
+        steps, drafted, accepted = model.steps, drafting.drafted, drafting.accepted
         out = await one(name)
-        out.update(steps=model.steps - steps, drafted=sched.drafted - drafted, accepted=sched.accepted - accepted)
+        out.update(steps=model.steps - steps, drafted=drafting.drafted - drafted, accepted=drafting.accepted - accepted)
         return out
 
     async def streams(speculate: bool, n: int = 8) -> dict:

@@ -6,14 +6,14 @@ compare the machine's moods more than the code. Here each setting loads the mode
 over and over, so that every setting meets the same moods; the medians compare.
 
     python -m benchmarks.turns smollm2:135m-instruct-q4_1 --rows 1,8 \\
-        --setting "" --setting engine.accel.tuning.SPIN_SECONDS=0.002
+        --setting "" --setting engine.tuning.SPIN_SECONDS=0.002
 
 A setting is a comma-separated list of `module.NAME=value` (value a Python literal),
 "" for the defaults. Its values hold while its model loads and while its steps run,
 in this process, and in its helper process from its start (the helper reads
-engine.accel.tuning's constants itself). A value the code reads only at load
-(engine.quants.TILE_VALUES) takes effect through the load; one read at each matmul
-(engine.quants.DECODE_MAX_ROWS) through the steps. Each setting's model is its own
+engine.tuning's constants itself). A value the code reads only at load
+(engine.tuning.TILE_VALUES) takes effect through the load; one read at each matmul
+(engine.tuning.DECODE_MAX_ROWS) through the steps. Each setting's model is its own
 load: memory is that of one model per setting.
 """
 
@@ -34,7 +34,7 @@ MAX_LENGTH = 300     # a block's sequences start again from the prompt past this
 
 
 def parse_setting(text: str) -> list[Assignment]:
-    """"engine.accel.tuning.SPIN_SECONDS=0.002,engine.accel.tuning.CONVERT_AHEAD=6" -> its assignments."""
+    """"engine.tuning.SPIN_SECONDS=0.002,engine.tuning.CONVERT_AHEAD=6" -> its assignments."""
     assignments = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         target, sep, value = part.partition("=")

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from . import tuning
 from .kv_cache import Sequence
-from .accel import tuning
-from .accel.threads import parallel_for
 
 
 @dataclass(frozen=True)
@@ -252,17 +251,28 @@ def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, laye
     return blk.attn_output.matmul(out)                         # (m, d)
 
 
-# Queries per block when a chunk is long. A block reads the keys up to its last query, so
-# smaller blocks compute less of the causal mask's hidden half (a 512-token prefill: 56%
-# of the full square at 64, 62.5% at 128) in GEMMs still big enough (docs/performance.md).
-ATTENTION_BLOCK = 64
-# From this many keys on, one query's scores are computed as keys @ q.T: OpenBLAS computes
-# q @ keys.T for a single query about 2x slower once the cache is long, and keys @ q.T
-# costs a few us more below that (docs/performance.md).
-KEYS_FIRST_MIN_KEYS = 256
+# The work between the matmuls: attention's query blocks and the position-wise ops of a
+# long chunk cut theirs into ranges and run them as `parallel_for(fn, n_items, n_values)`,
+# fn(i0, i1) over ranges covering [0, n_items) that stand for n_values values of work.
+# The plain engine runs it all on the calling thread; the acceleration layer on top, when
+# it gives a model threads, shares it out over them instead (engine/accel `install`).
 
 
-@functools.lru_cache(maxsize=8)
+def on_this_thread(fn: Callable[[int, int], None], n_items: int, n_values: int) -> None:
+    """The plain engine's parallel_for: all the work at once, on the calling thread."""
+    fn(0, n_items)
+
+
+parallel_for = on_this_thread
+
+
+def share_work_with(runner: Callable[[Callable[[int, int], None], int, int], None]) -> None:
+    """Run the work between the matmuls with `runner` (a parallel_for) from now on."""
+    global parallel_for
+    parallel_for = runner
+
+
+@functools.lru_cache(maxsize=tuning.CAUSAL_MASKS)
 def causal_mask(T: int) -> np.ndarray:
     """(T, T) float32: 0 where key j <= query i, -inf above the diagonal (shared: read-only)."""
     mask = np.triu(np.full((T, T), -np.inf, np.float32), k=1)
@@ -284,14 +294,15 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     """
     T, n_head, hd = q.shape                                    # q: (T, n_head, hd)
     n_kv, _, hd_v = values.shape                               # keys: (n_kv, L, hd), values: (n_kv, L, hd_v)
-    if T > ATTENTION_BLOCK:  # blocks of queries, shared out over the threads
+    block = tuning.ATTENTION_BLOCK                             # queries per block of a long chunk
+    if T > block:  # blocks of queries, shared out over the threads
         out = np.empty((T, n_head * hd_v), np.float32)         # (T, n_head*hd_v)
-        n_blocks = -(-T // ATTENTION_BLOCK)
+        n_blocks = -(-T // block)
 
         def blocks(b0: int, b1: int) -> None:
             for b in range(b0, b1):  # last block first: the later the queries, the more keys they read
-                i = (n_blocks - 1 - b) * ATTENTION_BLOCK
-                j = min(i + ATTENTION_BLOCK, T)
+                i = (n_blocks - 1 - b) * block
+                j = min(i + block, T)
                 out[i:j] = attend(q[i:j], keys, values, positions[i:j], window, scale)
 
         parallel_for(blocks, n_blocks, T * keys.shape[1] * n_head * hd)
@@ -323,8 +334,8 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
 
 def one_query_scores(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """One query's scaled scores (n_kv, group, L) from q (n_kv, group, hd), keys (n_kv, L, hd):
-    from KEYS_FIRST_MIN_KEYS keys on as keys @ q.T, which OpenBLAS computes faster then."""
-    if keys.shape[1] >= KEYS_FIRST_MIN_KEYS:
+    from KEYS_FIRST_MIN_KEYS keys on (engine/tuning.py) as keys @ q.T, which OpenBLAS computes faster then."""
+    if keys.shape[1] >= tuning.KEYS_FIRST_MIN_KEYS:
         return (keys @ np.ascontiguousarray(q.transpose(0, 2, 1))).transpose(0, 2, 1)
     return q @ keys.transpose(0, 2, 1)
 

@@ -23,20 +23,19 @@ holding back would have given, in as many steps; if not, the step gained a token
 
 from __future__ import annotations
 
+from . import tuning
 from .constrain import GrammarConstraint
 from .constrain.grammar import SPACE
 
-MAX_FORCED_BYTES = 64  # a forced run is at most this long per step (a key and its quotes fit)
 
-
-def forced_bytes(constraint: GrammarConstraint, limit: int = MAX_FORCED_BYTES) -> bytes:
+def forced_bytes(constraint: GrammarConstraint, limit: int = tuning.MAX_FORCED_BYTES) -> bytes:
     """The bytes that must come next, whatever the model picks (b"" when it has a choice)."""
     if constraint.ended:
         return b""
     return _forced_from(constraint.grammar, constraint.state)[0][:limit]
 
 
-def draft_bytes(constraint: GrammarConstraint, limit: int = MAX_FORCED_BYTES) -> bytes:
+def draft_bytes(constraint: GrammarConstraint, limit: int = tuning.MAX_FORCED_BYTES) -> bytes:
     """The forced bytes, continued through each optional space that forced text follows.
 
     The grammar lets a JSON document put one space after a ',' or a ':' or not, so the
@@ -69,13 +68,13 @@ def _forced_from(grammar, state) -> tuple[bytes, frozenset]:
         return cached
     out = bytearray()
     at = state
-    while len(out) < MAX_FORCED_BYTES and not grammar.complete(at):  # (complete: the end token is a choice)
+    while len(out) < tuning.MAX_FORCED_BYTES and not grammar.complete(at):  # (complete: the end token is a choice)
         nexts = [(b, s) for b in range(256) if (s := grammar.step(at, b)) is not None]
         if len(nexts) != 1:
             break
         b, at = nexts[0]
         out.append(b)
-    if len(cache) >= grammar.MAX_MASKS * 16:
+    if len(cache) >= tuning.FORCED_RUNS:
         cache.clear()
     cache[state] = (bytes(out), at)
     return cache[state]

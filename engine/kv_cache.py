@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-INITIAL_CAPACITY = 256  # positions a new sequence's cache has room for, unless its prompt is longer
+from . import tuning
 
 
 class KVCache:
     """Keys (n_layer × (n_head_kv, capacity, head_dim_k)) and values, positions [0, length) valid."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                 max_length: int, capacity: int = 256):
+                 max_length: int, capacity: int = tuning.INITIAL_CAPACITY):
         self.n_layer = n_layer
         self.n_head_kv = n_head_kv
         self.head_dim_k = head_dim_k

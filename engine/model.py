@@ -6,6 +6,11 @@ architecture from the metadata and wraps each weight matrix in a quantized
 what the rest of the program talks to: tokenize, detokenize, logits, chat
 template, and (engine/generate.py, engine/chat.py) generation.
 
+`load_model` is also where the acceleration layer (engine/accel) is put on: the one
+place of the engine that imports it. It swaps the weights for wrappers that share
+their matmuls out over threads and a helper process; the rest of the engine never
+knows whether it is there.
+
 A model owns a worker thread (its scheduler's, while it generates) and, when
 acceleration is on, what `accel` holds: `close()` ends both, and a model used as
 `with load_model(path) as model:` is closed when the block ends.
@@ -22,15 +27,15 @@ from typing import Any
 import numpy as np
 from gguf.quants import dequantize
 
-from . import accel, architectures, describe
+from . import accel, architectures, describe, tuning
 from .architectures import Block, Hyperparameters, Weights
 from .chat_template import ChatTemplate
 from .constrain import can_constrain
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
-from .kv_cache import INITIAL_CAPACITY, KVCache, Sequence
+from .kv_cache import KVCache, Sequence
 from .quants import concat_weights, load_weight, reorder_rows
-from .scheduler import PREFILL_CHUNK, Scheduler
+from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
 
@@ -68,7 +73,7 @@ def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int |
         if accelerator is not None:
             accelerator.close()
         raise
-    model.scheduler.kv_cache_bytes = kv_cache_bytes
+    model.scheduler.kv_budget.max_bytes = kv_cache_bytes
     model.scheduler.speculate = speculate
     model.accel = accelerator
     accel.release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd
@@ -144,7 +149,7 @@ class Model:
 
     # --- what generation builds on -------------------------------------------------------
 
-    def new_sequence(self, tokens: list[int], capacity: int = INITIAL_CAPACITY) -> Sequence:
+    def new_sequence(self, tokens: list[int], capacity: int = tuning.INITIAL_CAPACITY) -> Sequence:
         """A sequence with an empty cache; its tokens are pending until stepped."""
         hp = self.hp
         cache = KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.n_ctx,
@@ -158,7 +163,7 @@ class Model:
         return hp.n_layer * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 4
 
     def step(self, sequences: list[Sequence], all_logits: bool = False,
-             chunk: int = PREFILL_CHUNK, logit_rows: list[int] | None = None) -> list[np.ndarray]:
+             chunk: int = tuning.PREFILL_CHUNK, logit_rows: list[int] | None = None) -> list[np.ndarray]:
         """One forward step over up to `chunk` pending tokens of each sequence (blocking).
 
         Returns per sequence the logits of its last fed token (1, V), of its last k

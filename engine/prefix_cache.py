@@ -20,13 +20,14 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import tuning
 from .kv_cache import Sequence
 
 
 class PrefixCache:
     """Finished sequences, looked up by longest common token prefix; LRU-bounded in bytes."""
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = tuning.PREFIX_CACHE_BYTES):
         self.max_bytes = max_bytes
         self.nbytes = 0
         # id -> (tokens (L,) int64 of the cached positions, the sequence holding them)

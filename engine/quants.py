@@ -36,7 +36,8 @@ They run on the calling thread, and several threads may call them at once (every
 call has its own buffers). Both work tile by tile through `_decode_tiles` and
 `_prefill_tiles`, which compute any range of tiles on its own: the acceleration layer
 (engine/accel) shares a matmul's tiles out between threads and a helper process
-through them, and gets the same floats.
+through them, and gets the same floats. Their sizes (TILE_VALUES, DECODE_MAX_ROWS, ...)
+are in engine/tuning.py's table.
 
 The unpackers read the block layouts as numpy views, the way gguf-py's quants.py
 does; `gguf.quants.dequantize` is the reference the tests compare against.
@@ -50,21 +51,9 @@ from typing import Sequence
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from engine import tuning
 from engine.errors import UnsupportedModelError
 from engine.gguf_file import Tensor, release_pages
-
-# The kernels' sizes (docs/performance.md has the measurements behind each).
-# Values of a stored tile (512 KiB of codes, 2 MiB as float32): numpy converts codes
-# faster in long runs, and a matrix needs enough tiles to be shared out.
-TILE_VALUES = 1 << 19
-# The decode kernel scales and sums the partial sums of as many tiles at once as fit in
-# this many values (256 KiB), or one: they stay in L2 until the einsum reads them back.
-PARTIAL_VALUES = 1 << 16
-# Prefill dequantizes up to this many values for one GEMM (BLAS blocks it for the caches).
-PREFILL_TILE_VALUES = 1 << 20
-# Up to this many rows of x the decode kernel runs, above it dequantize-and-GEMM: the two
-# cost about the same near 48 rows, and 32 stays where the decode kernel surely wins.
-DECODE_MAX_ROWS = 32
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,7 +92,8 @@ class Weight(ABC):
         """y[:, r0:r1] = x @ W[r0:r1].T, W's rows converted to float32 a tile at a time
         (bigger tiles for many rows of x: one GEMM per tile)."""
         n_in = self.shape[1]
-        tile_values = TILE_VALUES if x.shape[0] <= DECODE_MAX_ROWS else PREFILL_TILE_VALUES
+        decode = x.shape[0] <= tuning.DECODE_MAX_ROWS
+        tile_values = tuning.TILE_VALUES if decode else tuning.PREFILL_TILE_VALUES
         tile_rows = max(1, tile_values // n_in)
         buf = np.empty(min(tile_rows, r1 - r0) * n_in, np.float32)
         for t0 in range(r0, r1, tile_rows):
@@ -167,7 +157,7 @@ def _tile_rows(n_out: int, n_in: int) -> int:
     Otherwise the tiles are as equal as they can be and the last one is zero-padded
     (by fewer rows than there are tiles).
     """
-    most = max(1, TILE_VALUES // n_in)
+    most = max(1, tuning.TILE_VALUES // n_in)
     for rows in range(min(most, n_out), most // 2, -1):
         if n_out % rows == 0:
             return rows
@@ -237,12 +227,12 @@ class QuantWeight(Weight):
         x = self._input(x)
         n = x.shape[0]
         y = self.padded_output(n)
-        if 0 < n <= DECODE_MAX_ROWS:
+        if 0 < n <= tuning.DECODE_MAX_ROWS:
             self._decode_tiles(x, y, 0, self.n_tiles)
             mins_part = self._mins_part(x)
             if mins_part is not None:
                 y += mins_part
-        elif n > DECODE_MAX_ROWS:
+        elif n > tuning.DECODE_MAX_ROWS:
             self._prefill_tiles(x, y, 0, self.n_tiles)
         return y[:, : self.shape[0]]
 
@@ -253,7 +243,7 @@ class QuantWeight(Weight):
     def _prefill_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
         """y[:, tiles b0:b1] = x @ W[those rows].T: dequantize a few tiles at once, one GEMM."""
         n_in, rows = self.shape[1], self.tile_rows
-        step = max(1, PREFILL_TILE_VALUES // (n_in * rows))  # tiles per GEMM
+        step = max(1, tuning.PREFILL_TILE_VALUES // (n_in * rows))  # tiles per GEMM
         buf = np.empty(n_in * rows * min(step, b1 - b0), np.float32)
         for c0 in range(b0, b1, step):
             c1 = min(c0 + step, b1)
@@ -290,7 +280,7 @@ class QuantWeight(Weight):
         n, n_in = x.shape
         n_groups = n_in // self.group
         xg = np.ascontiguousarray(x.reshape(n, n_groups, self.group).transpose(1, 0, 2))
-        span = max(1, min(n_tiles, PARTIAL_VALUES // (n_groups * n * self.tile_rows)))
+        span = max(1, min(n_tiles, tuning.PARTIAL_VALUES // (n_groups * n * self.tile_rows)))
         return xg, span, np.empty((span, n_groups, n, self.tile_rows), np.float32)
 
     def _scale_and_sum(self, partials: np.ndarray, y: np.ndarray, s0: int) -> None:
@@ -511,9 +501,6 @@ _UNPACKERS = {
 _GROUP = {T.Q2_K: 16, T.Q3_K: 16, T.Q6_K: 16}
 _HAS_MIN = {T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K}
 
-# rows unpacked at once, bounding the temporaries of a large tensor
-_UNPACK_ROWS = 1024
-
 
 def load_weight(tensor: Tensor) -> Weight:
     """A 2-D tensor of a GGUF file as a Weight (out, in) we can multiply with."""
@@ -536,7 +523,7 @@ def load_weight(tensor: Tensor) -> Weight:
     codes = np.zeros((n_tiles, n_in, rows), np.int8)
     scales = np.zeros((n_in // g, n_tiles * rows), np.float32)
     mins = np.zeros((n_in // g, n_tiles * rows), np.float32) if tensor.type in _HAS_MIN else None
-    step = max(1, _UNPACK_ROWS // rows)  # tiles unpacked at once
+    step = max(1, tuning.UNPACK_ROWS // rows)  # tiles unpacked at once
     for c0 in range(0, n_tiles, step):
         c1 = min(c0 + step, n_tiles)
         r0, r1 = c0 * rows, min(c1 * rows, n_out)

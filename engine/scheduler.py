@@ -13,20 +13,21 @@ of them through `model.step` together:
 - new requests join between steps (up to `max_batch` active), others wait in a
   bounded queue, and past `max_queue` waiting ones `submit` raises `QueueFull`;
 - with `kv_cache_bytes`, the active requests' KV caches stay within that many
-  bytes together: a request joins only when its cache fits, and when the growing
-  caches of a step would not fit, the newest request leaves the batch and waits at
-  the front of the queue, to resume from its tokens so far (the prefix cache
-  usually still holds what it computed). One request alone may exceed the bound
-  (its context window bounds it), or it could never run;
+  bytes together: the `KVBudget` (engine/kv_budget.py) decides who joins, and who
+  leaves the batch to wait at the front of the queue and resume later;
 - a cancelled request leaves at the next step;
-- with `speculate` (the default), a decoding request may feed a draft after its
-  last token, and so may a prompt whose last chunk this step computes: tokens
-  guessed from its context or forced by its constraint
-  (engine/speculate.py), verified in the same step by its own `pick` at every
-  drafted position; the tokens it agrees with, and its own next one, are taken, the
-  rest are dropped from the sequence and its KV cache. Each taken token is its own
-  `Step`, delivered together; stop ids, `stop_when`, `max_tokens` and a cancel are
-  judged token by token, as without drafts.
+- with `speculate` (the default), a request about to pick a token may feed a draft
+  after its last token, chosen by the `Drafting` part (engine/drafting.py): tokens
+  guessed from its context or forced by its constraint, verified in the same step
+  by its own `pick` at every drafted position (`_take`); the tokens it agrees with,
+  and its own next one, are taken, the rest are dropped from the sequence and its
+  KV cache. Each taken token is its own `Step`, delivered together; stop ids,
+  `stop_when`, `max_tokens` and a cancel are judged token by token, as without drafts.
+
+The scheduler owns the queue, the batch and the worker thread, and composes the two
+parts: before each step it asks the budget (admission, preemption) and the drafting
+(drafts), after it tells the drafting what was taken. Each part decides; the
+scheduler moves the requests. The chunk sizes and batch size are in engine/tuning.py.
 
 A prompt starts from the longest prefix of it that an earlier sequence already
 ran (engine/prefix_cache.py); a finished or cancelled sequence goes back to that
@@ -43,7 +44,8 @@ there (`ModelClosed`) and joins it, the step it is in finished first.
 
 Reading the request path: engine/generate.py reads a `StepStream` (one
 generation's tokens); this file is where the path ends, in `Model.step`
-(engine/model.py, then engine/architectures.py for the forward itself).
+(engine/model.py, then engine/architectures.py for the forward itself). Its parts:
+engine/kv_budget.py, then engine/drafting.py (and engine/speculate.py behind it).
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ from typing import Callable, NamedTuple
 import numpy as np
 import trio
 
+from . import tuning
+from .drafting import Drafting
 from .errors import ModelClosed, QueueFull
-from .kv_cache import INITIAL_CAPACITY, Sequence
+from .kv_budget import KVBudget
+from .kv_cache import Sequence
 from .prefix_cache import PrefixCache
-from .speculate import MAX_DRAFT, Drafter, StepCost, draft_lengths
-
-PREFILL_CHUNK = 512  # prompt tokens per forward step while prefilling (Model.step's default too)
 
 Pick = Callable[[np.ndarray], int]  # logits (V,) float32 -> the next token id; runs in the worker thread
 
@@ -93,8 +95,9 @@ class Request:
         self.finish_reason: str | None = None  # "stop" (a stop id) or "length" once finished here
         self.cancelled = False
         self.preempted = 0                 # times it left the batch to make room in the KV budget
+        # its drafts' state, kept by the scheduler's Drafting (engine/drafting.py)
         self.constraint = constraint       # what `pick` obeys, read for drafts (engine/jump_forward.py)
-        self.drafter: Drafter | None = None  # made in the worker thread at its first draft
+        self.drafter = None                # its Drafter (engine/speculate.py), made in the worker thread at its first draft
         self.proposal: tuple = ((), None)  # this step's draft proposed, and its Acceptance
         self.draft: list[int] = []         # the draft tokens fed this step, after its last token
 
@@ -152,20 +155,19 @@ class StepStream:
 class Scheduler:
     """Continuous batching over one model's `step` (see the module docstring)."""
 
-    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 32, prefill_chunk: int = PREFILL_CHUNK,
-                 interleave_chunk: int = 64, prefix_cache_bytes: int = 256 << 20,
-                 kv_cache_bytes: int | None = None, speculate: bool = True):
+    def __init__(self, model, *, max_batch: int = tuning.MAX_BATCH, max_queue: int = 32,
+                 prefill_chunk: int = tuning.PREFILL_CHUNK, interleave_chunk: int = tuning.INTERLEAVE_CHUNK,
+                 prefix_cache_bytes: int = tuning.PREFIX_CACHE_BYTES, kv_cache_bytes: int | None = None,
+                 speculate: bool = True):
         self.model = model
         self.max_batch = max_batch
         self.max_queue = max_queue
-        self.kv_cache_bytes = kv_cache_bytes  # the active requests' KV caches together (None: no bound)
         self.prefill_chunk = prefill_chunk
         self.interleave_chunk = interleave_chunk
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        self.speculate = speculate             # drafts from the context and constraints (engine/speculate.py)
-        self.step_cost = StepCost()            # measured seconds of a step by its rows, for draft lengths
-        self.drafted = 0                       # draft tokens verified so far (benchmarks read both)
-        self.accepted = 0                      # of those, taken
+        self.kv_budget = KVBudget(model, kv_cache_bytes, prefill_chunk)  # the active requests' KV caches together
+        self.speculate = speculate             # drafts from the context and constraints
+        self.drafting = Drafting(model)        # which requests draft, how long, how they fared
         self._lock = threading.Lock()          # guards _waiting, _running and _closed
         self._waiting: deque[Request] = deque()
         self._running = False                  # a worker thread is stepping the requests
@@ -240,64 +242,49 @@ class Scheduler:
         active: list[Request] = []
         try:
             while True:
-                bounded = self.kv_cache_bytes is not None
-                kv_bytes = sum(self._kv_bytes(r) for r in active if not r.cancelled) if bounded else 0
+                used = self.kv_budget.used(active)
                 with self._lock:
                     if self._closed:
-                        stranded = active + list(self._waiting)
-                        self._waiting.clear()
-                        self._running = False
+                        stranded = self._strand(active)
                         break
-                    joining = []
-                    while self._waiting and len(active) + len(joining) < self.max_batch:
-                        need = self._joining_bytes(self._waiting[0])
-                        if bounded and active + joining and kv_bytes + need > self.kv_cache_bytes:
-                            break              # first come, first served: nobody overtakes it
-                        kv_bytes += need
-                        joining.append(self._waiting.popleft())
+                    joining = self.kv_budget.admit(self._waiting, len(active), used, self.max_batch - len(active))
                     if not active and not joining:
                         self._running = False
                         return
-                for request in joining:
-                    try:
-                        request.seq, cached = self.prefix_cache.start(request.tokens, self.model.new_sequence)
-                    except Exception as exc:   # its cache could not be made (MemoryError): it alone fails
-                        _fail(request, exc)
-                        continue
-                    if not request.preempted:  # (after a preemption, its own tokens are what is cached)
-                        request.cached_tokens = cached
-                    active.append(request)
+                self._join(joining, active)
                 for request in [r for r in active if r.cancelled]:
                     self._retire(request, active)
-                while bounded and len(active) > 1 and sum(self._kv_bytes(r) for r in active) > self.kv_cache_bytes:
-                    self._preempt(active[-1], active)
+                while (newest := self.kv_budget.to_preempt(active)) is not None:
+                    self._preempt(newest, active)
                 if active:
                     self._step(active)
         except BaseException as exc:  # a bug here must not leave readers waiting forever
             with self._lock:
-                stranded = active + list(self._waiting)
-                self._waiting.clear()
-                self._running = False
+                stranded = self._strand(active)
             for request in stranded:
                 _fail(request, exc)
             raise
         for request in stranded:               # closed: nobody is left to step them
             _fail(request, ModelClosed())
 
-    def _kv_bytes(self, request: Request) -> int:
-        """The bytes of an active request's KV cache after the next step, at most: grown for
-        as many of its pending tokens as a step can take."""
-        cache = request.seq.cache
-        n = min(cache.max_length, cache.length + min(request.seq.n_pending, self.prefill_chunk))
-        return cache.capacity_for(n) * self.model.kv_bytes_per_position
+    def _strand(self, active: list[Request]) -> list[Request]:
+        """The worker stops (the lock held): every request still here, the queue emptied."""
+        stranded = active + list(self._waiting)
+        self._waiting.clear()
+        self._running = False
+        return stranded
 
-    def _joining_bytes(self, request: Request) -> int:
-        """What a waiting request's KV cache may hold once it has run a while: room for its
-        tokens (a new cache's at least), doubled once. Counting its first growth keeps it
-        from being preempted at that growth, which could make a request leave and rejoin
-        at every step."""
-        positions = min(self.model.n_ctx, 2 * max(INITIAL_CAPACITY, len(request.tokens)))
-        return positions * self.model.kv_bytes_per_position
+    def _join(self, joining: list[Request], active: list[Request]) -> None:
+        """Start the joining requests' sequences from the prefix cache, and add them to the batch."""
+        for request in joining:
+            try:
+                request.seq, cached = self.prefix_cache.start(request.tokens, self.model.new_sequence)
+            except Exception as exc:   # its cache could not be made (MemoryError): it alone fails
+                _fail(request, exc)
+                continue
+            if not request.preempted:  # (after a preemption, its own tokens are what is cached)
+                request.cached_tokens = cached
+            active.append(request)
 
     def _preempt(self, request: Request, active: list[Request]) -> None:
         """Make room in the KV budget: the request leaves the batch and waits at the front
@@ -326,18 +313,14 @@ class Scheduler:
                 break
             chunks.append(request)
             used += take
-        # a prompt that ends in this step, with room left in its chunk, may carry a draft
-        # too: its constraint's forced start (`{"name": "`, `<tool_call>`) rides the
-        # prefill instead of costing a step after it
-        ending = [r for r in chunks if r.seq.n_pending < budget]
-        if self.speculate and (decoding or ending):
-            self._draft(decoding + ending, len(decoding) + used, budget)
+        if self.speculate:               # (a prompt ending in this step may carry a draft too)
+            self.drafting.add(decoding, chunks, used, budget, self.kv_budget)
         batch = decoding + chunks
-        wanted = [1 + len(r.draft) for r in batch]
+        wanted = [1 + len(r.draft) for r in batch]  # logit rows: its last token's, and its draft's
         try:
             start = time.perf_counter()
             logits = self.model.step([r.seq for r in batch], chunk=budget, logit_rows=wanted)  # (k, V) each
-            self.step_cost.record(sum(wanted) + used, time.perf_counter() - start)
+            self.drafting.step_cost.record(sum(wanted) + used, time.perf_counter() - start)
         except Exception as exc:
             for request in batch:
                 active.remove(request)
@@ -348,37 +331,28 @@ class Scheduler:
                 continue                 # mid-prompt: its logits are not wanted yet
             self._take(request, rows, active)
 
-    def _draft(self, requests: list[Request], rows: int, budget: int) -> None:
-        """Append to the sequence of each request about to pick a token (decoding, or at
-        the end of its prompt) the draft that pays (see engine/speculate.py)."""
-        proposals = []
-        for request in requests:
-            seq = request.seq
-            limit = min(MAX_DRAFT, budget - seq.n_pending, request.max_tokens - request.generated - 1,
-                        self.model.n_ctx - len(seq.tokens) - 1)
-            if self.kv_cache_bytes is not None:  # a draft never grows a cache past what the budget counted
-                limit = min(limit, seq.cache.capacity - len(seq.tokens))
-            if request.drafter is None:
-                request.drafter = Drafter(seq.tokens, request.constraint, self.model.tokenizer)
-            try:
-                request.proposal = request.drafter.propose(limit) if limit > 0 else ([], None)
-            except Exception:  # its constraint failed looking ahead (a schema's bound): no draft; the
-                request.proposal = ([], None)  # pick meets the same error, for this request alone
-            proposals.append(request.proposal)
-        lengths = draft_lengths([p for p in proposals if p[1] is not None], rows, len(requests), self.step_cost)
-        for request in requests:
-            if request.proposal[1] is not None:
-                request.draft = list(request.proposal[0][: lengths.pop(0)])
-                request.seq.tokens.extend(request.draft)
-
     def _take(self, request: Request, rows: np.ndarray, active: list[Request]) -> None:
-        """Pick a request's next token from its first row of logits, and on along its draft
-        while the picks agree with it; drop the rest of the draft; deliver what was taken."""
+        """Pick a request's next token from its first row of logits (rows: (k, V), k = 1 + its
+        draft), and on along its draft while the picks agree with it; drop the rest of the
+        draft; deliver what was taken."""
         seq, draft = request.seq, request.draft
         request.draft = []
         before = len(seq.tokens) - len(draft)    # its tokens before the draft
+        taken, failure = self._pick(request, rows, draft, before)
+        # the cache keeps the positions of the draft tokens taken: all but the last token
+        # taken (which, as after any pick, is pending)
+        del seq.tokens[before:]
+        seq.tokens.extend(taken)
+        seq.cache.truncate(len(seq.tokens) - 1)
+        self.drafting.observe(request, draft, taken)
+        self._hand_over(request, taken, failure, active)
+
+    def _pick(self, request: Request, rows: np.ndarray, draft: list[int],
+              before: int) -> tuple[list[int], Exception | None]:
+        """The tokens the request picks from its rows of logits, one per row while it agrees
+        with its draft, judging stop ids, `stop_when` and the limits at each (`before`: its
+        tokens before the draft); and the exception its pick raised, if it did."""
         taken: list[int] = []
-        failure = None
         for i, row in enumerate(rows):
             if request.cancelled:
                 break
@@ -386,8 +360,7 @@ class Scheduler:
                 token = int(request.pick(row))
                 complete = request.stop_when is not None and request.stop_when()
             except Exception as exc:
-                failure = exc
-                break
+                return taken, exc
             taken.append(token)
             request.generated += 1
             if token in request.stop_ids or complete:
@@ -396,12 +369,12 @@ class Scheduler:
                 request.finish_reason = "length"
             if request.finish_reason or i >= len(draft) or token != draft[i]:
                 break
-        # the cache keeps the positions of the draft tokens taken: all but the last token
-        # taken (which, as after any pick, is pending)
-        del seq.tokens[before:]
-        seq.tokens.extend(taken)
-        seq.cache.truncate(len(seq.tokens) - 1)
-        self._observe(request, draft, taken)
+        return taken, None
+
+    def _hand_over(self, request: Request, taken: list[int], failure: Exception | None,
+                   active: list[Request]) -> None:
+        """Deliver the tokens taken, each its own Step, the last with the finish reason; a
+        failed or cancelled request leaves the batch after them."""
         if failure is not None or request.cancelled:
             for token in taken:
                 _deliver(request, Step(token, None))
@@ -415,24 +388,6 @@ class Scheduler:
             self._retire(request, active, Step(taken[-1], request.finish_reason))
         else:
             _deliver(request, Step(taken[-1], None))
-
-    def _observe(self, request: Request, draft: list[int], taken: list[int]) -> None:
-        """Tell the drafter what was taken, and its acceptance rate how its draft fared (a
-        proposal not sent is judged by its first token, which costs nothing)."""
-        if request.drafter is None:
-            return
-        request.drafter.extend(taken)
-        proposed, acceptance = request.proposal
-        request.proposal = ([], None)
-        if acceptance is None or not taken:
-            return
-        if draft:
-            agreed = next((i for i, (d, t) in enumerate(zip(draft, taken)) if d != t), min(len(draft), len(taken)))
-            acceptance.observe(len(draft), agreed)
-            self.drafted += len(draft)
-            self.accepted += agreed
-        elif proposed:
-            acceptance.observe(1, int(taken[0] == proposed[0]))
 
     def _retire(self, request: Request, active: list[Request], last: Step | None = None) -> None:
         """Take a request out of the batch, keep its cache for later prefixes, end its stream.

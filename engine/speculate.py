@@ -31,29 +31,25 @@ request's drafts is observed (a per-token rate, also from the drafts not sent: t
 model's next token is compared with the draft's first for free), and a draft is as
 long as maximizes the expected tokens per second of the whole step; where no length
 pays, none is sent (free text, whose guesses mostly fail, runs as without).
+
+The scheduler's side of it (which requests of a step draft, within what room, and the
+bookkeeping after the step) is engine/drafting.py; the constants are in engine/tuning.py.
+Next: engine/jump_forward.py, the forced text.
 """
 
 from __future__ import annotations
 
 import math
 
+from . import tuning
 from .constrain import GrammarConstraint
 from .jump_forward import forced_tokens
-
-NGRAM_MAX = 4        # the longest context match looked for
-MAX_DRAFT = 16       # draft tokens per sequence per step, at most
-# a new request's per-token acceptance of a draft after a match of n tokens, until observed:
-# one shared token predicts the next far worse than four (free text repeats single tokens)
-ACCEPTANCE_PRIOR = {1: 0.1, 2: 0.2, 3: 0.35, 4: 0.5}
-FORCED_PRIOR = 0.9   # forced text: the model almost always takes the canonical split
-SMOOTHING = 0.2      # weight of each new observation in the acceptance rate
-ROW_COST_PRIOR = 0.25  # one more row, relative to a one-row step, until measured
 
 
 class PromptLookup:
     """Drafts from n-gram matches in the tokens so far (prompt and accepted output)."""
 
-    def __init__(self, tokens: list[int], n_max: int = NGRAM_MAX):
+    def __init__(self, tokens: list[int], n_max: int = tuning.NGRAM_MAX):
         self.n_max = n_max
         self.tokens: list[int] = []
         # index[n][the n tokens before position e] = e, the latest such e < len(tokens):
@@ -90,9 +86,9 @@ class Acceptance:
     def observe(self, drafted: int, accepted: int) -> None:
         """`accepted` of `drafted` tokens were taken: that many yes, then one no (if any)."""
         for _ in range(accepted):
-            self.rate += SMOOTHING * (1.0 - self.rate)
+            self.rate += tuning.SMOOTHING * (1.0 - self.rate)
         if accepted < drafted:
-            self.rate -= SMOOTHING * self.rate
+            self.rate -= tuning.SMOOTHING * self.rate
 
     def expected(self, k: int) -> float:
         """The tokens a draft of k is expected to add: a + a^2 + ... + a^k."""
@@ -121,7 +117,8 @@ class StepCost:
     def __call__(self, rows: int) -> float:
         """The cost of a step of `rows` rows, in seconds (or in one-row steps, before any
         measurement)."""
-        prior = lambda n: 1.0 + ROW_COST_PRIOR * (n - 1)  # noqa: E731
+        per_row = tuning.ROW_COST_PRIOR
+        prior = lambda n: 1.0 + per_row * (n - 1)  # noqa: E731
         if not self.seconds:
             return prior(rows)
         near = min(self.seconds, key=lambda n: (abs(n - rows), n))
@@ -139,8 +136,8 @@ class Drafter:
         # (a constraint of another kind still holds: `pick` obeys it, drafts or not)
         self.constraint = constraint if isinstance(constraint, GrammarConstraint) else None
         self.tokenizer = tokenizer
-        self.context = {n: Acceptance(prior) for n, prior in ACCEPTANCE_PRIOR.items()}  # by match length
-        self.forced = Acceptance(FORCED_PRIOR)
+        self.context = {n: Acceptance(prior) for n, prior in tuning.ACCEPTANCE_PRIOR.items()}  # by match length
+        self.forced = Acceptance(tuning.FORCED_PRIOR)
 
     def extend(self, tokens: list[int]) -> None:
         self.lookup.extend(tokens)

@@ -67,6 +67,7 @@ from typing import Sequence
 
 import regex
 
+from engine import tuning
 from engine.errors import ModelFileError, UnsupportedModelError
 
 
@@ -225,8 +226,8 @@ def _split(pieces: list[str], pattern: regex.Pattern) -> list[str]:
 
 def _remember(cache: dict, word: str, ids: tuple[int, ...]) -> None:
     """Cache a word's ids; long words seldom repeat, and the cache is bounded."""
-    if len(word) <= 64:
-        if len(cache) >= 100_000:
+    if len(word) <= tuning.WORD_CACHE_MAX_CHARS:
+        if len(cache) >= tuning.WORD_CACHE:
             cache.clear()
         cache[word] = ids
 

@@ -38,14 +38,14 @@ def test_settings_take_turns_in_one_process(tmp_path):
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama")
     done = subprocess.run([sys.executable, "-m", "benchmarks.turns", str(path), "--setting", "",
-                           "--setting", "engine.quants.DECODE_MAX_ROWS=0", "--rows", "1,2",
+                           "--setting", "engine.tuning.DECODE_MAX_ROWS=0", "--rows", "1,2",
                            "--blocks", "2", "--steps", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[1] == "1 sequence:" and lines[4] == "2 sequences:"
     assert lines[2].split()[0] == "defaults" and lines[2].endswith("1.000x")
-    assert lines[3].split()[0] == "engine.quants.DECODE_MAX_ROWS=0"
+    assert lines[3].split()[0] == "engine.tuning.DECODE_MAX_ROWS=0"
 
 
 def test_the_kernel_floor_times_passes_in_processes_at_once(tmp_path):
@@ -70,16 +70,16 @@ def test_the_kernel_floor_times_passes_in_processes_at_once(tmp_path):
 
 def test_a_setting_is_made_and_undone():
     from benchmarks import turns
-    from engine import quants
+    from engine import tuning
 
-    setting = turns.parse_setting("engine.quants.DECODE_MAX_ROWS=0, engine.quants.TILE_VALUES=1024")
-    assert setting == [("engine.quants", "DECODE_MAX_ROWS", 0), ("engine.quants", "TILE_VALUES", 1024)]
-    before = (quants.DECODE_MAX_ROWS, quants.TILE_VALUES)
+    setting = turns.parse_setting("engine.tuning.DECODE_MAX_ROWS=0, engine.tuning.TILE_VALUES=1024")
+    assert setting == [("engine.tuning", "DECODE_MAX_ROWS", 0), ("engine.tuning", "TILE_VALUES", 1024)]
+    before = (tuning.DECODE_MAX_ROWS, tuning.TILE_VALUES)
     undo = turns.apply(setting)
-    assert (quants.DECODE_MAX_ROWS, quants.TILE_VALUES) == (0, 1024)
+    assert (tuning.DECODE_MAX_ROWS, tuning.TILE_VALUES) == (0, 1024)
     turns.apply(undo)
-    assert (quants.DECODE_MAX_ROWS, quants.TILE_VALUES) == before
-    for bad in ("DECODE_MAX_ROWS=0", "engine.quants.DECODE_MAX_ROWS", "engine.quants.TILE_VALUES=big"):
+    assert (tuning.DECODE_MAX_ROWS, tuning.TILE_VALUES) == before
+    for bad in ("DECODE_MAX_ROWS=0", "engine.tuning.DECODE_MAX_ROWS", "engine.tuning.TILE_VALUES=big"):
         with pytest.raises(ValueError):
             turns.parse_setting(bad)
     with pytest.raises(ValueError, match="no NOTHING"):
@@ -90,8 +90,8 @@ def test_a_setting_reaches_the_helper_process():
     """The helper's start-up code makes the setting's assignments before it serves."""
     from benchmarks import turns
 
-    code = turns.helper_main([("engine.accel.tuning", "SPIN_SECONDS", 0.002)])
-    code = code.replace("serve()", "print(importlib.import_module('engine.accel.tuning').SPIN_SECONDS)")
+    code = turns.helper_main([("engine.tuning", "SPIN_SECONDS", 0.002)])
+    code = code.replace("serve()", "print(importlib.import_module('engine.tuning').SPIN_SECONDS)")
     done = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0.002"

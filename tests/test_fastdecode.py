@@ -102,7 +102,7 @@ async def test_greedy_output_is_the_same_with_oracle_drafts(model, monkeypatch):
     finally:
         drafted.close()
     assert_same_greedy(model, prompt, expected, got)
-    assert oracle.proposed and drafted.accepted and drafted.accepted < drafted.drafted  # taken and rejected
+    assert oracle.proposed and drafted.drafting.accepted and drafted.drafting.accepted < drafted.drafting.drafted  # taken and rejected
     assert model.steps - steps < 30 // 2  # several tokens per step
 
 
@@ -256,7 +256,7 @@ async def test_sampling_with_drafts_keeps_the_distribution(llama, monkeypatch):
         got = await draws(drafted, range(100, 100 + n))
     finally:
         drafted.close()
-    assert drafted.accepted and drafted.accepted < drafted.drafted
+    assert drafted.drafting.accepted and drafted.drafting.accepted < drafted.drafting.drafted
     # (token 2, token 3) given token 1 = first: its exact distribution from the float64 forward
     pairs = [g[1:] for g in got if g[0] == first]
     cells = {(a, b): second_p[a] * third_p[a][b] for a in second_p for b in third_p[a]}
@@ -310,7 +310,7 @@ async def chat_text(model, request: ChatRequest) -> tuple[str, list]:
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 async def test_constrained_output_is_the_same_and_valid_with_forced_text(model, temperature):
     outputs = []
-    drafted = model.scheduler.drafted
+    drafted = model.scheduler.drafting.drafted
     for speculate_on in (False, True):
         model.scheduler.speculate = speculate_on
         try:
@@ -323,7 +323,7 @@ async def test_constrained_output_is_the_same_and_valid_with_forced_text(model, 
         jsonschema.validate(json.loads(text), SCHEMA)
         outputs.append(text)
     assert outputs[0] == outputs[1]  # greedy, or seeded: the same draws in the same order
-    assert model.scheduler.drafted > drafted  # forced text was drafted
+    assert model.scheduler.drafting.drafted > drafted  # forced text was drafted
 
 
 async def test_a_constrained_prompt_carries_its_forced_start_in_its_last_step(llama, monkeypatch):
@@ -424,5 +424,5 @@ async def test_smollm2_greedy_output_is_the_same_with_speculation(smollm2_path):
             text = (await chat_text(model, request))[0]
             jsonschema.validate(json.loads(text), SCHEMA)
             outputs.append(text)
-        assert model.scheduler.accepted > 0
+        assert model.scheduler.drafting.accepted > 0
     assert outputs[:3] == outputs[3:]

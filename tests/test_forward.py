@@ -181,8 +181,8 @@ def test_rope_pairs_and_the_neox_order(architecture, hd, scale, factors):
 @pytest.mark.parametrize("T", [5, 1])  # a chunk of a prompt; one decoding query
 @pytest.mark.parametrize("keys_first_min_keys", [1, 10**9])  # one query's scores as keys @ q.T, or not
 def test_attend_against_the_reference(window, block, T, keys_first_min_keys, monkeypatch):
-    monkeypatch.setattr("engine.architectures.ATTENTION_BLOCK", block)
-    monkeypatch.setattr("engine.architectures.KEYS_FIRST_MIN_KEYS", keys_first_min_keys)
+    monkeypatch.setattr("engine.tuning.ATTENTION_BLOCK", block)
+    monkeypatch.setattr("engine.tuning.KEYS_FIRST_MIN_KEYS", keys_first_min_keys)
     rng = np.random.default_rng(1)
     L, n_head, n_kv, hd = 9, 4, 2, 8
     q = rng.standard_normal((L, n_head, hd))                   # (L, n_head, hd): every position's queries
@@ -200,7 +200,7 @@ def test_attend_against_the_reference(window, block, T, keys_first_min_keys, mon
 @pytest.mark.parametrize("keys_first_min_keys", [4, 10**9])  # some or no sequence's scores as keys @ q.T
 def test_one_query_each_gives_the_floats_of_one_sequence_at_a_time(window, keys_first_min_keys, monkeypatch):
     """A decode step of a batch attends every sequence at once: the same floats as alone."""
-    monkeypatch.setattr("engine.architectures.KEYS_FIRST_MIN_KEYS", keys_first_min_keys)
+    monkeypatch.setattr("engine.tuning.KEYS_FIRST_MIN_KEYS", keys_first_min_keys)
     rng = np.random.default_rng(2)
     n_head, n_kv, hd = 6, 2, 8
     lengths = [1, 7, 2, 12]

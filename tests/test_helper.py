@@ -12,9 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from engine import accel, quants
+from engine import accel, quants, tuning
 from engine.accel import helper as helper_module
-from engine.accel import tuning
 from engine.accel.helper import Rests, grace
 from engine.model import load_model
 from tiny import write_tiny_model
@@ -36,7 +35,7 @@ def tiny_model_starting_a_helper(tmp_path, monkeypatch):
 @pytest.fixture
 def model_with_helper(tmp_path, monkeypatch):
     """A tiny model whose matrices have several tiles, with a helper that takes every matmul."""
-    monkeypatch.setattr(quants, "TILE_VALUES", 1024)  # tiles of 16 rows for 64 inputs
+    monkeypatch.setattr(tuning, "TILE_VALUES", 1024)  # tiles of 16 rows for 64 inputs
     model = tiny_model_starting_a_helper(tmp_path, monkeypatch)
     helper = model.accel.helper
     assert helper is not None and helper.wait_ready(timeout=60), "the helper did not start"
@@ -211,7 +210,7 @@ def test_the_grace_for_the_last_tile_is_about_one_of_our_tiles():
 
 
 def small_quantized_weight(monkeypatch, n_out: int = 60, mins: bool = True) -> quants.QuantWeight:
-    monkeypatch.setattr(quants, "TILE_VALUES", 1024)
+    monkeypatch.setattr(tuning, "TILE_VALUES", 1024)
     rng = np.random.default_rng(0)
     return quants.QuantWeight.from_rows(rng.integers(-8, 8, (n_out, 64)).astype(np.int8),
                                         rng.random((2, n_out)).astype(np.float32),
@@ -259,7 +258,7 @@ def test_tiles_converted_ahead_give_the_same_floats(monkeypatch):
 
 
 def test_the_helper_converts_ahead_the_tiles_of_the_matmul_that_came_next_last_time(monkeypatch):
-    monkeypatch.setattr(quants, "TILE_VALUES", 1 << 17)  # tiles of 2048 rows for 64 inputs
+    monkeypatch.setattr(tuning, "TILE_VALUES", 1 << 17)  # tiles of 2048 rows for 64 inputs
     rng = np.random.default_rng(0)
     weights = [quants.QuantWeight.from_rows(rng.integers(-8, 8, (n, 64)).astype(np.int8),
                                             rng.random((2, n)).astype(np.float32), None) for n in (4000, 6000)]

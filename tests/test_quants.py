@@ -11,8 +11,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as ref_quants
 
-from engine import accel, quants
-from engine.accel import threads, tuning
+from engine import accel, quants, tuning
+from engine.accel import threads
 from engine.gguf_file import SUPPORTED_TYPES, GGUFFile, Tensor
 from engine.quants import concat_weights, load_weight
 
@@ -75,7 +75,7 @@ def test_dequantize_matches_gguf_on_quantized_data(qtype):
     np.testing.assert_array_equal(weight.dequantize(), ref_quants.dequantize(raw, qtype))
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, quants.DECODE_MAX_ROWS, quants.DECODE_MAX_ROWS + 1])
+@pytest.mark.parametrize("n", [1, 2, 7, tuning.DECODE_MAX_ROWS, tuning.DECODE_MAX_ROWS + 1])
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_matmul_matches_reference(qtype, n):
     weight, reference = weight_and_reference(qtype)
@@ -268,6 +268,19 @@ def test_one_thread_installs_nothing(tmp_path, monkeypatch):
     model.accel.close()
 
 
+def test_a_model_loaded_with_threads_shares_the_work_between_matmuls_out_too(tmp_path, monkeypatch):
+    """Attention's query blocks and the position-wise ops run on the accelerator's threads:
+    the plain engine runs them on the calling thread until `install` hands it the pool's."""
+    from engine import architectures, load_model
+    from tiny import write_tiny_model
+
+    monkeypatch.setattr(architectures, "parallel_for", architectures.on_this_thread)
+    monkeypatch.setenv("LMSP_THREADS", "2")
+    model = load_model(write_tiny_model(tmp_path / "tiny.gguf", "llama"))
+    assert architectures.parallel_for is accel.parallel_for
+    model.accel.close()
+
+
 def test_import_leaves_blas_alone_and_loading_a_model_keeps_it_to_one_thread(tmp_path):
     """We split matmuls over our threads ourselves (engine/accel/threads.py says why); that is
     set when a model is loaded, not by importing the engine."""
@@ -300,7 +313,7 @@ def test_decode_floats_do_not_depend_on_how_the_tiles_are_shared(monkeypatch):
     tile ranges): every way gives the same
     floats (the mins' part too, which BLAS may sum differently by where a column falls
     in a product: it is added once, over every column)."""
-    monkeypatch.setattr(quants, "TILE_VALUES", 1 << 17)
+    monkeypatch.setattr(tuning, "TILE_VALUES", 1 << 17)
     weight, _ = weight_and_reference(T.Q4_1, n_out=576, n_in=1536)
     assert (weight.n_tiles, weight.tile_rows) == (8, 72)  # tiles that do not start at multiples of 16
     x = np.random.default_rng(6).standard_normal((3, 1536)).astype(np.float32)

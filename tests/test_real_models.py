@@ -26,7 +26,7 @@ import pytest
 
 from conftest import DATA
 from engine import load_model
-from engine.scheduler import PREFILL_CHUNK
+from engine.tuning import PREFILL_CHUNK
 
 pytestmark = pytest.mark.slow
 

@@ -274,7 +274,7 @@ async def test_the_kv_cache_bound_reaches_the_loaded_models_scheduler(nursery, t
     server = await start_server(nursery, service)
     body = {"model": TINY_ID, "input": [{"role": "user", "content": "Hello there!"}], "max_output_tokens": 2}
     assert (await server.responses(body)).status == 200
-    assert service.registry.get(TINY_ID).model.scheduler.kv_cache_bytes == 3 << 20
+    assert service.registry.get(TINY_ID).model.scheduler.kv_budget.max_bytes == 3 << 20
 
 
 def test_serve_no_speculate_reaches_the_loaded_models_scheduler(monkeypatch, tiny_path):

@@ -1,25 +1,28 @@
 """Acceleration: the plain kernels of engine/quants.py shared out over threads and a helper process.
 
-The engine reads first without this package: engine/quants.py's kernels run on the
-calling thread and know nothing of what is here. At load time, `install` swaps each
-matrix of a model's `Weights` for a wrapper weight (engine/accel/weights.py) with the
-same interface, whose matmul shares the plain kernel's tiles out, and returns the
-`Accelerator` that owns what they share them with:
+A layer on top of the engine, which reads first without it: engine/quants.py's kernels
+and engine/architectures.py's forward run on the calling thread and import nothing of
+what is here. At load time (`load_model`, engine/model.py, the one place that imports
+this package), `install` swaps each matrix of a model's `Weights` for a wrapper weight
+(engine/accel/weights.py) with the same interface, whose matmul shares the plain
+kernel's tiles out, hands the forward's work between the matmuls to the threads too
+(`architectures.share_work_with`), and returns the `Accelerator` that owns what they
+share it with:
 
 - threads.py: a pool of worker threads (`WorkerPool`, `parallel_for`), and the process
   settings they rely on (BLAS on one thread, set by `single_threaded_blas`);
 - helper.py: a second process that computes part of every decode matmul, since
-  threads sharing many short numpy calls mostly hand each other the GIL;
-- tuning.py: their constants, in one table.
+  threads sharing many short numpy calls mostly hand each other the GIL.
 
-`model.accel` is that accelerator (None with one thread). Its `close()` stops the
-helper process and joins the threads; the model keeps working, on its calling thread.
+Their constants are in engine/tuning.py, the engine's one table. `model.accel` is the
+accelerator (None with one thread). Its `close()` stops the helper process and joins
+the threads; the model keeps working, on its calling thread.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from engine import architectures
+from engine.architectures import Weights
 from engine.quants import DenseWeight, QuantWeight, StackedWeight, Weight
 
 from . import helper as _helper
@@ -27,9 +30,6 @@ from .helper import Helper
 from .threads import (WorkerPool, blas_kernel, num_threads, parallel_for, release_freed_memory,
                       single_threaded_blas)
 from .weights import Accelerated, SplitRows, SplitTiles
-
-if TYPE_CHECKING:
-    from engine.architectures import Weights
 
 __all__ = ["install", "Accelerator", "Accelerated", "quantized_matrices", "num_threads", "blas_kernel",
            "single_threaded_blas", "parallel_for", "release_freed_memory", "WorkerPool", "Helper"]
@@ -80,10 +80,12 @@ class Accelerator:
 def install(weights: Weights, n_threads: int) -> Accelerator | None:
     """Share the matmuls of a model's weights out over n_threads threads (and a helper
     process, for big models: see helper.start): every matrix of `weights` is replaced, in
-    place, by its wrapper. None (and the weights left as they are) with one thread."""
+    place, by its wrapper, and the forward's other work goes to the threads too. None (and
+    the weights left as they are) with one thread."""
     if n_threads < 2:
         return None
     accelerator = Accelerator(n_threads, _helper.start(quantized_matrices(weights), n_threads))
+    architectures.share_work_with(parallel_for)  # on the latest pool still open (this one), else the calling thread
     wrapped: dict[int, Weight] = {}
 
     def wrap(weight: Weight) -> Weight:  # once per matrix: the output may be the embeddings

@@ -32,7 +32,7 @@ within a grace (about one tile's time), the model computes the helper's tiles it
 its own buffer (the helper may still write the I/O area), and computes the next matmuls
 alone for a while (`Rests`); one that has not answered within HELPER_TIMEOUT is killed.
 The helper exits when its command pipe closes: `close()`, the model dropped, or this
-process ended, however it ended. The constants are in engine/accel/tuning.py.
+process ended, however it ended. The constants are in engine/tuning.py's table.
 """
 
 from __future__ import annotations
@@ -51,10 +51,8 @@ import weakref
 
 import numpy as np
 
-from engine import quants
+from engine import tuning
 from engine.quants import QuantWeight
-
-from . import tuning
 
 _COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
 _READY, _DONE = b"r", b"d"
@@ -142,8 +140,8 @@ class Helper:
         own_fds: list[int] = []    # ours: closed here only if it failed to start
         try:
             weights_fd, weights_size, layout = _share(weights, child_fds)
-            self.x_values = quants.DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
-            y_values = quants.DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
+            self.x_values = tuning.DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
+            y_values = tuning.DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
             io_size = _ALIGN + 4 * (self.x_values + y_values)
             io_fd = _memfd("lmsp-helper-io", io_size, child_fds)
             self.claims, self.io = _map_io(io_fd, io_size)

@@ -5,7 +5,8 @@ several cores busy on one matmul as long as each call is long enough. A `WorkerP
 is owned by whoever starts it (a loaded model's accelerator, engine/accel/__init__.py)
 and stopped by its `close()`, which joins its threads. The kernels are split over it
 by the wrapper weights (engine/accel/weights.py); attention and the position-wise ops
-(engine/architectures.py) call `parallel_for`, which uses the latest pool still open.
+(engine/architectures.py) run through `parallel_for`, which uses the latest pool still
+open: `install` (engine/accel/__init__.py) hands it to them at load.
 
 BLAS itself runs each call on the calling thread alone (`single_threaded_blas`, called
 when a model is loaded): we split the work ourselves, and OpenBLAS's own threads spin
@@ -23,7 +24,7 @@ from typing import Callable
 
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from . import tuning
+from engine import tuning
 
 _STOP = None  # what a worker takes from the queue to end
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine import quants
+from engine import tuning
 from engine.quants import DenseWeight, QuantWeight, Weight
 
-from . import tuning
 from .helper import Helper
 from .threads import WorkerPool
 
@@ -50,7 +49,7 @@ class SplitRows(Accelerated):
         n_out, n_in = w.shape
         y = np.empty((x.shape[0], n_out), np.float32)
         if y.size:
-            min_work = tuning.DECODE_PARALLEL_MIN_WORK // x.shape[0] if x.shape[0] <= quants.DECODE_MAX_ROWS else None
+            min_work = tuning.DECODE_PARALLEL_MIN_WORK // x.shape[0] if x.shape[0] <= tuning.DECODE_MAX_ROWS else None
             self.pool.parallel_for(lambda r0, r1: w._matmul_rows(x, y, r0, r1), n_out, n_out * n_in, min_work)
         return y
 
@@ -71,7 +70,7 @@ class SplitTiles(Accelerated):
         n_out, n_in = w.shape
         if n == 0:
             return w.matmul(x)
-        if n <= quants.DECODE_MAX_ROWS:
+        if n <= tuning.DECODE_MAX_ROWS:
             if self.helper is not None and w.n_tiles > 1 and n_out * n_in * n >= tuning.HELPER_MIN_WORK:
                 y = self.helper.matmul(self.index, x)
                 if y is not None:  # else the helper is busy, resting or gone: computed here

@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 
+from .. import tuning
 from ..errors import EngineError, SchemaError
 from .grammar import PUSH, SET, Node, reachable, set_heights
 from .masks import TokenIndex
@@ -66,14 +67,12 @@ def _complete(stack: tuple) -> bool:
 
 
 class Grammar:
-    """A compiled grammar over one vocabulary, with its caches (shared by all its generations).
+    """A compiled grammar over one vocabulary, with its caches (shared by all its generations;
+    their sizes, MAX_MASKS and MAX_TRANSITIONS, are in engine/tuning.py).
 
     Generations of several threads may share it: the caches are only read, written and
     cleared as whole entries (atomic under the GIL), and evictions hold a lock.
     """
-
-    MAX_MASKS = 64          # cached masks, bit-packed (n_vocab / 8 bytes each)
-    MAX_TRANSITIONS = 200_000
 
     def __init__(self, root: Node, index: TokenIndex):
         self.index = index
@@ -108,7 +107,7 @@ class Grammar:
             if nxt is not None and len(nxt) > MAX_CONFIGURATIONS:
                 raise SchemaError(f"the schema's alternatives (anyOf, type lists) grow past "
                                   f"{MAX_CONFIGURATIONS} ways to read one output", "", "anyOf")
-            if len(self._steps) >= self.MAX_TRANSITIONS:
+            if len(self._steps) >= tuning.MAX_TRANSITIONS:
                 self._steps.clear()
             self._steps[key] = nxt
         return nxt
@@ -134,7 +133,7 @@ class Grammar:
             return np.unpackbits(packed, count=self.index.n_vocab).view(np.bool_)
         mask = self._allowed(state)
         with self._lock:
-            if len(self._masks) >= self.MAX_MASKS:
+            if len(self._masks) >= tuning.MAX_MASKS:
                 self._masks.pop(next(iter(self._masks)))
             self._masks[state] = np.packbits(mask)
         return mask
