@@ -9,6 +9,7 @@ from lmsp_min import tasks
 from lmsp_min.store import LoggedEvent, Store
 from lmsp_min.store_sqlite import SQLiteStore
 from lmsp_min.tasks import LiveLog
+from waiting import wait_until
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ async def run_task(log: LiveLog, n: int, pause: float = 0.0) -> None:
         nursery.start_soon(log.write_loop)
         for i in range(n):
             log.append(LoggedEvent(i + 1, "response.output_text.delta", json.dumps({"delta": f"{i} "})))
-            await trio.sleep(pause)
+            await trio.sleep(pause)  # (a generation's events come over time)
         await log.finish("completed", '{"id":"resp_1","status":"completed"}',
                          LoggedEvent(n + 1, "response.completed", '{"status":"completed"}'))
 
@@ -50,7 +51,7 @@ async def test_followers_see_committed_events_in_order(store):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(follower, "early", 0)
         nursery.start_soon(run_task, log, 30, 0.001)
-        await trio.sleep(0.01)
+        await wait_until(lambda: len(log.events) >= 7, "7 events committed")
         nursery.start_soon(follower, "resumed", 7)
     assert [e.seq for e in results["early"]] == list(range(1, 32))
     assert [e.seq for e in results["resumed"]] == list(range(8, 32))
@@ -89,12 +90,6 @@ async def test_fast_generation_is_group_committed(store):
     assert commits < 500
 
 
-async def until(condition) -> None:
-    """Wait for `condition()`, looking every few milliseconds (the caller bounds the wait)."""
-    while not condition():
-        await trio.sleep(0.005)
-
-
 async def follow_into(seen: list, log: LiveLog, after: int) -> None:
     """Follow the log from `after`, noting each event, and None for each keep-alive."""
     async for batch in log.follow(after):
@@ -118,7 +113,7 @@ async def test_keepalive_while_idle_and_abandon_releases_followers(store, monkey
             log.append(LoggedEvent(1, "response.created", "{}"))
             with pytest.raises(ValueError):
                 log.append(LoggedEvent(3, "response.output_text.delta", "{}"))
-            await until(lambda: seen.count(None) >= 2)  # idle: keep-alives
+            await wait_until(lambda: seen.count(None) >= 2, "two keep-alives")  # idle
             log.abandon()
             await released.wait()  # the follower's stream ends
             nursery.cancel_scope.cancel()
@@ -140,7 +135,7 @@ async def test_a_follower_resumed_past_the_last_event_gets_keepalives(store, mon
             while seen.count(None) < 4:
                 seq += 1
                 log.append(LoggedEvent(seq, "response.output_text.delta", json.dumps({"delta": "x"})))
-                await trio.sleep(0.02)
+                await trio.sleep(0.02)  # (the pace the keep-alives must beat)
             await log.finish("completed", '{"id":"resp_1","status":"completed"}',
                              LoggedEvent(seq + 1, "response.completed", '{"status":"completed"}'))
 

@@ -24,7 +24,7 @@ import trio
 PAUSE = 0.005  # real seconds between two looks at a condition (`every` for a costly one: a request)
 
 
-async def wait_until(condition, what: str, seconds: float = 20, every: float = PAUSE):
+async def wait_until(condition, what: str, seconds: float = 30, every: float = PAUSE):
     """The first true value of `condition()` (a function, or an async one), looked at
     every `every` seconds; the test fails after `seconds` saying `what` did not happen."""
     with trio.move_on_after(seconds):
