@@ -64,7 +64,7 @@ async def polled_until_done(client, response_id: str, seconds: float = 30):
     deadline = asyncio.get_running_loop().time() + seconds
     while (response := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
         assert asyncio.get_running_loop().time() < deadline, f"{response_id} not done within {seconds} s"
-        await asyncio.sleep(0.02)  # (a client's poll: the status change is what it waits for)
+        await asyncio.sleep(0.02)  # (a client's poll, in the SDK's asyncio loop: no trio wait runs there)
     return response
 
 
@@ -75,7 +75,7 @@ def paced(model, monkeypatch, seconds: float) -> None:
     async def slower(prepared):
         async with aclosing(generate_chat(prepared)) as events:
             async for event in events:
-                await trio.sleep(seconds)  # (a model's pace: no assertion waits on it)
+                await trio.sleep(seconds)  # (a model's pace: the scenario; no assertion waits on it)
                 yield event
 
     monkeypatch.setattr(model, "generate_chat", slower)

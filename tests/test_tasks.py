@@ -444,7 +444,7 @@ async def test_a_follower_through_another_process_gets_keepalives_on_time(nurser
     read_events = second.service.store.read_events
 
     async def slow_read(*args, **kwargs):
-        await trio.sleep(0.2)  # (a read that takes time is what this test is about)
+        await trio.sleep(0.2)  # (a read that takes 0.2 s: the scenario, not a wait)
         return await read_events(*args, **kwargs)
 
     monkeypatch.setattr(second.service.store, "read_events", slow_read)

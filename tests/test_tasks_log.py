@@ -26,7 +26,7 @@ async def run_task(log: LiveLog, n: int, pause: float = 0.0) -> None:
         nursery.start_soon(log.write_loop)
         for i in range(n):
             log.append(LoggedEvent(i + 1, "response.output_text.delta", json.dumps({"delta": f"{i} "})))
-            await trio.sleep(pause)  # (a generation's events come over time)
+            await trio.sleep(pause)  # (a generation's pace: the scenario, not a wait)
         await log.finish("completed", '{"id":"resp_1","status":"completed"}',
                          LoggedEvent(n + 1, "response.completed", '{"status":"completed"}'))
 
@@ -135,7 +135,7 @@ async def test_a_follower_resumed_past_the_last_event_gets_keepalives(store, mon
             while seen.count(None) < 4:
                 seq += 1
                 log.append(LoggedEvent(seq, "response.output_text.delta", json.dumps({"delta": "x"})))
-                await trio.sleep(0.02)  # (the pace the keep-alives must beat)
+                await trio.sleep(0.02)  # (events more often than the keep-alives: the scenario, not a wait)
             await log.finish("completed", '{"id":"resp_1","status":"completed"}',
                              LoggedEvent(seq + 1, "response.completed", '{"status":"completed"}'))
 
