@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tiny import SMOLLM2_TOKENIZER, load_tokenizer_meta, write_tiny_model
+from waiting import wait_until_sync
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +84,13 @@ class Serve:
 
 def wait_final(server: Serve, task_id: str, seconds: float = 30) -> dict:
     """The task once final (asked every 20 ms); fails after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    def final():
         status, body = server.request("GET", f"/lmsp/v1/tasks/{task_id}")
         assert status == 200, body
         task = json.loads(body)
-        if task["status"] in ("completed", "incomplete", "failed", "cancelled"):
-            return task
-        time.sleep(0.02)
-    raise AssertionError(f"task {task_id} not final within {seconds} s")
+        return task if task["status"] in ("completed", "incomplete", "failed", "cancelled") else None
+
+    return wait_until_sync(final, f"task {task_id} final", seconds, every=0.02)
 
 
 FINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")

@@ -29,6 +29,7 @@ from engine.sampling import Sampler
 from engine.scheduler import Scheduler
 from test_scheduler import assert_same_greedy, greedy
 from tiny import ARCHITECTURES, write_tiny_model
+from waiting import wait_until
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -195,8 +196,7 @@ async def test_a_cancel_during_a_draft_step_leaves_no_draft_token_behind(llama, 
                 steps.cancel()  # while the draft step runs
                 release.set()
             assert first.token == expected[0]
-            while drafted.running:
-                await trio.sleep(0.005)
+            await wait_until(lambda: not drafted.running, "the worker stopped")
     finally:
         release.set()
         drafted.close()

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from server_harness import tiny_path  # noqa: F401
+from waiting import wait_until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_ID = "tiny:chat-q8_0"
@@ -58,10 +59,11 @@ def served(tiny_path, tmp_path_factory):
          "--data-dir", str(home / "data"), "--ctx", "64", "--max-body-bytes", str(1 << 20)],
         env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        deadline = time.monotonic() + 60
-        while not _healthy(port):
-            assert process.poll() is None and time.monotonic() < deadline, (home / "stderr.txt").read_text()
-            time.sleep(0.1)
+        def up():
+            assert process.poll() is None, (home / "stderr.txt").read_text()
+            return _healthy(port)
+
+        wait_until_sync(up, "the server serving", seconds=60, every=0.1)
         yield port, home / "stderr.txt", home
     finally:
         process.terminate()

@@ -8,6 +8,7 @@ import trio
 
 from lmsp_min.http import Limits
 from server_harness import make_service, start_server, server, tiny_path  # noqa: F401
+from waiting import wait_until
 
 TINY_ID = "tiny:chat-q8_0"
 MODELS = "/lmsp/v1/models"
@@ -246,9 +247,9 @@ async def test_one_principals_burst_does_not_starve_anothers_request(nursery, ti
     async with trio.open_nursery() as clients:
         for _ in range(4):
             clients.start_soon(post, BURST, "burst")
-        await _until(lambda: entry.admissions.generating == 1 and entry.admissions.waiting == 3)
+        await wait_until(lambda: entry.admissions.generating == 1 and entry.admissions.waiting == 3, "3 waiting")
         clients.start_soon(post, QUIET, "quiet")
-        await _until(lambda: entry.admissions.waiting == 4)
+        await wait_until(lambda: entry.admissions.waiting == 4, "4 waiting")
         go.set()
     assert finished == ["burst", "quiet", "burst", "burst", "burst"]
     assert entry.admitted == 0
@@ -276,17 +277,11 @@ async def test_a_request_whose_client_leaves_gives_up_its_place(server, monkeypa
 
     async with trio.open_nursery() as clients:
         clients.start_soon(post)
-        await _until(lambda: entry.admissions.generating == 1)
+        await wait_until(lambda: entry.admissions.generating == 1, "one generating")
         async with server.connection() as leaving:
             await leaving.send("POST", "/lmsp/v1/responses", json_body=body)
-            await _until(lambda: entry.admissions.waiting == 1)
-        await _until(lambda: entry.admissions.waiting == 0 and entry.admitted == 1)
+            await wait_until(lambda: entry.admissions.waiting == 1, "one waiting")
+        await wait_until(lambda: entry.admissions.waiting == 0 and entry.admitted == 1, "the leaver released")
         go.set()
     assert [reply.status for reply in replies] == [200]
     assert entry.admitted == 0 and entry.admissions.generating == 0
-
-
-async def _until(condition) -> None:
-    with trio.fail_after(20):
-        while not condition():
-            await trio.sleep(0.005)

@@ -17,6 +17,7 @@ from engine.accel import helper as helper_module
 from engine.accel.helper import Rests, grace
 from engine.model import load_model
 from tiny import write_tiny_model
+from waiting import wait_until_sync
 
 needs_memfd = pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "memfd_create"),
                                  reason="the helper process needs Linux's memfd")
@@ -82,11 +83,13 @@ def widest_matmul_alone(helper, rows: int, seed: int):
 
 def read_late_answer(helper) -> None:
     """Wait (bounded) until the helper's late answer is read."""
-    deadline = time.monotonic() + 30
-    while helper._owed_since is not None:
-        assert time.monotonic() < deadline, "the helper did not answer"
+    def answered():
+        if helper._owed_since is None:
+            return True
         helper._idle()
-        time.sleep(0.01)
+        return False
+
+    wait_until_sync(answered, "the helper's answer", seconds=30, every=0.01)
 
 
 @needs_memfd

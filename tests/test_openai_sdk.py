@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from server_harness import make_service, start_server, tiny_path  # noqa: F401
+from test_tasks import gated
 
 TINY_ID = "tiny:chat-q8_0"
 ASK = "What is the weather in Hangzhou?"
@@ -57,6 +58,16 @@ async def async_sdk(server, work):
     return await trio.to_thread.run_sync(asyncio.run, run())
 
 
+async def polled_until_done(client, response_id: str, seconds: float = 30):
+    """The background response once done, retrieved as a client polls it (in the SDK's
+    asyncio loop, where no trio wait runs); the test fails after `seconds`."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while (response := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert asyncio.get_running_loop().time() < deadline, f"{response_id} not done within {seconds} s"
+        await asyncio.sleep(0.02)  # (a client's poll, in the SDK's asyncio loop: no trio wait runs there)
+    return response
+
+
 def paced(model, monkeypatch, seconds: float) -> None:
     """Make the model's chat events come at most one per `seconds` (the same events)."""
     generate_chat = model.generate_chat
@@ -64,7 +75,7 @@ def paced(model, monkeypatch, seconds: float) -> None:
     async def slower(prepared):
         async with aclosing(generate_chat(prepared)) as events:
             async for event in events:
-                await trio.sleep(seconds)
+                await trio.sleep(seconds)  # (a model's pace: the scenario; no assertion waits on it)
                 yield event
 
     monkeypatch.setattr(model, "generate_chat", slower)
@@ -364,10 +375,7 @@ async def test_a_background_response_is_polled_and_its_stream_resumed(server):
     async def work(client):
         created = await client.responses.create(model=TINY_ID, input="Tell me a story.", max_output_tokens=8,
                                                 temperature=0, background=True, metadata={"job": "1"})
-        response = created
-        while response.status in ("queued", "in_progress"):
-            await asyncio.sleep(0.02)
-            response = await client.responses.retrieve(created.id)
+        response = await polled_until_done(client, created.id)
         replayed = [event async for event in await client.responses.retrieve(created.id, stream=True)]
         resumed = [event async for event in await client.responses.retrieve(created.id, stream=True,
                                                                             starting_after=3)]
@@ -388,7 +396,7 @@ async def test_a_background_response_is_polled_and_its_stream_resumed(server):
 
 
 async def test_a_background_response_is_cancelled(server, monkeypatch):
-    paced(server.service.registry.get(TINY_ID).model, monkeypatch, 0.01)  # 400 tokens: >= 4 s
+    gated(server.service.registry.get(TINY_ID).model, monkeypatch).allow(3)  # then it runs until cancelled
 
     async def work(client):
         created = await client.responses.create(model=TINY_ID, input="Tell me a story.", max_output_tokens=400,
@@ -830,8 +838,7 @@ async def test_expired_events_are_named_by_the_response(nursery, tiny_path, tmp_
 
     async def work(client):
         created = await client.responses.create(model=TINY_ID, input="Hi", max_output_tokens=2, background=True)
-        while (await client.responses.retrieve(created.id)).status in ("queued", "in_progress"):
-            await asyncio.sleep(0.02)
+        await polled_until_done(client, created.id)
         with pytest.raises(openai.APIStatusError) as caught:
             await client.responses.retrieve(created.id, stream=True)
         return created, caught.value

@@ -19,6 +19,7 @@ from engine.model import Model, load_model
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from tiny import write_tiny_model
+from waiting import wait_until
 
 NEAR_TIE = 0.01  # nats between the top two logits
 
@@ -42,15 +43,6 @@ def schedulers(model):
     yield make
     for scheduler in made:
         scheduler.close()
-
-
-async def wait_until(condition, what: str, seconds: float = 30) -> None:
-    """Wait for `condition()` to hold, looking every few milliseconds; fail after `seconds`."""
-    with trio.move_on_after(seconds):
-        while not condition():
-            await trio.sleep(0.005)
-        return
-    pytest.fail(f"{what}: not within {seconds} s")
 
 
 def greedy(logits: np.ndarray) -> int:

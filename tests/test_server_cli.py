@@ -7,13 +7,13 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 from engine import accel
 from lmsp_min.store.sqlite import SQLiteStore
 from server_harness import tiny_path  # noqa: F401
+from waiting import wait_until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,16 +32,16 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(tmp_path, tiny_path):
          "--no-store"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def models_listed():
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/lmsp/v1/models", timeout=5) as reply:
-                    listing = json.load(reply)
                     assert reply.headers["LMSP-Version"] == "1.0"
-                break
+                    return json.load(reply)
             except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-                time.sleep(0.1)
+                assert process.poll() is None, process.stderr.read()
+                return None
+
+        listing = wait_until_sync(models_listed, "the server listening", seconds=60, every=0.1)
         assert [model["id"] for model in listing["data"]] == ["tiny:chat-q8_0"]
         body = json.dumps({"model": "tiny:chat-q8_0", "input": [{"role": "user", "content": "Hi"}],
                            "max_output_tokens": 2}).encode()

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from server_harness import parse_sse, server, tiny_path  # noqa: F401
+from waiting import wait_until
 
 TINY_ID = "tiny:chat-q8_0"
 USER = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
@@ -296,7 +297,7 @@ async def test_a_burst_past_the_queue_gets_429_at_once(server, monkeypatch):
     async with trio.open_nursery() as nursery:
         for _ in range(4):
             nursery.start_soon(post)
-        await _until(lambda: len(replies) == 2)  # the two past the bound, while none has run
+        await wait_until(lambda: len(replies) == 2, "two refused")  # the two past the bound, while none has run
         assert entry.admitted == 2
         go.set()
     refused = [reply for reply in replies if reply.status == 429]
@@ -306,12 +307,6 @@ async def test_a_burst_past_the_queue_gets_429_at_once(server, monkeypatch):
             assert reply.status == 200
             assert parse_sse(reply.body)[-1].event in ("response.completed", "response.incomplete")
     assert entry.admitted == 0
-
-
-async def _until(condition) -> None:
-    with trio.fail_after(20):
-        while not condition():
-            await trio.sleep(0.005)
 
 
 async def test_a_byte_order_mark_is_ignored(server):

@@ -19,7 +19,7 @@ from lmsp_min.validate import items_to_messages, validate_responses_request
 
 async def script(*events, fail: Exception | None = None):
     for event in events:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         yield event
     if fail is not None:
         raise fail
@@ -159,7 +159,7 @@ async def test_cancellation_propagates_and_cancelled_event_follows_the_sequence(
 
     async def endless():
         while True:
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             yield TextDelta("x")
 
     seen = []

@@ -9,6 +9,7 @@ import trio
 from lmsp_min import http
 from lmsp_min.http import Limits
 from server_harness import make_service, parse_sse, server, start_server, tiny_path  # noqa: F401
+from waiting import wait_until
 
 MODELS = "/lmsp/v1/models"
 
@@ -223,7 +224,7 @@ async def test_oversized_headers_get_431_and_close(server, kib):
     assert json.loads(data.partition(b"\r\n\r\n")[2])["code"] == "request_too_large"
 
 
-async def test_slow_headers_time_out_with_408(nursery, tiny_path):
+async def test_slow_headers_time_out_with_408(nursery, tiny_path, autojump_clock):
     limits = Limits(header_timeout=0.3, idle_timeout=5)
     server = await start_server(nursery, await make_service([tiny_path], limits=limits))
     async with server.connection() as client:
@@ -233,7 +234,7 @@ async def test_slow_headers_time_out_with_408(nursery, tiny_path):
     assert data.startswith(b"HTTP/1.1 408 ") and b"\r\nlmsp-version: 1.0\r\n" in data.lower()
 
 
-async def test_idle_keep_alive_connection_is_closed(nursery, tiny_path):
+async def test_idle_keep_alive_connection_is_closed(nursery, tiny_path, autojump_clock):
     limits = Limits(idle_timeout=0.3)
     server = await start_server(nursery, await make_service([tiny_path], limits=limits))
     async with server.connection() as client:
@@ -243,7 +244,7 @@ async def test_idle_keep_alive_connection_is_closed(nursery, tiny_path):
             assert await client.read_until_closed() == b""
 
 
-async def test_an_idle_connection_is_closed_without_lingering(nursery, tiny_path):
+async def test_an_idle_connection_is_closed_without_lingering(nursery, tiny_path, autojump_clock):
     """Nothing is left to read from it: its slot is free at once, whatever the client does."""
     server = await start_server(nursery, await make_service([tiny_path], limits=Limits(idle_timeout=0.2)))
     async with server.connection() as client:
@@ -251,12 +252,11 @@ async def test_an_idle_connection_is_closed_without_lingering(nursery, tiny_path
         assert (await client.read_reply()).status == 200
         with trio.fail_after(3):
             assert await client.read_until_closed() == b""
-        with trio.fail_after(0.5):  # (we have not closed our side)
-            while server.service.http.connections:
-                await trio.sleep(0.01)
+        # (we have not closed our side)
+        await wait_until(lambda: not server.service.http.connections, "the slot freed", seconds=0.5)
 
 
-async def test_slow_body_times_out_with_408(nursery, tiny_path):
+async def test_slow_body_times_out_with_408(nursery, tiny_path, autojump_clock):
     limits = Limits(body_timeout=0.3)
     server = await start_server(nursery, await make_service([tiny_path], limits=limits))
     async with server.connection() as client:
@@ -277,9 +277,11 @@ async def test_connections_over_the_limit_get_429(nursery, tiny_path):
             data = await third.read_until_closed()
         assert data.startswith(b"HTTP/1.1 429 ") and b"retry-after: 1" in data.lower()
         assert b"\r\nlmsp-version: 1.0\r\n" in data.lower()
-    with trio.fail_after(10):  # once the server has seen the others go, there is room again
-        while (reply := await server.request("GET", MODELS)).status == 429:
-            await trio.sleep(0.01)
+    async def served():  # once the server has seen the others go, there is room again
+        reply = await server.request("GET", MODELS)
+        return reply if reply.status != 429 else None
+
+    reply = await wait_until(served, "room again", seconds=10, every=0.01)
     assert reply.status == 200
 
 
@@ -356,14 +358,13 @@ async def test_a_stream_that_fails_midway_is_logged_as_failed_not_as_a_client_go
         assert (await client.read_head()).status == 200
         with trio.fail_after(10):
             await client.read_until_closed()  # cut: no final chunk can be sent
-    with trio.fail_after(10):
-        while not any("/lmsp/v1/streams" in line for line in server.service.log_lines):
-            await trio.sleep(0.01)
+    await wait_until(lambda: any("/lmsp/v1/streams" in line for line in server.service.log_lines), "the stream logged")
     line = [line for line in server.service.log_lines if "/lmsp/v1/streams" in line][-1]
     assert line.endswith("(stream failed)"), line
 
 
-async def test_a_client_that_stops_reading_a_stream_with_keepalives_is_logged_as_gone(nursery, tiny_path):
+async def test_a_client_that_stops_reading_a_stream_with_keepalives_is_logged_as_gone(nursery, tiny_path,
+                                                                                      autojump_clock):
     """Under trio >= 0.25 the writer's "client gone" left a nursery wrapped in an exception
     group: it was logged as a failed stream (or a failed connection), with a traceback."""
     service = await make_service([tiny_path], limits=Limits(write_timeout=0.3))
@@ -379,9 +380,7 @@ async def test_a_client_that_stops_reading_a_stream_with_keepalives_is_logged_as
     service.router.add("GET", "/lmsp/v1/streams", "models:read", streams)
     async with server.connection() as client:
         await client.send("GET", "/lmsp/v1/streams")  # and reads nothing
-        with trio.fail_after(10):
-            while not any("/lmsp/v1/streams" in line for line in service.log_lines):
-                await trio.sleep(0.01)
+        await wait_until(lambda: any("/lmsp/v1/streams" in line for line in service.log_lines), "the stream logged")
     line = [line for line in service.log_lines if "/lmsp/v1/streams" in line][-1]
     assert line.endswith("(client gone)"), line
     assert not any(line.startswith("error") for line in service.log_lines)
@@ -474,7 +473,8 @@ async def test_responses_still_generating_after_the_grace_end_failed_and_say_why
     service = await make_service([tiny_path])
     server = await start_server(nursery, service)
     model_id = (await server.request("GET", MODELS)).json()["data"][0]["id"]
-    model = await service.registry.get(model_id).load(service.log)
+    entry = service.registry.get(model_id)
+    model = await entry.load(service.log)
 
     async def never_ends(prepared):
         yield TextDelta("Once")
@@ -486,7 +486,7 @@ async def test_responses_still_generating_after_the_grace_end_failed_and_say_why
         await streamed.send("POST", "/lmsp/v1/responses", json_body={**body, "stream": True})
         await synchronous.send("POST", "/lmsp/v1/responses", json_body=body)
         head = await streamed.read_head()
-        await trio.sleep(0.2)  # both are waiting for the engine
+        await wait_until(lambda: entry.admissions.generating == 2, "both waiting for the engine")
         nursery.start_soon(service.drain, 0.2)
         with trio.fail_after(10):
             events = parse_sse(b"".join([chunk async for chunk in streamed.read_chunks()]))
@@ -499,9 +499,8 @@ async def test_responses_still_generating_after_the_grace_end_failed_and_say_why
 async def test_a_request_arriving_during_a_drain_is_503(server):
     async with server.connection() as client:
         await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\n")  # a request has begun
-        with trio.fail_after(5):
-            while not any(c.h11.trailing_data[0] for c in server.service.http.connections):
-                await trio.sleep(0.005)
+        await wait_until(lambda: any(c.h11.trailing_data[0] for c in server.service.http.connections),
+                         "the request's first line read", seconds=5)
         server.service.http.draining = True  # as drain() does
         await client.stream.send_all(b"Host: localhost\r\n\r\n")
         client.expect_reply_to("GET")

@@ -3,12 +3,14 @@
 import os
 import shutil
 import struct
+import threading
 from collections import Counter
 from pathlib import Path
 
 import gguf
 import pytest
 import trio
+import trio.testing
 
 from engine.gguf_header import read_header
 from lmsp_min.registry import ModelEntry, Registry, model_id_for
@@ -155,11 +157,11 @@ async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
             capabilities = ("tools",)
             context_length = 256
 
+    all_asked = threading.Event()
+
     def slow_load(path, n_ctx=None, kv_cache_bytes=None, speculate=True):
         calls.append(path)
-        import time
-
-        time.sleep(0.2)
+        all_asked.wait(30)  # (until the three first uses have asked for the model)
         return Loaded()
 
     monkeypatch.setattr(engine, "load_model", slow_load)
@@ -172,6 +174,8 @@ async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
     async with trio.open_nursery() as nursery:
         for _ in range(3):
             nursery.start_soon(first_use)
+        await trio.testing.wait_all_tasks_blocked()  # one loading, two waiting for it
+        all_asked.set()
     assert len(calls) == 1 and len({id(r) for r in results}) == 1
     assert entry.capabilities == ("tools",) and entry.context_window == 256
 

@@ -6,9 +6,11 @@ from contextlib import aclosing
 
 import pytest
 import trio
+import trio.testing
 
 from lmsp_min.http import Limits
 from server_harness import Server, make_service, parse_sse, server, start_server, tiny_path  # noqa: F401
+from waiting import wait_until
 
 TINY_ID = "tiny:chat-q8_0"
 
@@ -80,7 +82,7 @@ async def test_sync_response_object(server):
     usage = response["usage"]
     assert 0 < usage["output_tokens"] <= 5 and usage["input_tokens"] > 0
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-    await _wait_for(lambda: _handled(server))  # the line is written once the response is sent
+    await wait_until(lambda: _handled(server), "the request logged")  # the line is written once the response is sent
     line = server.service.log_lines[-1]  # the access log: never the prompt
     assert line.startswith("POST /lmsp/v1/responses 200 ") and "ms" in line
     assert f"tokens={usage['input_tokens']}+{usage['output_tokens']}" in line and "story" not in line
@@ -263,12 +265,6 @@ async def test_a_stream_the_service_stops_is_stored_with_what_it_consumed(nurser
 # -- cancellation: counted in engine steps, not timed ------------------------------------------
 
 
-async def _wait_for(condition) -> None:
-    with trio.fail_after(20):
-        while not condition():
-            await trio.sleep(0.005)
-
-
 def _handled(server) -> int:
     return sum("POST /lmsp/v1/responses" in line for line in server.service.log_lines)
 
@@ -292,10 +288,10 @@ async def test_stream_client_disconnect_stops_generation(server):
             seen += chunk
             if b"response.output_text.delta" in seen:
                 break
-    await _wait_for(lambda: _handled(server) > done_before)  # the handler has been cancelled
+    await wait_until(lambda: _handled(server) > done_before, "the request logged")  # the handler has been cancelled
     assert "client disconnected" in server.service.log_lines[-1]
     steps_at_cancel = model.steps
-    await _wait_for(_engine_idle(model))
+    await wait_until(_engine_idle(model), "the engine idle")
     assert model.steps - steps_at_cancel <= 2  # the step in flight, at most one more
     assert model.steps - steps_before < 400
 
@@ -315,7 +311,7 @@ async def test_a_stored_stream_the_client_leaves_is_stored_cancelled(nursery, ti
             seen += chunk
             if seen.count(b"event: response.output_text.delta") >= 2 and seen.endswith(b"\n\n"):
                 break
-    await _wait_for(lambda: _handled(server) > done_before)
+    await wait_until(lambda: _handled(server) > done_before, "the request logged")
     events = parse_sse(seen)
     streamed = "".join(e.data["delta"] for e in events if e.event == "response.output_text.delta")
     stored = await server.request("GET", f"/lmsp/v1/responses/{events[0].data['response_id']}")
@@ -357,7 +353,7 @@ async def test_a_stored_stream_the_client_leaves_while_it_is_stored_is_stored(nu
                 break
         with trio.fail_after(10):
             await writing.wait()
-    await _wait_for(lambda: _handled(server) > done_before)
+    await wait_until(lambda: _handled(server) > done_before, "the request logged")
     response_id = parse_sse(created)[0].data["response_id"]
     stored = await server.request("GET", f"/lmsp/v1/responses/{response_id}")
     assert stored.status == 200 and stored.json()["status"] in ("completed", "incomplete")  # as it ended
@@ -415,14 +411,14 @@ async def test_sync_client_disconnect_stops_generation(server, pipelined):
     steps_before = model.steps
     async with server.connection() as client:
         await client.send("POST", "/lmsp/v1/responses", json_body=request(max_output_tokens=400))
-        await _wait_for(lambda: model.steps > steps_before + 2)  # generating now
+        await wait_until(lambda: model.steps > steps_before + 2, "steps run")  # generating now
         for _ in range(pipelined):  # arriving as separate reads
             await client.stream.send_all(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            await trio.sleep(0.02)
-    await _wait_for(lambda: _handled(server) > done_before)
+            await trio.testing.wait_all_tasks_blocked()  # (the server has read it)
+    await wait_until(lambda: _handled(server) > done_before, "the request logged")
     assert "client disconnected" in server.service.log_lines[-1]
     steps_at_cancel = model.steps
-    await _wait_for(_engine_idle(model))
+    await wait_until(_engine_idle(model), "the engine idle")
     assert model.steps - steps_at_cancel <= 2
     assert model.steps - steps_before < 400
 
@@ -484,7 +480,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_generation_stopped
     async def endless(prepared):
         try:
             while True:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
                 yield TextDelta("x" * 65536)
         finally:
             closed.set()
@@ -542,6 +538,6 @@ async def test_every_response_releases_its_admission(server, how):
                             break
                 elif how != "stream left at once":
                     assert (await client.read_reply()).status == 200
-            await _wait_for(lambda: entry.admitted == 0)
+            await wait_until(lambda: entry.admitted == 0, "the admission released")
     finally:
         gc.enable()

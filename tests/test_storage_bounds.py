@@ -12,6 +12,7 @@ import trio
 from lmsp_min.store.sqlite import DB_NAME, SQLiteStore
 from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from test_tasks import create, gated, wait_final
+from waiting import wait_until
 
 TASKS = "/lmsp/v1/tasks"
 RESPONSES = "/lmsp/v1/responses"
@@ -196,9 +197,10 @@ async def test_the_service_purges_what_outlived_its_retention(nursery, tiny_path
     gate = gated(service.registry.get(MODEL).model, monkeypatch)
     running = await create(server, asking(max_output_tokens=64))
     offset = 30 * DAY + 60
-    with trio.fail_after(10):
-        while (await server.request("GET", f"{TASKS}/{old_task['id']}")).status != 404:
-            await trio.sleep(0.05)
+    async def purged():
+        return (await server.request("GET", f"{TASKS}/{old_task['id']}")).status == 404
+
+    await wait_until(purged, "the old task purged", seconds=10, every=0.05)
     assert (await server.request("GET", f"{RESPONSES}/{old_response['id']}")).status == 404
     assert (await server.request("GET", f"{TASKS}/{running['id']}")).status == 200
     offset = 30 * DAY - 60  # from now on, only what ended over a minute ago is old enough
@@ -246,12 +248,11 @@ async def test_the_database_file_reuses_what_the_purge_freed(tmp_path):
 
 
 async def wait_final_as(server, task_id: str, token: str, seconds: float = 30) -> dict:
-    with trio.fail_after(seconds):
-        while True:
-            task = (await server.request("GET", f"{TASKS}/{task_id}", headers=auth(token))).json()
-            if task["status"] in ("completed", "incomplete", "failed", "cancelled"):
-                return task
-            await trio.sleep(0.02)
+    async def final():
+        task = (await server.request("GET", f"{TASKS}/{task_id}", headers=auth(token))).json()
+        return task if task["status"] in ("completed", "incomplete", "failed", "cancelled") else None
+
+    return await wait_until(final, f"task {task_id} final", seconds, every=0.02)
 
 
 def test_store_retention_is_a_duration():

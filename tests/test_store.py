@@ -214,7 +214,7 @@ async def test_concurrent_readers_and_writer(store):
             events = await store.read_events("task_1", last)
             assert [e.seq for e in events] == list(range(last + 1, last + 1 + len(events)))
             last += len(events)
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(write)

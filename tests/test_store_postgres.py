@@ -21,6 +21,7 @@ from lmsp_min.store.postgres import MIGRATIONS, PURGE_LOCK, PostgresStore
 from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from test_store import response_body
 from test_tasks import create, follow, gated, task_body
+from waiting import wait_until
 
 
 def sql(url: str, statement: str, params=()) -> list:
@@ -155,9 +156,7 @@ async def test_a_lost_database_is_a_503_then_nothing_is_lost(own_server):
     assert (await store.get_response("resp_1", "alice")).body == response_body("resp_1")
     await store.put_response("resp_2", "alice", [], response_body("resp_2"))
     # the listener reconnects too: another node's events wake this one's watches again
-    with trio.fail_after(20):
-        while not store._listening:
-            await trio.sleep(0.05)
+    await wait_until(lambda: store._listening, "the listener reconnected", seconds=20)
     other = await open_store(url)
     await other.create_task("task_1", "alice", 0, "tiny:llama", "resp_3", "{}")
     with store.watch("task_1") as watch, trio.fail_after(10):
@@ -210,8 +209,9 @@ async def test_a_key_running_on_one_node_is_a_409_on_the_other(nursery, tiny_pat
     with trio.fail_after(30):
         async with trio.open_nursery() as requests:
             requests.start_soon(on_a)
-            while not await trio.to_thread.run_sync(sql, postgres_url, "SELECT key FROM idempotency"):
-                await trio.sleep(0.01)  # (until A has claimed the key; its response then waits at the gate)
+            # (until A has claimed the key; its response then waits at the gate)
+            await wait_until(lambda: trio.to_thread.run_sync(sql, postgres_url, "SELECT key FROM idempotency"),
+                             "A's key claimed", every=0.01)
             reply = await b.responses(task_body(), headers=key)
             assert reply.status == 409 and reply.json()["code"] == "idempotency_conflict"
             gate.allow(math.inf)
@@ -248,11 +248,9 @@ async def test_a_database_that_restarts_between_two_requests_costs_none_a_503(ow
     store = await open_store(own_server.new_database())
     await store.put_response("resp_1", "alice", [], response_body("resp_1"))
     with trio.fail_after(30):
-        while not store._listening:
-            await trio.sleep(0.01)
+        await wait_until(lambda: store._listening, "the listener listening")
         await trio.to_thread.run_sync(own_server.stop_server)
-        while store._listening:  # (it has noticed)
-            await trio.sleep(0.01)
+        await wait_until(lambda: not store._listening, "the restart noticed")
         await trio.to_thread.run_sync(own_server.restart_server)
     assert (await store.get_response("resp_1", "alice")).body == response_body("resp_1")
     store.close()

@@ -20,6 +20,7 @@ from lmsp_min.store.sqlite import SQLiteStore
 from lmsp_min.service import _only
 from lmsp_min.tasks import Tasks
 from server_harness import SSE, close_service, make_service, parse_sse, start_server, tiny_path  # noqa: F401
+from waiting import wait_until
 
 TASKS = "/lmsp/v1/tasks"
 FINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
@@ -46,13 +47,11 @@ async def create(server, body: dict, headers=None) -> dict:
 
 async def wait_final(server, task_id: str, seconds: float = 30) -> dict:
     """The task once final, polled every few milliseconds; the test fails after `seconds`."""
-    with trio.move_on_after(seconds):
-        while True:
-            task = (await server.request("GET", f"{TASKS}/{task_id}")).json()
-            if task["status"] in ("completed", "incomplete", "failed", "cancelled"):
-                return task
-            await trio.sleep(0.02)
-    pytest.fail(f"task {task_id} not final within {seconds} s")
+    async def final():
+        task = (await server.request("GET", f"{TASKS}/{task_id}")).json()
+        return task if task["status"] in ("completed", "incomplete", "failed", "cancelled") else None
+
+    return await wait_until(final, f"task {task_id} final", seconds, every=0.02)
 
 
 async def follow(client, task_id: str, headers=None, query: str = ""):
@@ -290,13 +289,14 @@ async def test_events_expire_after_the_retention_period(nursery, tiny_path, tmp_
     task = await create(server, task_body(max_output_tokens=2))
     assert (await all_events(server, task["id"]))[-1].event in FINAL
     final = await wait_final(server, task["id"])
-    await trio.sleep(0.3)
+    service.tasks.clock = lambda: time.time() + 0.3  # (the retention's clock moved on, not waited for)
     reply = await server.request("GET", f"{TASKS}/{task['id']}/events")
     assert reply.status == 410 and reply.json()["code"] == "event_history_expired"
     # ...and the periodic purge (every 0.5 s here) deletes them; the task itself stays
-    with trio.fail_after(10):
-        while await service.store.read_events(task["id"], 0):
-            await trio.sleep(0.1)
+    async def purged():
+        return not await service.store.read_events(task["id"], 0)
+
+    await wait_until(purged, "the expired events purged", seconds=10, every=0.1)
     assert (await server.request("GET", f"{TASKS}/{task['id']}")).json() == final
 
 
@@ -462,7 +462,7 @@ async def test_a_follower_through_another_process_gets_keepalives_on_time(nurser
     read_events = second.service.store.read_events
 
     async def slow_read(*args, **kwargs):
-        await trio.sleep(0.2)
+        await trio.sleep(0.2)  # (a read that takes 0.2 s: the scenario, not a wait)
         return await read_events(*args, **kwargs)
 
     monkeypatch.setattr(second.service.store, "read_events", slow_read)
@@ -511,9 +511,7 @@ async def test_a_task_whose_runner_could_not_end_it_is_failed_later(server, monk
 
     monkeypatch.setattr(server.service.store, "finish_task", disk_full)
     task = await create(server, task_body(max_output_tokens=5))
-    with trio.fail_after(10):
-        while server.service.tasks.is_running(task["id"]):
-            await trio.sleep(0.02)
+    await wait_until(lambda: not server.service.tasks.is_running(task["id"]), "the runner ended", seconds=10)
     assert (await server.request("GET", f"{TASKS}/{task['id']}")).json()["status"] == "in_progress"
     monkeypatch.undo()  # the disk has room again
     events = await all_events(server, task["id"])
@@ -536,9 +534,7 @@ async def test_a_task_whose_runner_failed_says_so_whoever_writes_its_end(server,
 
     monkeypatch.setattr(server.service.store, "finish_task", full_twice)
     task = await create(server, task_body(max_output_tokens=5))
-    with trio.fail_after(10):
-        while server.service.tasks.is_running(task["id"]):
-            await trio.sleep(0.02)
+    await wait_until(lambda: not server.service.tasks.is_running(task["id"]), "the runner ended", seconds=10)
     await server.service.tasks.recover()  # (as the next periodic recovery would)
     final = await wait_final(server, task["id"])
     assert final["status"] == "failed" and final["response"]["error"]["code"] == "internal_error"
@@ -680,13 +676,14 @@ async def test_a_runner_failing_as_a_forced_stop_cancels_it_lets_the_service_sto
     service = await make_service([tiny_path], data_dir=tmp_path)
     generation = await prepare(task_body(max_output_tokens=50), "local", service)
     append_events = service.store.append_events
-    writing = trio.Event()
+    writing, stopping = trio.Event(), trio.Event()
 
     async def append_then_fail(task_id, events):
         await append_events(task_id, events)
         writing.set()
         with trio.CancelScope(shield=True):  # as a store write: it finishes, then fails
-            await trio.sleep(0.1)
+            await stopping.wait()
+            await trio.testing.wait_all_tasks_blocked()  # (the runner's other tasks have their cancel)
             raise sqlite3.OperationalError("database or disk is full")
 
     monkeypatch.setattr(service.store, "append_events", append_then_fail)
@@ -696,6 +693,7 @@ async def test_a_runner_failing_as_a_forced_stop_cancels_it_lets_the_service_sto
             task = await service.tasks.start(generation, task_body())
             await writing.wait()
             forced_stop.cancel()
+            stopping.set()
     assert forced_stop.cancelled_caught  # and nothing else came out
     assert any("database or disk is full" in line for line in service.log_lines)
     monkeypatch.setattr(service.store, "append_events", append_events)  # the disk has room again
@@ -738,9 +736,7 @@ async def test_a_failing_recovery_is_logged_and_the_service_goes_on(nursery, tin
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(server.service.store, "interrupted_tasks", no_descriptor_left)
-    with trio.fail_after(10):
-        while not any("Too many open files" in line for line in lines):
-            await trio.sleep(0.02)
+    await wait_until(lambda: any("Too many open files" in line for line in lines), "the failure logged", seconds=10)
     monkeypatch.undo()
     assert (await wait_final(server, (await create(server, task_body(max_output_tokens=2)))["id"]))["status"] in (
         "completed", "incomplete")
@@ -783,9 +779,8 @@ async def test_failing_periodic_work_is_logged_once_a_round(monkeypatch):
         monkeypatch.setattr(store, "purge", disk_full)
         monkeypatch.setattr(store, "interrupted_tasks", disk_full)
         start = trio.current_time()
-        with trio.fail_after(5):
-            while not any(line.startswith("error: purging what expired failed") for line in lines):
-                await trio.sleep(0.01)
+        await wait_until(lambda: any(line.startswith("error: purging what expired failed") for line in lines),
+                         "the failed purge logged", seconds=5)
         rounds = (trio.current_time() - start) / 0.05
         nursery.cancel_scope.cancel()
     recoveries = sum(line.startswith("error: recovering tasks failed: OperationalError") for line in lines)

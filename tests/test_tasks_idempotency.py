@@ -4,12 +4,14 @@ import sqlite3
 
 import pytest
 import trio
+import trio.testing
 
 from lmsp_min import idempotency
 from lmsp_min.http import Response, StreamingResponse
 from lmsp_min.problems import Problem
 from lmsp_min.store.sqlite import SQLiteStore
 from server_harness import make_service, parse_sse, start_server, tiny_path  # noqa: F401
+from waiting import wait_until
 
 BODY = {"model": "tiny:chat-q8_0", "input": [{"role": "user", "content": "Hi."}],
         "max_output_tokens": 4, "temperature": 0}
@@ -152,7 +154,7 @@ async def test_a_stream_its_client_leaves_keeps_its_key_only_if_answered(tmp_pat
     async def chunks():
         yield b"id: 1\nevent: response.created\ndata: {}\n\n"
         yield f"id: 2\nevent: {last}\ndata: {{}}\n\n".encode()
-        await trio.sleep(0)  # the generation's own clean-up after its last event
+        await trio.lowlevel.checkpoint()  # the generation's own clean-up after its last event
 
     reply = await idempotency.run_once(store, FakeRequest("k"), "R", {}, _stream(chunks))
     stream = aiter(reply.chunks)
@@ -184,20 +186,25 @@ async def test_a_client_leaving_while_its_result_is_recorded_still_has_it_record
     'running' for good, and every retry got 409."""
     store = server.service.store
     record = store.complete_idempotency_key
-    recording = trio.Event()
+    recording, left = trio.Event(), trio.Event()
 
     async def slow_record(*args, **kwargs):
         recording.set()
-        await trio.sleep(0.3)  # the client leaves meanwhile
+        await left.wait()  # the client leaves meanwhile
+        await trio.testing.wait_all_tasks_blocked()  # (and the server has seen it go)
         await record(*args, **kwargs)
 
     monkeypatch.setattr(store, "complete_idempotency_key", slow_record)
     async with server.connection() as client:
         await client.send("POST", "/lmsp/v1/responses", json_body=BODY, headers=key("k1"))
         await recording.wait()
-    with trio.fail_after(10):
-        while (again := await server.responses(BODY, headers=key("k1"))).status == 409:
-            await trio.sleep(0.05)
+    left.set()
+
+    async def answered():
+        reply = await server.responses(BODY, headers=key("k1"))
+        return reply if reply.status != 409 else None
+
+    again = await wait_until(answered, "a retry answered", seconds=10, every=0.05)
     assert again.status == 200 and again.headers["idempotent-replayed"] == "true"
 
 

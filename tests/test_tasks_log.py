@@ -5,10 +5,10 @@ import json
 import pytest
 import trio
 
-from lmsp_min import tasks
 from lmsp_min.store import LoggedEvent, Store
 from lmsp_min.store.sqlite import SQLiteStore
 from lmsp_min.tasks import LiveLog
+from waiting import wait_until
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ async def run_task(log: LiveLog, n: int, pause: float = 0.0) -> None:
         nursery.start_soon(log.write_loop)
         for i in range(n):
             log.append(LoggedEvent(i + 1, "response.output_text.delta", json.dumps({"delta": f"{i} "})))
-            await trio.sleep(pause)
+            await trio.sleep(pause)  # (a generation's pace: the scenario, not a wait)
         await log.finish("completed", '{"id":"resp_1","status":"completed"}',
                          LoggedEvent(n + 1, "response.completed", '{"status":"completed"}'))
 
@@ -50,7 +50,7 @@ async def test_followers_see_committed_events_in_order(store):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(follower, "early", 0)
         nursery.start_soon(run_task, log, 30, 0.001)
-        await trio.sleep(0.01)
+        await wait_until(lambda: len(log.events) >= 7, "7 events committed")
         nursery.start_soon(follower, "resumed", 7)
     assert [e.seq for e in results["early"]] == list(range(1, 32))
     assert [e.seq for e in results["resumed"]] == list(range(8, 32))
@@ -89,12 +89,6 @@ async def test_fast_generation_is_group_committed(store):
     assert commits < 500
 
 
-async def until(condition) -> None:
-    """Wait for `condition()`, looking every few milliseconds (the caller bounds the wait)."""
-    while not condition():
-        await trio.sleep(0.005)
-
-
 async def follow_into(seen: list, log: LiveLog, after: int) -> None:
     """Follow the log from `after`, noting each event."""
     async for batch in log.follow(after):
@@ -117,7 +111,7 @@ async def test_abandoning_a_log_releases_its_followers(store):
             log.append(LoggedEvent(1, "response.created", "{}"))
             with pytest.raises(ValueError):
                 log.append(LoggedEvent(3, "response.output_text.delta", "{}"))
-            await until(lambda: len(seen) == 1)
+            await wait_until(lambda: len(seen) == 1, "the first event")
             log.abandon()
             await released.wait()  # the follower's stream ends
             nursery.cancel_scope.cancel()
