@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import tempfile
 import time
@@ -53,7 +52,8 @@ import trio
 from lmsp_min.store import LoggedEvent, Store
 from lmsp_min.store.open import open_store
 from lmsp_min.store.sqlite import SQLiteStore
-from lmsp_min.tasks import LiveLog, Tasks, sse
+from lmsp_min.routes import message
+from lmsp_min.tasks import LiveLog, Tasks
 
 DELTA = json.dumps({"response_id": "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF",
                     "item_id": "msg_01J8M6Q4W5C8H2K9P3S7Y1A6ZE", "delta": " word"},
@@ -107,9 +107,10 @@ async def write_rate_one_per_commit(store: Store, n: int) -> float:
 async def replay_rate(store: Store, task_id: str, tasks: Tasks) -> dict:
     started = time.perf_counter()
     size = events = 0
-    async for chunk in await tasks.events(task_id, "bench", 0):
+    async for batch in await tasks.events(task_id, "bench", 0):
+        chunk = b"".join(message(event) for event in batch)  # what the route sends
         size += len(chunk)
-        events += chunk.count(b"\n\n")
+        events += len(batch)
     seconds = time.perf_counter() - started
     return {"events_per_s": events / seconds, "mb_per_s": size / seconds / 1e6}
 
@@ -118,8 +119,8 @@ async def follow_in_process(log: LiveLog, produced: dict[int, float], latencies:
     """Follow a live log as a stream of its own process does, noting for each event the
     seconds since it was produced (`produced`: perf_counter() by sequence number)."""
     async for batch in log.follow(0):
-        for event in batch or []:
-            sse(event)
+        for event in batch:
+            message(event)
             if event.seq in produced:
                 latencies.append(time.perf_counter() - produced[event.seq])
 
@@ -138,7 +139,7 @@ async def follow_latency(store: Store, n: int, rate: float) -> dict:
         for seq in range(1, n + 1):
             event = delta(seq)
             produced[seq] = t = time.perf_counter()
-            sse(event)  # what a direct stream does with it
+            message(event)  # what a direct stream does with it
             direct.append(time.perf_counter() - t)
             log.append(event)
             await trio.sleep(period)
@@ -159,14 +160,15 @@ async def follow_latency_across_nodes(node_a: Store, node_b: Store, n: int, rate
     produced: dict[int, float] = {}
     across: list[float] = []
     same_node: list[float] = []
-    chunks = await Tasks(node_b).events("task_across", "bench", 0)  # (B does not run it: from the database)
+    batches = await Tasks(node_b).events("task_across", "bench", 0)  # (B does not run it: from the database)
 
     async def on_b():
-        async for chunk in chunks:
+        async for batch in batches:
+            b"".join(message(event) for event in batch)  # what the route sends
             now = time.perf_counter()
-            for seq in re.findall(rb"^id: (\d+)$", chunk, re.M):
-                if int(seq) in produced:
-                    across.append(now - produced[int(seq)])
+            for event in batch:
+                if event.seq in produced:
+                    across.append(now - produced[event.seq])
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(log.write_loop)

@@ -28,7 +28,7 @@ with `json_schema` they are not applied (they could cut the document; the server
 refuses the combination). With tools and `json_schema` both, the output is calls or
 the document, as the grammar decides at its first byte (engine/tools.py).
 
-Reading the request path: lmsp_min/app.py calls both; `generate_chat` reads the
+Reading the request path: lmsp_min/generation.py calls both; `generate_chat` reads the
 tokens of engine/generate.py's `Generation`, and its events go to
 lmsp_min/events.py (`ResponseRun.events`).
 """

@@ -331,7 +331,8 @@ async def response_events(generation: Generation, request: Request, service) -> 
     with `store: true`, is stored even so, `cancelled` with what was generated until then,
     or as it ended when the client left while it was being stored (the client has its id
     from `response.created`, and may come back for it). A failure
-    of the service's own ends the events with an `error` event (its cause goes to the log).
+    of the service's own ends a stream with an `error` event (its cause goes to the log);
+    a synchronous request gets it raised.
     """
     run = generation.run
 
@@ -352,6 +353,8 @@ async def response_events(generation: Generation, request: Request, service) -> 
             async for event in events:
                 yield event
         except Exception as exc:
+            if not generation.request.stream:
+                raise  # (a synchronous request answers it: a store away is its 503)
             service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
             yield run.error_event(Problem("internal_error", "an unexpected error occurred"))
 
@@ -362,9 +365,8 @@ async def respond(generation: Generation, request: Request, service) -> None:
     client leaving stops it (D4)."""
     request.cancel_on_disconnect()  # nobody left to read the response: stop generating
     async with aclosing(response_events(generation, request, service)) as events:
-        async for event in events:
-            if event.name == "error":
-                raise Problem("internal_error", "an unexpected error occurred")
+        async for _ in events:
+            pass
     error = generation.run.error
     if generation.run.status == "failed":
         retry = [("Retry-After", "5")] if error["code"] == "model_unavailable" else None

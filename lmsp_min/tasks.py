@@ -43,6 +43,7 @@ import trio
 
 from lmsp_min.events import FINAL_EVENTS, Event, add_text, compact_json, new_id
 from lmsp_min.generation import Generation, pump
+from lmsp_min.idempotency import RECORD_TTL
 from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
 
@@ -492,8 +493,6 @@ class Tasks:
     async def purge(self) -> None:
         """Expire finished tasks' events, idempotency records and (--store-retention)
         stored responses and final tasks, by `clock`."""
-        from lmsp_min.idempotency import RECORD_TTL
-
         now = self.clock()
         await self.store.purge(now, self.event_retention, RECORD_TTL)
         if self.store_retention > 0:
