@@ -330,9 +330,9 @@ async def response_events(generation: Generation, request: Request, service) -> 
     before the final event goes out. A stream whose client leaves stops generating and,
     with `store: true`, is stored even so, `cancelled` with what was generated until then,
     or as it ended when the client left while it was being stored (the client has its id
-    from `response.created`, and may come back for it). A failure
-    of the service's own ends a stream with an `error` event (its cause goes to the log);
-    a synchronous request gets it raised.
+    from `response.created`, and may come back for it). A failure of the service's own
+    ends a stream with an `error` event (its cause goes to the log); a synchronous
+    request gets it raised.
     """
     run = generation.run
 
