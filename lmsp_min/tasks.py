@@ -151,6 +151,7 @@ class LiveLog:
 
 
 def logged(event: Event) -> LoggedEvent:
+    """An event as the log keeps it: its data as the JSON text the streams send."""
     return LoggedEvent(event.id, event.name, compact_json(event.data))
 
 
@@ -272,20 +273,7 @@ class Tasks:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(event_log.write_loop)
                 await self.store.set_task_status(running.task_id, "in_progress")
-                ending: list[Event] = []  # the final event, committed once the generation is over
-
-                async def note(final: Event) -> None:
-                    ending.append(final)
-
-                async def cut() -> None:  # cancelled by POST /cancel, or by a stopping service (`stop`)
-                    ending.append(run.failed(_shutting_down()) if self._stopping else run.cancelled())
-
-                with running.cancel_scope:
-                    async with aclosing(pump(generation, note, cut)) as events:
-                        async for event in events:
-                            if not event.is_final:
-                                event_log.append(logged(event))
-                final = logged(ending[0])
+                final = await self._generate(running)
                 await event_log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
         except BaseException as exc:
             # A bug or a failing database: the task fails, the service goes on. What fails
@@ -310,6 +298,26 @@ class Tasks:
                 with trio.CancelScope(shield=True):
                     await self._fail(running, problem)
             self._release(running)
+
+    async def _generate(self, running: _Running) -> LoggedEvent:
+        """Pump the task's generation into its log up to its final event, which it returns
+        for the runner to commit: the generation's own, or the ending of a runner that was
+        cancelled (by POST /cancel, or by a stopping service: `stop`)."""
+        run = running.generation.run
+        ending: list[Event] = []
+
+        async def note(final: Event) -> None:
+            ending.append(final)
+
+        async def cut() -> None:
+            ending.append(run.failed(_shutting_down()) if self._stopping else run.cancelled())
+
+        with running.cancel_scope:
+            async with aclosing(pump(running.generation, note, cut)) as events:
+                async for event in events:
+                    if not event.is_final:
+                        running.event_log.append(logged(event))
+        return logged(ending[0])
 
     def _release(self, running: _Running) -> None:
         """The task has no runner any more: release its followers (if no final event could
