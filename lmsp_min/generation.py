@@ -331,8 +331,8 @@ async def response_events(generation: Generation, request: Request, service) -> 
     with `store: true`, is stored even so, `cancelled` with what was generated until then,
     or as it ended when the client left while it was being stored (the client has its id
     from `response.created`, and may come back for it). A failure of the service's own
-    ends a stream with an `error` event (its cause goes to the log); a synchronous
-    request gets it raised.
+    ends a stream with an `error` event (its cause goes to the log; a problem, such as a
+    full disk's 503, is the event's `error`); a synchronous request gets it raised.
     """
     run = generation.run
 
@@ -356,7 +356,9 @@ async def response_events(generation: Generation, request: Request, service) -> 
             if not generation.request.stream:
                 raise  # (a synchronous request answers it: a store away is its 503)
             service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
-            yield run.error_event(Problem("internal_error", "an unexpected error occurred"))
+            # (a Problem is written for the client: a store away, its disk full, is its 503)
+            yield run.error_event(exc if isinstance(exc, Problem) else Problem("internal_error",
+                                                                               "an unexpected error occurred"))
 
 
 async def respond(generation: Generation, request: Request, service) -> None:

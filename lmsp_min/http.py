@@ -38,7 +38,9 @@ examples/trio-server.py:
 
 Handlers see a `Request` and return a `Response` (a whole body) or a
 `StreamingResponse` (an async iterator of byte chunks, each written and
-flushed as soon as it exists). `HTTPServer` listens and can stop gracefully.
+flushed as soon as it exists). A stream whose iterator raises ends without its final
+chunk, cut, never as if complete (`StreamCut` says why in one log line). `HTTPServer`
+listens and can stop gracefully.
 """
 
 import json
@@ -100,6 +102,12 @@ class Response:
     body: bytes = b""
     content_type: str | None = "application/json"
     headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+class StreamCut(Exception):
+    """Raised by a streaming body that cannot end as complete (what it streams was lost):
+    the connection ends without the final chunk, so that the client sees a cut stream,
+    and the log says the message in one line (a cut the body chose has no traceback)."""
 
 
 @dataclass
@@ -567,6 +575,9 @@ class _Connection:
                 await self._write_chunks_or_idle(response)
         except _ClientGone:
             raise
+        except StreamCut as cut:
+            self.log(f"error: a response stream was cut: {cut}")
+            raise _StreamFailed() from None
         except Exception:
             # The body is half sent: we cannot report the error in-band any
             # more, so the connection ends without its final chunk and the

@@ -26,7 +26,10 @@ A task owns its generation (lmsp_min/generation.py `Generation`) from `Tasks.sta
 its runner drives the generation's pump, which commits the final event to the log
 (`LiveLog.finish`) before it goes out, and releases the generation's admission when it
 ends, however it ends. Followers get batches of logged events; the routes frame them
-as SSE (lmsp_min/sse.py), which keeps an idle stream alive.
+as SSE (lmsp_min/sse.py), which keeps an idle stream alive. A runner that could not
+commit any final event (its database lost, its disk full) cuts its followers' streams
+(`StreamCut`): they resume with Last-Event-ID, and get the final event once the task
+is recovered, rather than a clean end that tells them nothing more will come.
 
 Reading on: lmsp_min/store/ keeps the log; lmsp_min/routes.py serves it.
 """
@@ -43,6 +46,7 @@ import trio
 
 from lmsp_min.events import FINAL_EVENTS, Event, add_text, compact_json, new_id
 from lmsp_min.generation import Generation, pump
+from lmsp_min.http import StreamCut
 from lmsp_min.idempotency import RECORD_TTL
 from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
@@ -137,7 +141,8 @@ class LiveLog:
     async def follow(self, after: int) -> AsyncIterator[list[LoggedEvent]]:
         """Committed events with seq > `after`, then live ones, until the final one:
         each time, all those not yet yielded (a late follower catches up in one
-        batch)."""
+        batch). A log abandoned without a final event raises StreamCut: its
+        follower must not take the end for the task's."""
         cursor = after  # index in self.events of the next event to yield
         while True:
             if cursor < len(self.events):
@@ -146,6 +151,9 @@ class LiveLog:
                 yield batch
                 continue
             if self.done:
+                if not self.events or self.events[-1].event not in FINAL_EVENTS:
+                    raise StreamCut(f"task {self.task_id} stopped without a final event its database "
+                                    "took; its followers resume once it is recovered")
                 return
             await self._published.wait()
 

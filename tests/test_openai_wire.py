@@ -2,10 +2,15 @@
 LMSP face does not move."""
 
 import json
+import math
 
+import h11
 import pytest
+import trio
 
+from lmsp_min.store import unavailable
 from server_harness import make_service, parse_sse, start_server, tiny_path  # noqa: F401
+from test_tasks import gated
 from waiting import wait_until
 
 TINY_ID = "tiny:chat-q8_0"
@@ -212,6 +217,26 @@ async def test_a_background_stream_replays_from_zero_and_resumes(server):
     assert [event.data for event in resumed] == live[6:]
     bad = await server.request("GET", f"/v1/responses/{response_id}?stream=true&starting_after=x")
     assert bad.status == 400 and bad.json()["error"]["param"] == "starting_after"
+
+
+async def test_a_background_stream_whose_end_cannot_be_committed_is_cut(server, monkeypatch):
+    """As the LMSP face's followers (test_tasks.py): a cut, never a clean end without
+    `response.completed` or `response.failed`, which the SDK would take for the end."""
+    gate = gated(server.service.registry.get(TINY_ID).model, monkeypatch)
+
+    async def lost(*args, **kwargs):
+        raise unavailable()
+
+    monkeypatch.setattr(server.service.store, "finish_task", lost)
+    with trio.fail_after(30):
+        async with server.connection() as client:
+            await client.send("POST", "/v1/responses", json_body={
+                "model": TINY_ID, "input": "Tell me a story.", "background": True, "stream": True,
+                "max_output_tokens": 4, "temperature": 0})
+            assert (await client.read_head()).status == 200  # (it follows the task, held at the gate)
+            gate.allow(math.inf)
+            with pytest.raises(h11.RemoteProtocolError, match="incomplete chunked read"):
+                [chunk async for chunk in client.read_chunks()]
 
 
 async def test_a_dialect_response_is_an_lmsp_conversation_too(server):

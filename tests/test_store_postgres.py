@@ -167,6 +167,32 @@ async def test_a_lost_database_is_a_503_then_nothing_is_lost(own_server):
     store.close()
 
 
+# What PostgreSQL raises when it cannot extend a table's file: SQLSTATE 53100, disk_full.
+_DISK_FULL_ON_INSERT = [
+    "CREATE FUNCTION disk_full() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+    " RAISE EXCEPTION 'could not extend file: No space left on device' USING ERRCODE = 'disk_full'; END $$",
+    "CREATE TRIGGER disk_full BEFORE INSERT ON responses FOR EACH ROW EXECUTE FUNCTION disk_full()",
+]
+
+
+async def test_a_full_disk_is_a_503_said_once_and_reads_go_on(postgres_url):
+    lines = []
+    store = await open_store(postgres_url, log=lines.append)
+    await store.put_response("resp_1", "alice", [], response_body("resp_1"))
+    for statement in _DISK_FULL_ON_INSERT:  # (the error is the server's own, as a full disk's)
+        sql(postgres_url, statement)
+    for response_id in ("resp_2", "resp_3"):
+        with pytest.raises(Problem) as caught:  # (it was psycopg.errors.DiskFull: a 500)
+            await store.put_response(response_id, "alice", [], response_body(response_id))
+        assert caught.value.status == 503 and ("Retry-After", "30") in caught.value.headers
+    assert (await store.get_response("resp_1", "alice")).body == response_body("resp_1")
+    assert [line.split(" (")[0] for line in lines] == ["error: the database's disk is full"]
+    sql(postgres_url, "DROP TRIGGER disk_full ON responses")  # room again
+    await store.put_response("resp_2", "alice", [], response_body("resp_2"))
+    assert lines[-1].startswith("the database's disk has room again")
+    store.close()
+
+
 # -- two services in one process, on one database: what a gate can hold still ----------------------
 
 

@@ -7,6 +7,7 @@ import sqlite3
 import time
 from contextlib import aclosing
 
+import h11
 import pytest
 import trio
 import trio.testing
@@ -15,7 +16,7 @@ from lmsp_min import tasks
 from lmsp_min.generation import prepare
 from lmsp_min.http import Limits
 from lmsp_min.problems import Problem
-from lmsp_min.store import LoggedEvent, StoreError
+from lmsp_min.store import LoggedEvent, StoreError, unavailable
 from lmsp_min.store.sqlite import SQLiteStore
 from lmsp_min.service import _only
 from lmsp_min.tasks import Tasks
@@ -538,6 +539,34 @@ async def test_a_task_whose_runner_failed_says_so_whoever_writes_its_end(server,
     await server.service.tasks.recover()  # (as the next periodic recovery would)
     final = await wait_final(server, task["id"])
     assert final["status"] == "failed" and final["response"]["error"]["code"] == "internal_error"
+
+
+async def test_a_follower_is_cut_off_when_the_task_end_cannot_be_committed(server, monkeypatch):
+    """The database took the task's events, then was lost for its end (and for the failed
+    end its runner tries next): the follower's stream is cut, not closed as if complete (it
+    was closed cleanly without a final event). Resuming once the database is back, it gets
+    the rest, the final event included."""
+    gate = gated(server.service.registry.get("tiny:chat-q8_0").model, monkeypatch)
+
+    async def lost(*args, **kwargs):
+        raise unavailable()
+
+    monkeypatch.setattr(server.service.store, "finish_task", lost)
+    task = await create(server, task_body(max_output_tokens=5))
+    seen = []
+    with trio.fail_after(30):
+        async with server.connection() as client:
+            with pytest.raises(h11.RemoteProtocolError, match="incomplete chunked read"):
+                async for event in follow(client, task["id"]):
+                    seen += [event] if event is not None else []
+                    gate.allow(math.inf)  # (it follows the task as it runs)
+    assert seen and seen[-1].event not in FINAL
+    assert any(line.startswith(f"error: a response stream was cut: task {task['id']}")
+               for line in server.service.log_lines)
+    monkeypatch.undo()  # the database is back
+    rest = await all_events(server, task["id"], headers={"Last-Event-ID": str(seen[-1].id)})
+    assert [e.id for e in rest] == list(range(seen[-1].id + 1, seen[-1].id + 1 + len(rest)))
+    assert rest[-1].event == "response.failed"
 
 
 async def test_an_expiry_purge_cannot_cut_a_replay_short(tmp_path):

@@ -5,6 +5,7 @@ import json
 import pytest
 import trio
 
+from lmsp_min.http import StreamCut
 from lmsp_min.store import LoggedEvent, Store
 from lmsp_min.store.sqlite import SQLiteStore
 from lmsp_min.tasks import LiveLog
@@ -95,13 +96,15 @@ async def follow_into(seen: list, log: LiveLog, after: int) -> None:
         seen.extend(batch)
 
 
-async def test_abandoning_a_log_releases_its_followers(store):
+async def test_abandoning_a_log_without_a_final_event_cuts_its_followers(store):
+    """Released, and told the log has no end: their streams are cut, not ended as if complete."""
     log = LiveLog(store, "task_1")
     seen = []
     released = trio.Event()
 
     async def follower() -> None:
-        await follow_into(seen, log, 0)
+        with pytest.raises(StreamCut, match="task_1"):
+            await follow_into(seen, log, 0)
         released.set()
 
     with trio.fail_after(10):
@@ -113,6 +116,6 @@ async def test_abandoning_a_log_releases_its_followers(store):
                 log.append(LoggedEvent(3, "response.output_text.delta", "{}"))
             await wait_until(lambda: len(seen) == 1, "the first event")
             log.abandon()
-            await released.wait()  # the follower's stream ends
+            await released.wait()  # the follower's stream is cut
             nursery.cancel_scope.cancel()
     assert [event.seq for event in seen] == [1]

@@ -16,7 +16,10 @@ across machines), and how it learns that something changed in another process
 Every method that touches the database runs it in a worker thread: the trio
 loop never waits on a database. A store that cannot reach its database raises
 `unavailable()`, a 503 problem: a request that needs it is answered so, and
-the same request succeeds once the database is back.
+the same request succeeds once the database is back. A write that finds the
+database's disk full (however the backend says it) raises `disk_full()`, a 503
+too, logged in one line when the disk fills, and again when a write succeeds:
+what is stored can still be read meanwhile.
 
 Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """
@@ -49,6 +52,20 @@ class StoreError(ValueError):
 def unavailable(detail: str = "the service's database cannot be reached; try again shortly") -> Problem:
     """What a request that needs the database gets while it cannot be reached (503)."""
     return Problem("model_unavailable", detail, headers=[("Retry-After", "2")])
+
+
+# A full disk is a 503, not WebDAV's 507 (RFC 4918 11.5): the request was right, and the
+# same request succeeds once there is room, which is what 503 with Retry-After tells every
+# client, proxy and SDK; 507 reads as "this request needs more room than there is", as if
+# a smaller one would do, and D1's closed table of codes has none for it. Retried after
+# half a minute: room comes back by an operator's hand or a purge, not within seconds.
+DISK_FULL_RETRY_AFTER = "30"
+
+
+def disk_full() -> Problem:
+    """What a request whose write finds the database's disk full gets (503)."""
+    return Problem("model_unavailable", "the service's storage is full; try again later",
+                   headers=[("Retry-After", DISK_FULL_RETRY_AFTER)])
 
 
 @dataclass(frozen=True)

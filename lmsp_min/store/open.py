@@ -12,7 +12,8 @@ from lmsp_min.store import Store, StoreError
 async def open_store(location: str | Path | None, *, lease: float = 10.0, log=None) -> Store:
     """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
     extra; `lease`: seconds after which a silent node's tasks are failed by the others),
-    a data directory (SQLite), or None (SQLite in memory, --no-store)."""
+    a data directory (SQLite), or None (SQLite in memory, --no-store). `log` hears what
+    the operator must know of it (a full disk, a lost connection), one line each."""
     if isinstance(location, str) and location.startswith(("postgresql://", "postgres://")):
         try:
             from lmsp_min.store.postgres import PostgresStore
@@ -21,4 +22,4 @@ async def open_store(location: str | Path | None, *, lease: float = 10.0, log=No
                              f"pip install 'lmsp-min[postgres]' ({exc})") from None
         return await PostgresStore.open(location, lease=lease, log=log)
     from lmsp_min.store.sqlite import SQLiteStore
-    return await SQLiteStore.open(location)
+    return await SQLiteStore.open(location, log=log)

@@ -102,10 +102,9 @@ class PostgresStore(SQLStore):
 
     def __init__(self, url: str, lease: float, log: Callable[[str], None] | None = None,
                  token: trio.lowlevel.TrioToken | None = None):
-        super().__init__()
+        super().__init__(log)
         self.url = url
         self.lease = self.liveness_period = lease
-        self._log = log or (lambda line: None)
         self._idle: list[_Connection] = []
         self._write_limiter = self._read_limiter = trio.CapacityLimiter(POOL_SIZE)  # (one pool for both)
         self._watches: dict[str, set[Watch]] = {}
@@ -197,6 +196,9 @@ class PostgresStore(SQLStore):
     def _give_up_lease(self, conn: _Connection) -> None:
         conn.execute("SELECT pg_notify(?, '')", (self._wake_channel,))
         conn.execute("DELETE FROM owners WHERE owner = ?", (self.owner,))
+
+    def _is_disk_full(self, exc: Exception) -> bool:
+        return isinstance(exc, psycopg.errors.DiskFull) or super()._is_disk_full(exc)  # (SQLSTATE 53100)
 
     def _gone_among(self, conn: _Connection, owners: set[str]) -> set[str]:
         """Those whose lease has expired, by the database's clock (or was given up: no row)."""

@@ -12,16 +12,19 @@ Next: lmsp_min/store/sqlite.py and lmsp_min/store/postgres.py, the backends.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 from abc import abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import trio
 
-from lmsp_min.store import FINAL_STATUSES, IdempotencyRecord, LoggedEvent, Store, StoredResponse, StoreError, TaskRow
+from lmsp_min.store import (FINAL_STATUSES, IdempotencyRecord, LoggedEvent, Store, StoredResponse, StoreError,
+                            TaskRow, disk_full)
 
 _FINAL_LIST = ", ".join(f"'{status}'" for status in sorted(FINAL_STATUSES))  # (for SQL's IN)
 # What a commit tells the other processes of a task (PostgreSQL's NOTIFY channels).
@@ -107,8 +110,10 @@ class SQLStore(Store):
     _write_limiter: trio.CapacityLimiter
     _read_limiter: trio.CapacityLimiter
 
-    def __init__(self) -> None:
+    def __init__(self, log: Callable[[str], None] | None = None) -> None:
         self.owner = os.urandom(8).hex()
+        self._log = log or (lambda line: None)
+        self._disk_is_full = False  # an operation found the disk full (said once, until a write succeeds)
         # (principal, key) of the idempotency claims this Store's requests hold now: a
         # 'running' claim of ours that is not here was left by a request that could
         # neither complete nor release it (a failing disk), see release_abandoned_keys
@@ -129,11 +134,38 @@ class SQLStore(Store):
     def _may_purge(self, conn: Any) -> bool:
         return True  # (unless the backend's processes purge in turn)
 
+    def _is_disk_full(self, exc: Exception) -> bool:
+        """Whether `exc` says the database's disk is full: the file system's ENOSPC (or a
+        quota's EDQUOT, as full for us), and what the backend says instead (it adds that)."""
+        return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
     async def _write(self, fn: Callable[..., Any], *args: Any, durable: bool = True) -> Any:
-        return await trio.to_thread.run_sync(self._run_in_transaction, fn, args, durable, limiter=self._write_limiter)
+        with self._full_disk_refused():
+            result = await trio.to_thread.run_sync(self._run_in_transaction, fn, args, durable,
+                                                   limiter=self._write_limiter)
+        if self._disk_is_full:
+            self._disk_is_full = False
+            self._log(f"the database's disk has room again ({self.location}): writes go on")
+        return result
 
     async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await trio.to_thread.run_sync(self._run_read, fn, args, limiter=self._read_limiter)
+        with self._full_disk_refused():  # (a read may need room too: PostgreSQL's sorts on disk)
+            return await trio.to_thread.run_sync(self._run_read, fn, args, limiter=self._read_limiter)
+
+    @contextmanager
+    def _full_disk_refused(self) -> Iterator[None]:
+        """A full disk, however the backend says it, raised as `disk_full()` (a 503), and
+        logged in one line when it starts, not a traceback for every request that meets it."""
+        try:
+            yield
+        except Exception as exc:
+            if not self._is_disk_full(exc):
+                raise
+            if not self._disk_is_full:
+                self._disk_is_full = True
+                self._log(f"error: the database's disk is full ({self.location}): writes get 503 until there "
+                          f"is room, reads go on ({type(exc).__name__}: {exc})")
+            raise disk_full() from exc
 
     def _notify(self, conn: Any, channel: str, task_id: str) -> None:
         if self.dialect.notify is not None:

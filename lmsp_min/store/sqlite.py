@@ -48,6 +48,7 @@ except ImportError:  # Windows
 
 DB_NAME = "lmsp-min.sqlite3"
 OWNERS_DIR = "owners"
+SQLITE_FULL = 13  # "database or disk is full" (sqlite3 names its codes from Python 3.11 on)
 
 # (No row lock: BEGIN IMMEDIATE gives a writer the database to itself, and the migration too.)
 SQLITE = Dialect(bigint="INTEGER", double="REAL", blob="BLOB", boolean="INTEGER", true="1", false="0",
@@ -90,8 +91,8 @@ class SQLiteStore(SQLStore):
     elsewhere = "another --data-dir"
     damaged = sqlite3.DatabaseError
 
-    def __init__(self, path: Path | None, readers: int = 2):
-        super().__init__()
+    def __init__(self, path: Path | None, readers: int = 2, log: Callable[[str], None] | None = None):
+        super().__init__(log)
         self.path = path  # None: in memory
         self.persistent = path is not None
         self._synchronous = "FULL"
@@ -126,19 +127,19 @@ class SQLiteStore(SQLStore):
             raise
 
     @classmethod
-    def open_sync(cls, data_dir: Path | str | None) -> "SQLiteStore":
+    def open_sync(cls, data_dir: Path | str | None, log: Callable[[str], None] | None = None) -> "SQLiteStore":
         if data_dir is None:
-            return cls(None)
+            return cls(None, log=log)
         data_dir = Path(data_dir)
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
-            return cls(data_dir / DB_NAME)
+            return cls(data_dir / DB_NAME, log=log)
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the database in {data_dir}: {exc}") from None
 
     @classmethod
-    async def open(cls, data_dir: Path | str | None) -> "SQLiteStore":
-        return await trio.to_thread.run_sync(cls.open_sync, data_dir)
+    async def open(cls, data_dir: Path | str | None, log: Callable[[str], None] | None = None) -> "SQLiteStore":
+        return await trio.to_thread.run_sync(cls.open_sync, data_dir, log)
 
     @property
     def location(self) -> str:
@@ -154,6 +155,12 @@ class SQLiteStore(SQLStore):
         if self._owner_lock is not None:
             self._owner_lock.close()
             (self._owners / f"{self.owner}.lock").unlink(missing_ok=True)
+
+    def _is_disk_full(self, exc: Exception) -> bool:
+        if isinstance(exc, sqlite3.OperationalError):
+            code = getattr(exc, "sqlite_errorcode", None)  # (Python 3.11; before it, SQLITE_FULL's message)
+            return code & 0xFF == SQLITE_FULL if code is not None else str(exc) == "database or disk is full"
+        return super()._is_disk_full(exc)
 
     def _gone_among(self, conn: sqlite3.Connection, owners: set[str]) -> set[str]:
         """The owners whose process has ended (one look at each one's lock)."""
