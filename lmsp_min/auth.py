@@ -44,8 +44,8 @@ class Auth:
 
     def __init__(self, tokens: list[Token] | None = None, allowed_hosts=()):
         self.tokens = list(tokens or [])
-        self.allowed_hosts = frozenset(allowed_hosts)  # --allow-host: names a request may be addressed to
-        # without tokens, beside the loopback ones (host_name's form)
+        # --allow-host: names a request may be addressed to without tokens, beside the loopback ones
+        self.allowed_hosts = frozenset(map(host_name, allowed_hosts))
 
     @property
     def enabled(self) -> bool:

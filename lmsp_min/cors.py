@@ -18,15 +18,15 @@ origins cannot call it; with it, `CorsPolicy` answers for the origins listed (or
   fetches with `credentials: "include"` works; the service sets no cookie, and tokens go
   in `Authorization` anyway). `*` answers `*`, never with credentials (Fetch forbids it).
 
-`*` is safe where the service is: without tokens it listens on loopback only
-(lmsp_min/service.py `serve`), where any page could already reach it through the browser
-and the Host rule (lmsp_min/auth.py) is what stands in the way of DNS rebinding; with
-tokens a page needs one.
+`*` is accepted wherever the service starts: beyond loopback it needs tokens
+(lmsp_min/service.py `serve`), and a page then needs one too; on loopback without tokens
+it lets any page the user opens use the service, which docs/serving.md says.
 
-Where it is applied: lmsp_min/routing.py's `App`, which every answer of both faces passes
-(failures too, in the face's error format), and which knows the routes a preflight asks
-for. What lmsp_min/http.py refuses before any handler runs (431, 408, a malformed request,
-429 over the connection limits) carries no CORS header: the page sees a network error.
+What lmsp_min/http.py refuses before any handler runs (431, 408, a malformed request, 429
+over the connection limits) carries no CORS header: the page sees a network error. The
+rest is answered by lmsp_min/routing.py's `App`, which every answer of both faces passes
+(failures too, in the face's error format) and which knows the routes a preflight asks
+for: it calls this module; read it next.
 """
 
 import re
@@ -73,8 +73,10 @@ class CorsPolicy:
     """The origins whose pages may call the service, and the headers that tell their browsers."""
 
     def __init__(self, origins=()):
-        self.origins = frozenset(origins) - {ANY_ORIGIN}
-        self.any_origin = ANY_ORIGIN in origins
+        """`origins` as `parse_origin` reads them (ValueError for one that is not an origin)."""
+        parsed = frozenset(map(parse_origin, origins))
+        self.origins = parsed - {ANY_ORIGIN}
+        self.any_origin = ANY_ORIGIN in parsed
 
     @property
     def enabled(self) -> bool:

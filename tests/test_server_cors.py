@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from lmsp_min.cors import parse_origin
-from server_harness import make_service, start_server, tiny_path  # noqa: F401
+from lmsp_min.cors import CorsPolicy, parse_origin
+from lmsp_min.service import serve
+from server_harness import close_service, make_service, start_server, tiny_path  # noqa: F401
 
 TINY_ID = "tiny:chat-q8_0"
 PAGE = "http://localhost:3000"  # the listed origin
@@ -121,6 +122,17 @@ async def test_without_cors_origin_nothing_is_said_and_options_is_405(nursery, t
     assert cors_headers(reply) == {} and "vary" not in reply.headers
 
 
+async def test_any_origin_without_tokens_is_loopback_only(tiny_path):
+    """`*` without tokens lets any page read the service's answers: on loopback only, where a
+    service without tokens listens anyway."""
+    service = await make_service([tiny_path], cors_origins=["*"])
+    try:
+        with pytest.raises(ValueError, match="loopback"):
+            await serve(service, "0.0.0.0", 0)
+    finally:
+        await close_service(service)
+
+
 @pytest.mark.parametrize("text, origin", [
     ("http://localhost:3000", "http://localhost:3000"), ("HTTP://LocalHost:3000/", "http://localhost:3000"),
     ("http://box:80", "http://box"), ("https://box:443", "https://box"), ("https://box:80", "https://box:80"),
@@ -135,3 +147,11 @@ def test_an_origin_is_written_as_browsers_send_it(text, origin):
 def test_an_origin_is_a_scheme_host_and_port_alone(text):
     with pytest.raises(ValueError, match="not an origin"):
         parse_origin(text)
+
+
+def test_a_policy_reads_its_origins_as_the_command_line_does():
+    """A ServiceConfig written by hand is read like --cors-origin: its origins match what browsers send."""
+    headers = dict(CorsPolicy(["HTTP://LocalHost:3000/"]).response_headers(PAGE))
+    assert headers["Access-Control-Allow-Origin"] == PAGE
+    with pytest.raises(ValueError, match="not an origin"):
+        CorsPolicy(["localhost:3000"])
