@@ -3,7 +3,8 @@
 With a tokens file every request needs `Authorization: Bearer <token>`; the
 token is compared, in constant time, against every configured token (so the
 time taken says nothing about which token nearly matched). Without one, the
-service only listens on loopback and everyone is the principal "local".
+service only listens on loopback, answers only requests addressed to a loopback name
+or to a name given with `--allow-host`, and everyone is the principal "local".
 Tokens are never logged, and never appear in an error's detail.
 """
 
@@ -11,6 +12,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +42,10 @@ class Token:
 class Auth:
     """Who is calling, and may they call this route?"""
 
-    def __init__(self, tokens: list[Token] | None = None):
+    def __init__(self, tokens: list[Token] | None = None, allowed_hosts=()):
         self.tokens = list(tokens or [])
+        # --allow-host: names a request may be addressed to without tokens, beside the loopback ones
+        self.allowed_hosts = frozenset(map(host_name, allowed_hosts))
 
     @property
     def enabled(self) -> bool:
@@ -84,6 +88,14 @@ class Auth:
             tokens.append(Token(_digest(secret), principal, frozenset(scopes)))
         return cls(tokens)
 
+    def _addressed_locally(self, host: str) -> bool:
+        """Whether a Host header ("localhost:8080", "[::1]:8080") names this machine, by a
+        loopback name or one of `allowed_hosts`."""
+        name = (host.partition("]")[0] + "]") if host.startswith("[") else host.partition(":")[0]
+        name = name.lower().rstrip(".")
+        # RFC 6761: *.localhost is loopback
+        return name.endswith(".localhost") or is_loopback(name) or name in self.allowed_hosts
+
     def authenticate(self, authorization: str | None, scope: str, host: str | None) -> str:
         """The principal of a request that needs `scope`, or a 401 / 403 problem.
 
@@ -91,13 +103,15 @@ class Auth:
         the principal "local": a web page can point its own domain name at 127.0.0.1
         (DNS rebinding), and the user's browser would then send it requests that pass
         as the same origin; they carry that domain as their Host. A request without a
-        Host (HTTP/1.0) comes from no browser, and passes.
+        Host (HTTP/1.0) comes from no browser, and passes. A name given with `--allow-host`
+        passes too (host.docker.internal, as a container addresses this machine): a page can
+        only send it from a domain of that name, whose DNS its owner controls.
         """
         if not self.tokens:
-            if host is not None and not _addressed_locally(host):
+            if host is not None and not self._addressed_locally(host):
                 raise Problem("invalid_request", "without tokens this service answers only requests "
                               "addressed to this machine by a loopback name or address "
-                              "(localhost, 127.0.0.1, [::1])")
+                              "(localhost, 127.0.0.1, [::1]) or by a name given with --allow-host")
             return LOCAL_PRINCIPAL
         challenge = [("WWW-Authenticate", 'Bearer realm="lmsp"')]
         scheme, _, credentials = (authorization or "").strip().partition(" ")
@@ -137,8 +151,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _addressed_locally(host: str) -> bool:
-    """Whether a Host header ("localhost:8080", "[::1]:8080") names this machine."""
-    name = (host.partition("]")[0] + "]") if host.startswith("[") else host.partition(":")[0]
-    name = name.lower().rstrip(".")
-    return name.endswith(".localhost") or is_loopback(name)  # RFC 6761: *.localhost is loopback
+# A host name or IP address without a port (an IPv6 address in brackets)
+_HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?|\[[0-9a-f:.]+\]")
+
+
+def host_name(text: str) -> str:
+    """`--allow-host`'s value as a Host header names it (lowercase, no final dot); ValueError
+    with a message for the command line."""
+    name = text.strip().lower().rstrip(".")
+    if not _HOST_NAME.fullmatch(name):
+        raise ValueError(f"{text!r} is not a host name or address (without a port): "
+                         "e.g. host.docker.internal")
+    return name

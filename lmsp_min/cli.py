@@ -19,6 +19,8 @@ import engine
 from engine.api import ChatRequest, Finished, ReasoningDelta, SamplingParams, TextDelta, ToolCall
 from engine.errors import ContextLengthExceeded, EngineError
 from lmsp_min import __version__, fetch
+from lmsp_min.auth import host_name
+from lmsp_min.cors import parse_origin
 from lmsp_min.paths import models_dir
 
 
@@ -327,6 +329,17 @@ def _number(kind, low: float, high: float = math.inf, *, above: bool = False):
     return parse
 
 
+def _checked(parse):
+    """An argparse type from a function that raises ValueError with a message for the user."""
+    def check(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return check
+
+
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd]?)")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -358,6 +371,12 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--port", type=_number(int, 0, 65535), default=8080, help="port to listen on (default 8080)")
     p.add_argument("--tokens-file", type=Path, metavar="FILE",
                    help='JSON list of {"token", "principal", "scopes"}; required beyond loopback')
+    p.add_argument("--allow-host", dest="allowed_hosts", action="append", default=[], type=_checked(host_name),
+                   metavar="NAME", help="without --tokens-file, also answer requests addressed to NAME "
+                   "(repeatable): host.docker.internal, as a container calls this machine (docs/serving.md)")
+    p.add_argument("--cors-origin", dest="cors_origins", action="append", default=[], type=_checked(parse_origin),
+                   metavar="ORIGIN", help="let web pages of ORIGIN (http://localhost:3000) call the service "
+                   "from a browser (repeatable; * for any page)")
     p.add_argument("--data-dir", type=Path, metavar="DIR",
                    help="where stored responses and tasks live (default: the user data directory)")
     p.add_argument("--no-store", action="store_true",
@@ -407,6 +426,8 @@ def cmd_serve(args) -> int:
         model_paths=[Path(path) for path in args.models],
         models_dir=args.models_dir if args.models_dir is not None else models_dir(),
         tokens_file=args.tokens_file,
+        allowed_hosts=args.allowed_hosts,
+        cors_origins=args.cors_origins,
         data_dir=args.data_dir,
         store=not args.no_store,
         store_url=args.store,

@@ -547,7 +547,8 @@ class _Connection:
     async def _send_response(self, response: Response) -> None:
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return  # a response already started: nothing more can be said
-        await self._send(await self._head(response.status, response.content_type, response.headers, len(response.body)))
+        length = None if response.status == 204 else len(response.body)  # (RFC 9110 8.6: a 204 has none)
+        await self._send(await self._head(response.status, response.content_type, response.headers, length))
         if response.body and not self._answering_head:  # HEAD: the same head, no body
             await self._send(h11.Data(data=response.body))
         await self._send(h11.EndOfMessage())

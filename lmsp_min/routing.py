@@ -6,7 +6,8 @@ method_not_allowed` with `Allow`. A face mounts its routes under a prefix with i
 own error format (`Router.mount`): LMSP answers problem documents (lmsp_min/http.py
 `problem_response`, the default), the OpenAI face at /v1 its error objects. `App`
 is the handler lmsp_min/http.py calls: route, authenticate, check the version,
-dispatch, and answer whatever goes wrong in the format of the path's face. Every
+dispatch, and answer whatever goes wrong in the format of the path's face; it answers
+CORS preflights and adds the CORS headers of every response (lmsp_min/cors.py). Every
 handler is `async def handler(request, service) -> Response | StreamingResponse`.
 
 Reading the request path: lmsp_min/http.py calls `App`; the faces' handlers are in
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from lmsp_min.cors import is_preflight
 from lmsp_min.http import Request, Response, problem_response
 from lmsp_min.problems import Problem, clipped, quoted, shutting_down
 from lmsp_min.validate import parse_json_body
@@ -113,6 +115,12 @@ class App:
         self.router = router
 
     async def __call__(self, request: Request):
+        """The response, with the CORS headers its origin gets (lmsp_min/cors.py), failures' too."""
+        response = await self._answer(request)
+        response.headers = [*response.headers, *self.service.cors.response_headers(request.headers.get("origin"))]
+        return response
+
+    async def _answer(self, request: Request):
         try:
             return await self._dispatch(request)
         except Problem as problem:
@@ -125,6 +133,9 @@ class App:
     async def _dispatch(self, request: Request):
         if self.service.http is not None and self.service.http.draining:
             raise shutting_down()
+        if self.service.cors.enabled and is_preflight(request):  # (it carries no credentials: before auth)
+            self.router.match(request.headers["access-control-request-method"], request.path)  # 404, 405
+            return self.service.cors.preflight(request)
         handler, scope, params = self.router.match(request.method, request.path)
         request.params = params
         request.principal = self.service.auth.authenticate(request.headers.get("authorization"), scope,

@@ -33,6 +33,7 @@ import trio
 import engine
 from lmsp_min import paths, routes
 from lmsp_min.auth import Auth, is_loopback
+from lmsp_min.cors import CorsPolicy
 from lmsp_min.events import compact_json
 from lmsp_min.generation import GenerationsInProgress
 from lmsp_min.http import HTTPServer, Limits
@@ -73,6 +74,8 @@ class ServiceConfig:
     model_paths: list[Path] = field(default_factory=list)
     models_dir: Path | None = None  # every .gguf here is served
     tokens_file: Path | None = None  # none: loopback only, principal "local"
+    allowed_hosts: list[str] = field(default_factory=list)  # --allow-host: Host names accepted without tokens
+    cors_origins: list[str] = field(default_factory=list)  # --cors-origin: pages that may call it ("*": any)
     data_dir: Path | None = None  # the store's database (None: lmsp_min.paths.data_dir())
     store: bool = True  # False (--no-store): nothing outlives the process
     store_url: str | None = None  # postgresql://...: a PostgreSQL store, shared by several nodes
@@ -102,6 +105,7 @@ class Service:
         self.auth = auth or Auth()
         self.store = store
         self.config = config or ServiceConfig()
+        self.cors = CorsPolicy(self.config.cors_origins)
         self.tasks = None
         self.http: HTTPServer | None = None  # set by serve()
         self.router = faces_router()
@@ -116,7 +120,8 @@ class Service:
         it closes the models loaded meanwhile, then the store."""
         registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap,
                                        config.kv_cache_bytes, config.queue_depth, config.speculate)
-        auth = Auth.from_file(config.tokens_file) if config.tokens_file is not None else Auth()
+        auth = (Auth.from_file(config.tokens_file) if config.tokens_file is not None
+                else Auth(allowed_hosts=config.allowed_hosts))
         location = config.store_url or ((config.data_dir or paths.data_dir()) if config.store else None)
         store = await open_store(location, lease=config.store_lease, log=log)
         service = cls(registry, auth=auth, store=store, config=config, log=log)
@@ -301,7 +306,11 @@ def _banner(service: Service, addresses) -> None:
         n = len(service.auth.tokens)
         stderr_log(f"  auth: bearer tokens ({n} token{'s' if n != 1 else ''}; principals {', '.join(principals)})")
     else:
-        stderr_log("  auth: none (loopback only, principal 'local')")
+        also = "".join(f", {name}" for name in sorted(service.auth.allowed_hosts))
+        stderr_log(f"  auth: none (loopback only, principal 'local'; addressed as localhost{also})")
+    if service.cors.enabled:
+        origins = sorted(service.cors.origins) + (["* (any page you visit)"] if service.cors.any_origin else [])
+        stderr_log(f"  pages of other origins: {', '.join(origins)}")
     stderr_log(f"  storage: {f'on ({service.store.location})' if service.stores_responses else 'off'}")
     stderr_log(f"  compute: {_compute()}")
 

@@ -134,6 +134,18 @@ def test_out_of_range_options_are_usage_errors(args, capsys):
     assert e.value.code == 2 and "must be " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--cors-origin", "localhost:3000"], "is not an origin"),
+    (["serve", "--cors-origin", "http://localhost:3000/app"], "is not an origin"),
+    (["serve", "--allow-host", "*"], "is not a host name"),
+    (["serve", "--allow-host", "host.docker.internal:8080"], "is not a host name"),
+])
+def test_a_bad_origin_or_allowed_host_is_a_usage_error_saying_what_it_must_be(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory):
     from tiny import write_tiny_chat_model

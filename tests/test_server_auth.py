@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lmsp_min.auth import Auth, is_loopback
+from lmsp_min.auth import Auth, host_name, is_loopback
 from lmsp_min.service import serve
 from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from waiting import wait_until
@@ -172,3 +172,36 @@ def test_a_token_no_request_can_present_is_refused(tmp_path, token):
     with pytest.raises(ValueError, match="printable ASCII") as info:
         Auth.from_file(path)
     assert token.strip() not in str(info.value)
+
+
+@pytest.mark.parametrize("host, status", [
+    ("host.docker.internal:8080", 200), ("HOST.docker.internal.", 200), ("localhost:8080", 200),
+    ("docker.internal", 400), ("host.docker.internal.evil", 400), ("attacker.example", 400),
+])
+async def test_a_name_given_with_allow_host_is_answered_without_tokens(nursery, tiny_path, host, status):
+    """--allow-host host.docker.internal: a container's request passes, a rebound domain still does not."""
+    service = await make_service([tiny_path], allowed_hosts=[host_name("host.docker.internal")])
+    server = await start_server(nursery, service)
+    reply = await server.request("GET", "/lmsp/v1/models", headers={"Host": host})
+    assert reply.status == status
+    if status == 400:
+        assert "--allow-host" in reply.json()["detail"]
+
+
+async def test_allow_host_does_not_open_a_public_address_without_tokens(tiny_path):
+    """Any program on the network can send `Host: host.docker.internal`: the name is no credential."""
+    service = await make_service([tiny_path], allowed_hosts=["host.docker.internal"])
+    with pytest.raises(ValueError, match="loopback"):
+        await serve(service, "0.0.0.0", 0)
+
+
+@pytest.mark.parametrize("text, name", [("host.docker.internal", "host.docker.internal"),
+                                        ("Box.LAN.", "box.lan"), ("10.0.0.2", "10.0.0.2"), ("[fd00::2]", "[fd00::2]")])
+def test_an_allowed_host_is_written_as_a_host_header_names_it(text, name):
+    assert host_name(text) == name
+
+
+@pytest.mark.parametrize("text", ["*", "", "host.docker.internal:8080", "http://box", "a b", "-box"])
+def test_an_allowed_host_is_a_name_or_address_alone(text):
+    with pytest.raises(ValueError, match="host name"):
+        host_name(text)
