@@ -356,7 +356,9 @@ async def response_events(generation: Generation, request: Request, service) -> 
             if not generation.request.stream:
                 raise  # (a synchronous request answers it: a store away is its 503)
             service.log(f"error: the stream of {run.id} failed: {type(exc).__name__}: {exc}")
-            yield run.error_event(Problem("internal_error", "an unexpected error occurred"))
+            # a problem says itself (a store away: model_unavailable); anything else is ours
+            problem = exc if isinstance(exc, Problem) else Problem("internal_error", "an unexpected error occurred")
+            yield run.error_event(problem)
 
 
 async def respond(generation: Generation, request: Request, service) -> None:
