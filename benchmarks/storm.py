@@ -16,7 +16,9 @@ lmsp_min/admission.py), then with the same client sending as the `storm` princip
 its requests in the storm's own first-come queue, which is how every request waited
 before admission was fair. The ratio of the two p50s is what fairness buys.
 
-It prints, for each phase, the quiet request's p50 and p95 latency, and the answers of
+It prints, for each phase, the quiet request's p50 and p95 latency, its acceptance rate
+(the share of its requests answered 200, not refused 429: admission keeps part of the
+queue for a principal with nothing admitted), and the answers of
 every client by status (`dropped` for a connection the client left on purpose, `closed`
 for one the server closed without an answer); and the server's resident memory
 (VmRSS) once the model is loaded and at the end.
@@ -175,11 +177,13 @@ async def phase(port: int, model_id: str, args, quiet_as: str, seed: int) -> dic
         await trio.sleep(args.seconds)
         stop.set()
     ordered = sorted(latencies)
+    sent = sum(quiet_statuses.values())
     return {
         "quiet_as": quiet_as,
         "quiet_requests": len(latencies),
         "quiet_p50_s": statistics.median(ordered) if ordered else None,
         "quiet_p95_s": ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] if ordered else None,
+        "quiet_accepted": quiet_statuses[200] / sent if sent else None,  # answered, of those sent
         "quiet_latencies_s": [round(latency, 4) for latency in latencies],  # in the order they were sent
         "storm_statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
         "quiet_statuses": {str(k): v for k, v in sorted(quiet_statuses.items(), key=str)},
@@ -238,7 +242,8 @@ def main() -> None:
     for label, row in (("quiet as its own principal", own), ("quiet in the storm's principal", shared)):
         p50, p95 = row["quiet_p50_s"], row["quiet_p95_s"]
         figures = f"p50 {p50:.2f} s, p95 {p95:.2f} s" if p50 is not None else "no answer"
-        print(f"  {label}: {row['quiet_requests']} 1-token requests, {figures}")
+        accepted = f"{row['quiet_accepted']:.0%}" if row["quiet_accepted"] is not None else "none sent"
+        print(f"  {label}: {row['quiet_requests']} 1-token requests, {figures}, {accepted} accepted")
         print(f"    storm answers by status: {row['storm_statuses']}; quiet: {row['quiet_statuses']}")
     if own["quiet_p50_s"] and shared["quiet_p50_s"]:
         print(f"  fairness: the quiet p50 is {shared['quiet_p50_s'] / own['quiet_p50_s']:.1f}x shorter "
@@ -250,6 +255,8 @@ def main() -> None:
     if args.json:
         rows = [{"name": f"quiet p50, {row['quiet_as']} principal", "value": row["quiet_p50_s"], "unit": "s", **row}
                 for row in (own, shared)]
+        rows += [{"name": f"quiet accepted, {row['quiet_as']} principal", "value": row["quiet_accepted"]}
+                 for row in (own, shared)]
         rows += [{"name": "server RSS at start", "value": result["rss_start_mib"], "unit": "MiB"},
                  {"name": "server RSS at end", "value": result["rss_end_mib"], "unit": "MiB"},
                  {"name": "server error lines", "value": len(unexpected)}]

@@ -1,4 +1,4 @@
-"""Admission to a model: a bounded queue, served fairly between principals (D9).
+"""Admission to a model: a bounded queue, shared and served fairly between principals (D9).
 
 A model admits at most `depth` requests at once, generating or waiting (past it:
 429 `rate_limited`, before any work is done for the request). Of those, at most
@@ -9,10 +9,19 @@ with the fewest requests generating, and among equals the one served longest
 ago: round-robin between principals, so that one principal's burst of thirty
 requests does not make another's single request wait behind all of them.
 
+The places of the queue are shared too (`has_room`), or taking turns would order
+only what was admitted: a busy principal's clients, retrying at once, would take
+every place that frees and a quiet principal would get 429. So `reserve(depth)`
+places (an eighth, at least one) are kept for principals with nothing admitted,
+and the rest is split evenly between the principals with something admitted, the
+asker counted. One principal alone may hold `depth - reserve` (28 of the default
+32); two busy ones, half of that each; a principal past its share gets 429 while
+the queue still has room for the others.
+
 Every `Admission` has an owner, who releases it explicitly (`release`, or
 `with admission:`) once its request is over or will never generate, whether it
 was waiting or generating; releasing again does nothing. Everything here runs
-on the trio loop.
+on the trio loop. Next: lmsp_min/registry.py's `ModelEntry.admit`, which refuses.
 """
 
 import itertools
@@ -20,6 +29,14 @@ from collections import deque
 from collections.abc import Callable
 
 import trio
+
+
+def reserve(depth: int) -> int:
+    """The places of a `depth` queue kept for principals with nothing admitted."""
+    # an eighth (4 of the default 32): room for a few quiet principals' requests at once, while
+    # one principal alone loses little of the queue; at least one, or a quiet principal could
+    # still be shut out of a short queue
+    return max(1, depth // 8)
 
 
 class Admissions:
@@ -32,15 +49,25 @@ class Admissions:
         self._slots = slots
         self.admitted = 0  # admitted and not yet released: waiting, generating, or not yet asking
         self.generating = 0
+        self._admitted_by: dict[str, int] = {}  # principal -> its requests admitted, not yet released
         self._waiting: dict[str, deque["Admission"]] = {}  # principal -> its requests waiting, in order
         self._generating_by: dict[str, int] = {}  # principal -> its requests generating
         self._served: dict[str, int] = {}  # principal -> when it last got a turn (a counter)
         self._clock = itertools.count(1)
 
     def admit(self, principal: str) -> "Admission":
-        """Count in one more request (the caller has checked the depth)."""
+        """Count in one more request (the caller has checked `has_room`)."""
         self.admitted += 1
+        self._admitted_by[principal] = self._admitted_by.get(principal, 0) + 1
         return Admission(self, principal)
+
+    def has_room(self, principal: str, depth: int) -> bool:
+        """Whether a queue of `depth` admits one more request of `principal`: there is a
+        place, and the principal holds less than its share (the module docstring)."""
+        held = self._admitted_by.get(principal, 0)
+        sharing = len(self._admitted_by) + (held == 0)  # the principals with something admitted, and the asker
+        share = max(1, (depth - reserve(depth)) // sharing)
+        return self.admitted < depth and held < share
 
     @property
     def waiting(self) -> int:
@@ -66,6 +93,9 @@ class Admissions:
     def _release(self, admission: "Admission", generating: bool) -> None:
         self.admitted -= 1
         principal = admission.principal
+        self._admitted_by[principal] -= 1
+        if not self._admitted_by[principal]:
+            del self._admitted_by[principal]
         if generating:
             self.generating -= 1
             self._generating_by[principal] -= 1

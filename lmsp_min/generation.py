@@ -45,6 +45,7 @@ from lmsp_min.admission import Admission
 from lmsp_min.events import Event, ResponseRun, ServiceStopping, compact_json
 from lmsp_min.http import Request
 from lmsp_min.problems import Problem
+from lmsp_min.registry import rate_limited
 from lmsp_min.validate import ResponsesRequest, items_to_messages, kept_items, validate_responses_request
 
 # Rendering and tokenizing a short input takes well under a millisecond, less
@@ -180,9 +181,8 @@ async def prepare(body: dict, principal: str, service) -> Generation:
     if request.previous_response_id is not None:
         _require_conversations(service)
     model = await entry.load(service.log)
-    if entry.full:  # refused before the work below (entry.admit at the end counts it in)
-        raise Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
-                      headers=[("Retry-After", "1")])
+    if entry.full_for(principal):  # refused before the work below (entry.admit at the end counts it in)
+        raise rate_limited()
     _check_capabilities(request, entry)
     items = await effective_input(service, principal, request.previous_response_id, request.input)
     messages = items_to_messages(items, input_start=len(items) - len(request.input))

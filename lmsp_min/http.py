@@ -154,7 +154,9 @@ def new_request_id() -> str:
 class Request:
     """One HTTP request as handlers see it.
 
-    `headers` maps lowercase names to values (repeated headers joined by ", ").
+    `headers` maps lowercase names to values (repeated headers joined by ", ");
+    `header_fields` keeps them as sent, (lowercase name, value) in order, for a
+    header that must be sent once (a joined value cannot tell two from one with a comma).
     The body is read only when a handler asks for it (`await request.body()`),
     so a request rejected on its headers (401, 415, 413 by Content-Length)
     never makes a client that sent `Expect: 100-continue` upload anything.
@@ -166,10 +168,9 @@ class Request:
         path, _, query = target.decode("ascii").partition("?")
         self.path = path
         self.query: dict[str, str] = dict(parse_qsl(query, keep_blank_values=True))
+        self.header_fields = [(name.decode("ascii"), value.decode("latin-1")) for name, value in event.headers]
         headers: dict[str, str] = {}
-        for name, value in event.headers:
-            key = name.decode("ascii")
-            text = value.decode("latin-1")
+        for key, text in self.header_fields:
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
         if authority is not None:  # RFC 9112 3.2.2: the target's authority, not the Host header
             headers["host"] = authority.decode("ascii")

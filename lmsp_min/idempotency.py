@@ -53,10 +53,15 @@ def fingerprint(route: str, body: object) -> str:
 
 
 def key_of(request: Request) -> str | None:
-    """The request's Idempotency-Key, checked; None when it has none."""
-    key = request.headers.get(HEADER)
-    if key is None:
+    """The request's Idempotency-Key, checked; None when it has none. Two of them are a
+    400, not the one key the HTTP layer's ", " would join them into."""
+    keys = [value for name, value in request.header_fields if name == HEADER]
+    if not keys:
         return None
+    if len(keys) > 1:
+        raise Problem("invalid_request", f"send one Idempotency-Key header, not {len(keys)}",
+                      param="Idempotency-Key")
+    key = keys[0]
     if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable() or not key.isascii():
         raise Problem(
             "invalid_request",

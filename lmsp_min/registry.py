@@ -76,6 +76,12 @@ def model_id_for(path: Path) -> str:
     return f"{family}:{tag}" if tag else family
 
 
+def rate_limited() -> Problem:
+    """The 429 of a request past its model's queue, or past its principal's share of it."""
+    return Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
+                   headers=[("Retry-After", "1")])
+
+
 # -- the registry ---------------------------------------------------------------------
 
 
@@ -192,15 +198,16 @@ class ModelEntry:
         """Requests of this model admitted (`admit`) and not yet released."""
         return self.admissions.admitted
 
-    @property
-    def full(self) -> bool:
-        """Whether `admit` would refuse now."""
-        return self.admissions.admitted >= self.queue_depth
+    def full_for(self, principal: str) -> bool:
+        """Whether `admit` would refuse `principal` now: the queue is full, or the
+        principal holds its share of it (lmsp_min/admission.py)."""
+        return not self.admissions.has_room(principal, self.queue_depth)
 
     def admit(self, principal: str) -> Admission:
-        """Count in one more request of this (loaded) model, or 429 past `queue_depth`
-        (D9); the `Admission` returned waits for its turn to generate (lmsp_min/admission.py,
-        fair between principals) and counts it out when released.
+        """Count in one more request of this (loaded) model, or 429 past `queue_depth` or
+        past the principal's share of it (D9); the `Admission` returned waits for its turn
+        to generate (lmsp_min/admission.py, fair between principals) and counts it out
+        when released.
 
         Requests are counted when admitted, not when they reach a queue: a burst of
         concurrent requests all passed a look at the queue before any of them was in
@@ -208,9 +215,8 @@ class ModelEntry:
         those given a turn reach the engine, at most its batch size, so its scheduler's
         queue never refuses one of them. Admitting and releasing happen on the trio loop.
         """
-        if self.full:
-            raise Problem("rate_limited", "too many requests are waiting for this model; retry in a moment",
-                          headers=[("Retry-After", "1")])
+        if self.full_for(principal):
+            raise rate_limited()
         return self.admissions.admit(principal)
 
 

@@ -285,3 +285,68 @@ async def test_a_request_whose_client_leaves_gives_up_its_place(server, monkeypa
         go.set()
     assert [reply.status for reply in replies] == [200]
     assert entry.admitted == 0 and entry.admissions.generating == 0
+
+
+async def test_a_quiet_principal_is_admitted_while_a_busy_one_holds_its_share_of_the_queue(
+        nursery, tiny_path, tmp_path, monkeypatch):
+    """A principal alone may hold all of a queue but its reserve (lmsp_min/admission.py): of a
+    busy principal's burst of eight into a queue of eight, one gets 429, and another
+    principal's request, sent while the seven wait, is admitted and served, not refused."""
+    import threading
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"token": token, "principal": name, "scopes": ["responses:write"]}
+                                  for token, name in ((BURST, "burst"), (QUIET, "quiet"))]))
+    server = await start_server(nursery, await make_service([tiny_path], tokens_file=tokens))
+    entry = server.service.registry.get(TINY_ID)
+    monkeypatch.setattr(entry, "queue_depth", 8)
+    monkeypatch.setattr(entry.model.scheduler, "max_batch", 1)
+    go, step = threading.Event(), entry.model.step
+
+    def held_step(*args, **kwargs):  # the engine steps once the test says so
+        go.wait(20)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(entry.model, "step", held_step)
+    body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 1}
+    statuses: dict[str, list[int]] = {"burst": [], "quiet": []}
+
+    async def post(token: str, name: str) -> None:
+        reply = await server.responses(body, headers={"Authorization": f"Bearer {token}"})
+        statuses[name].append(reply.status)
+        if reply.status == 429:
+            assert reply.json()["code"] == "rate_limited" and reply.headers["retry-after"] == "1"
+
+    async with trio.open_nursery() as clients:
+        for _ in range(8):
+            clients.start_soon(post, BURST, "burst")
+        await wait_until(lambda: entry.admitted == 7 and statuses["burst"] == [429], "the busy one's share taken")
+        clients.start_soon(post, QUIET, "quiet")
+        await wait_until(lambda: entry.admitted == 8, "the quiet one admitted")
+        go.set()
+    assert sorted(statuses["burst"]) == [200] * 7 + [429] and statuses["quiet"] == [200]
+    assert entry.admitted == 0
+
+
+def test_the_queue_is_shared_evenly_between_busy_principals_with_a_reserve_kept():
+    from lmsp_min.admission import Admissions
+
+    admissions = Admissions(lambda: 1)
+
+    def fill(principal: str) -> list:
+        taken = []
+        while admissions.has_room(principal, 32):
+            taken.append(admissions.admit(principal))
+        return taken
+
+    first = fill("a")
+    assert len(first) == 28  # alone: all of the queue of 32 but its reserve of 4
+    assert len(fill("b")) == 4  # another principal gets the reserve
+    for admission in first[:10]:
+        admission.release()
+    assert not admissions.has_room("a", 32)  # 18: past its share of two, (32 - 4) / 2
+    assert len(fill("b")) == 10  # up to its share, 14
+    for admission in first[10:18]:
+        admission.release()
+    assert len(fill("a")) == 4  # back to its share
+    assert admissions.admitted == 28 and admissions.has_room("c", 32)  # the reserve is a third's

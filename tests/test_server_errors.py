@@ -281,7 +281,7 @@ async def test_a_burst_past_the_queue_gets_429_at_once(server, monkeypatch):
 
     entry = server.service.registry.get(TINY_ID)
     monkeypatch.setattr(entry.model.scheduler, "max_batch", 2)
-    monkeypatch.setattr(entry, "queue_depth", 2)
+    monkeypatch.setattr(entry, "queue_depth", 3)  # (one principal: all of it but the reserve, 2)
     go, step = threading.Event(), entry.model.step
 
     def held_step(*args, **kwargs):  # the worker thread's steps wait until the test says so

@@ -210,6 +210,25 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event(nursery, tiny
     assert (await server.responses(request(max_output_tokens=1))).status == 200  # the server goes on
 
 
+async def test_a_stream_whose_store_is_away_ends_with_a_model_unavailable_error_event(nursery, tiny_path,
+                                                                                    tmp_path, monkeypatch):
+    """The store's own 503 (a database that cannot be reached) is said as itself, not as
+    an internal error: a client retries a model_unavailable."""
+    from lmsp_min.store import unavailable
+
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
+
+    async def away(*args, **kwargs):
+        raise unavailable()
+
+    monkeypatch.setattr(server.service.store, "put_response", away)
+    events = parse_sse((await server.responses({**request(max_output_tokens=3), "stream": True,
+                                                 "store": True})).body)
+    assert events[-1].event == "error"
+    problem = events[-1].data["error"]
+    assert problem["code"] == "model_unavailable" and problem["status"] == 503
+
+
 async def test_a_failed_stream_is_stored_like_a_failed_task(nursery, tiny_path, tmp_path, monkeypatch):
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
     model = await server.service.registry.get(TINY_ID).load()

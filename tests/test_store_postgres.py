@@ -193,6 +193,40 @@ async def test_a_full_disk_is_a_503_said_once_and_reads_go_on(postgres_url):
     store.close()
 
 
+async def test_a_node_whose_lease_ran_out_during_an_outage_keeps_its_tasks(own_server, monkeypatch):
+    """The database away stops every node's renewals: the first node back does not fail
+    the tasks of a node whose lease ran out meanwhile and which has not renewed it yet."""
+    url = own_server.new_database()
+    first = await open_store(url, lease=30)
+    lost: list[str] = []
+    second = await open_store(url, lease=30, log=lost.append)
+    await first.create_task("task_1", "alice", 0, "tiny:llama", "resp_1", "{}")
+    await wait_until(lambda: first._listening and second._listening, "both nodes listening")
+    renew, renewing = first._renew_lease, threading.Event()
+
+    def held_renewal(conn):  # (the first node, back, has not renewed yet: the race)
+        renewing.wait(30)
+        renew(conn)
+
+    monkeypatch.setattr(first, "_renew_lease", held_renewal)
+    # its last renewal was two thirds of a lease ago: what is left runs out during the outage
+    sql(url, "UPDATE owners SET lease_until = clock_timestamp() + interval '0.1 second' WHERE owner = %s",
+        (first.owner,))
+    await trio.to_thread.run_sync(own_server.stop_server)
+    await wait_until(lambda: lost, "the second node saw the database go")
+    await trio.to_thread.run_sync(own_server.restart_server)
+    expired = "SELECT lease_until < clock_timestamp() FROM owners WHERE owner = %s"
+    await wait_until(lambda: sql(url, expired, (first.owner,)) == [(True,)], "the first node's lease ran out")
+    assert await second.interrupted_tasks() == []
+    renewing.set()
+    await wait_until(lambda: sql(url, expired, (first.owner,)) == [(False,)], "renewed", seconds=20)
+    assert await second.interrupted_tasks() == []
+    assert await first.finish_task("task_1", "completed", response_body("resp_1"),
+                                   [LoggedEvent(1, "response.completed", "{}")])
+    first.close()
+    second.close()
+
+
 # -- two services in one process, on one database: what a gate can hold still ----------------------
 
 

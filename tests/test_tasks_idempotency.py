@@ -1,6 +1,9 @@
 """Idempotency keys (D8): replay, 409 while running, 422 on another body, per principal."""
 
+import json
 import sqlite3
+
+import h11
 
 import pytest
 import trio
@@ -96,7 +99,7 @@ async def test_keys_belong_to_their_principal(tmp_path):
 
 class FakeRequest:
     def __init__(self, key: str | None, principal: str = "alice"):
-        self.headers = {} if key is None else {"idempotency-key": key}
+        self.header_fields = [] if key is None else [("idempotency-key", key)]
         self.principal = principal
 
 
@@ -173,6 +176,25 @@ async def test_a_malformed_key_is_400(tmp_path, header):
         await idempotency.run_once(store, FakeRequest(header), "R", {}, _stream(None))
     assert raised.value.code == "invalid_request" and raised.value.param == "Idempotency-Key"
     store.close()
+
+
+async def test_two_idempotency_key_headers_are_a_400_not_one_joined_key(nursery, tiny_path, tmp_path):
+    server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
+    data = json.dumps(BODY).encode()
+    headers = [("Host", "localhost"), ("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+               ("Idempotency-Key", "a"), ("Idempotency-Key", "b")]
+    async with server.connection() as client:
+        connection = client.h11
+        await client.stream.send_all(connection.send(h11.Request(method="POST", target="/lmsp/v1/responses",
+                                                                 headers=headers))
+                                     + connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
+        reply = await client.read_reply()
+    assert reply.status == 400 and reply.json()["code"] == "invalid_request"
+    assert reply.json()["param"] == "Idempotency-Key"
+    # what two headers were joined into is one key when sent as one header
+    first = await server.responses(BODY, headers=key("a, b"))
+    again = await server.responses(BODY, headers=key("a, b"))
+    assert first.status == again.status == 200 and again.headers["idempotent-replayed"] == "true"
 
 
 def _stream(chunks):

@@ -17,7 +17,12 @@ Leases. A node's `owners` row says until when it is alive (by the database's
 clock), renewed every third of the lease. Once it has expired, another node's
 recovery ends the node's unfinished tasks `failed`; back, the node finds them
 ended: `finish_task` writes nothing, and an event it appends collides with the
-other node's final one (the key is (task_id, seq)): `LeaseLost`.
+other node's final one (the key is (task_id, seq)): `LeaseLost`. An outage of the
+database stops every node's renewals at once, so a node that lost the database
+judges no other node gone until a lease after its listener is back, while the
+others (which try to reconnect every quarter of a lease at least) renew theirs
+first thing back: the leases that ran out during the outage are not taken for
+nodes that died.
 
 Durability: what a client is told of commits synchronously; task events and
 claims with `synchronous_commit = off` (a crash of the database server, not of a
@@ -29,6 +34,7 @@ Next: lmsp_min/tasks.py, which runs tasks over either store.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from contextlib import contextmanager, suppress
@@ -110,6 +116,9 @@ class PostgresStore(SQLStore):
         self._watches: dict[str, set[Watch]] = {}
         self._cancel_notice = trio.Event()  # (set: a cancel may have been asked, look)
         self._listening = False
+        # (time.monotonic) before it, no other node is judged gone: inf while the database is
+        # away, then a lease from the listener's return, for the others to renew theirs
+        self._judge_from = 0.0
         self._stopping = threading.Event()
         self._wake_channel = f"lmsp_wake_{self.owner}"  # (what `close` tells the listener on)
         self._token = token  # (of the trio loop the listener hands notices to; None: no listener)
@@ -201,7 +210,10 @@ class PostgresStore(SQLStore):
         return isinstance(exc, psycopg.errors.DiskFull) or super()._is_disk_full(exc)  # (SQLSTATE 53100)
 
     def _gone_among(self, conn: _Connection, owners: set[str]) -> set[str]:
-        """Those whose lease has expired, by the database's clock (or was given up: no row)."""
+        """Those whose lease has expired, by the database's clock (or was given up: no row);
+        none while this node is back from an outage for less than a lease (`_listen`)."""
+        if time.monotonic() < self._judge_from:
+            return set()
         alive = conn.execute("SELECT owner FROM owners WHERE lease_until > clock_timestamp()").fetchall()
         return owners - {owner for (owner,) in alive}
 
@@ -232,6 +244,8 @@ class PostgresStore(SQLStore):
                     conn.execute(f'LISTEN "{channel}"')
                 self._renew_lease(conn)
                 renew_at = time.monotonic() + self.lease / 3
+                if self._judge_from == math.inf:  # (back from an outage: the others renew meanwhile)
+                    self._judge_from = time.monotonic() + self.lease
                 self._listening = True
                 self._to_trio(self._look_again)
                 pause = 0.1
@@ -247,10 +261,11 @@ class PostgresStore(SQLStore):
                     self._log(f"error: the store's database connection was lost ({type(exc).__name__}); "
                               "reconnecting")
                     self._listening = False
+                    self._judge_from = math.inf
                     self._to_trio(self._look_again)  # (watches poll meanwhile)
                     self._close_idle()  # (broken too, most likely: the next operations connect afresh)
                 self._stopping.wait(pause)
-                pause = min(2 * pause, 2.0)
+                pause = min(2 * pause, 2.0, self.lease / 4)  # (back well within the lease the others grant)
             finally:
                 if conn is not None:
                     conn.close()
