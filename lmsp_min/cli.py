@@ -400,7 +400,7 @@ def add_serve_parser(commands) -> None:
                    help="open connections from one client address (default 64); past it, 429 and closed")
     p.add_argument("--queue-depth", type=_number(int, 1), default=32, metavar="N",
                    help="requests each model admits at once, generating or waiting their turn (default 32); "
-                        "past it, 429")
+                        "past it, or past a principal's share of it, 429")
     p.add_argument("--ctx", type=_number(int, 1), default=None, metavar="N",
                    help="cap every model's context window at N tokens (default: each model's trained length)")
     p.add_argument("--kv-cache-mib", type=_number(int, 1), default=1024, metavar="N",
