@@ -49,8 +49,8 @@ import json
 from dataclasses import dataclass
 
 from .api import ToolCall
-from .constrain import (AnyOf, FreeText, Grammar, GrammarConstraint, Literal, Object, Repeat, Seq, TokenIndex,
-                        compile_schema, json_constraint, schema_key, writes_objects)
+from .constrain import (AnyOf, Budget, FreeText, Grammar, GrammarConstraint, Literal, Object, Repeat, Seq,
+                        TokenIndex, compile_schema, json_constraint, schema_key, writes_objects)
 from .errors import EngineError, SchemaError
 
 OPENER = "<tool_call>"
@@ -146,14 +146,15 @@ def check_tools(tools: list[dict], tool_choice, allowed=None) -> list[dict]:
 def _call_object(tools: list[dict], chosen: list[dict]):
     """`{"name": N, "arguments": {...}}` for each chosen tool, as alternatives. Every tool's
     parameters are compiled: one that cannot be enforced is refused whichever is chosen,
-    named by its index in `tools`."""
-    calls = {}
+    named by its index in `tools`. They are one grammar, so they share one Budget (what
+    128 tools cost is bounded as one schema's is)."""
+    calls, budget = {}, Budget()
     for i, tool in enumerate(tools):
         params = tool.get("parameters")
         if params is None or params == {}:  # no parameters: an empty object
             params = {"type": "object", "properties": {}}
         try:
-            args = compile_schema(params)
+            args = compile_schema(params, budget)
         except SchemaError as e:
             raise SchemaError(f"tool {tool['name']!r}: {e}", f"/{i}/parameters{e.path}", e.keyword) from e
         if not writes_objects(args):

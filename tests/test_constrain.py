@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from engine.constrain import Literal, TokenIndex, compile_schema, json_constraint, validate
 from engine.constrain.matcher import MAX_CONFIGURATIONS, MAX_DEPTH
-from engine.constrain.schema import MAX_ENUM, MAX_PROPERTIES
+from engine.constrain.schema import MAX_ENUM, MAX_ENUM_VALUES, MAX_PROPERTIES, MAX_SUBSCHEMAS
 from engine.errors import SchemaError
 from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
@@ -605,6 +605,36 @@ def test_what_a_schema_may_cost_is_bounded():
         for b in b"[" * 10:
             c.advance(b)
     assert e.value.keyword == "anyOf"
+
+
+def schema_of(n: int) -> dict:
+    """An object schema of exactly n subschemas: the root, objects of up to 255 strings."""
+    properties, left = {}, n - 1
+    while left:
+        strings = min(255, left - 1)
+        properties[f"o{len(properties)}"] = {"type": "object",
+                                             "properties": {f"p{i}": {"type": "string"} for i in range(strings)}}
+        left -= 1 + strings
+    return {"type": "object", "properties": properties}
+
+
+def test_a_whole_schema_past_its_size_bounds_is_refused_by_name():
+    """D9: MAX_PROPERTIES and MAX_ENUM bound one object and one enum, not a schema: 256
+    objects of 256 properties (a 2 MB body) compiled for 1.6 s, 256 objects of 64 enums
+    of 40 values for 4.3 s. MAX_SUBSCHEMAS and MAX_ENUM_VALUES bound the whole, and the
+    compiler stops where one is crossed."""
+    compile_schema(schema_of(MAX_SUBSCHEMAS))
+    with pytest.raises(SchemaError, match=f"more than {MAX_SUBSCHEMAS:,} subschemas") as e:
+        compile_schema(schema_of(MAX_SUBSCHEMAS + 1))
+    assert e.value.path == "/properties/o39/properties/p14"  # the last one, where the bound is crossed
+    enums = MAX_ENUM_VALUES // MAX_ENUM
+    spread = {"type": "object", "properties": {f"e{i}": {"enum": list(range(MAX_ENUM))} for i in range(enums)}}
+    spread["properties"]["rest"] = {"enum": list(range(MAX_ENUM_VALUES - enums * MAX_ENUM))}
+    compile_schema(spread)
+    spread["properties"]["one more"] = {"const": 0}
+    with pytest.raises(SchemaError, match=f"more than {MAX_ENUM_VALUES:,} enum and const values") as e:
+        compile_schema(spread)
+    assert (e.value.path, e.value.keyword) == ("/properties/one more/const", "const")
 
 
 @pytest.mark.parametrize("value", [{}, {"type": "number"}, {"type": "boolean"}])

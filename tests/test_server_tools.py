@@ -4,6 +4,7 @@ import json
 
 import jsonschema
 import pytest
+import trio
 
 from server_harness import make_service, parse_sse, server, start_server, tiny_path  # noqa: F401
 
@@ -186,6 +187,34 @@ async def test_tools_with_a_json_schema_name_the_one_refused(server):
     nested = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"$ref": "#/$defs/L10", "$defs": defs}}}
     reply = await server.responses(body(tool_choice="none", response_format=nested, max_output_tokens=32))
     assert reply.status == 400 and reply.json()["param"] == "response_format.json_schema.schema", reply.body
+
+
+def objects_of_strings(n_objects: int, n_strings: int) -> dict:
+    """An object of `n_objects` objects of `n_strings` strings: 1 + n_objects * (1 + n_strings) subschemas."""
+    inner = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n_strings)}}
+    return {"type": "object", "properties": {f"o{k}": inner for k in range(n_objects)}}
+
+
+async def test_a_schema_past_the_size_bound_is_refused_before_any_token_naming_the_bound(server):
+    """D9: each object and enum was bounded, a whole schema not: 256 objects of 256 properties
+    (2 MB) compiled for 1.6 s and generated, 128 tools for 128 times one tool. Past 10,000
+    subschemas, in a json_schema or in all the tools' parameters together, it is a 400 that
+    names the bound and the param where it was crossed."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": objects_of_strings(40, 250)}}
+    with trio.fail_after(60):
+        reply = await server.responses({"model": TINY_ID, "input": ASK, "max_output_tokens": 4, "response_format": fmt})
+    assert reply.status == 400, reply.body
+    problem = reply.json()
+    assert problem["code"] == "invalid_request" and "more than 10,000 subschemas" in problem["detail"]
+    assert problem["param"].startswith("response_format.json_schema.schema.properties.o39.properties.p")
+    each = objects_of_strings(1, 254)  # 256 subschemas: 39 such tools are 9,984
+    tools = [{"type": "function", "name": f"t{k}", "parameters": each} for k in range(40)]
+    with trio.fail_after(60):
+        reply = await server.responses(body(tools=tools, tool_choice="required", max_output_tokens=4))
+    assert reply.status == 400, reply.body
+    problem = reply.json()
+    assert problem["code"] == "invalid_request" and "more than 10,000 subschemas" in problem["detail"]
+    assert problem["param"].startswith("tools[39].parameters"), problem
 
 
 async def test_required_keys_without_properties_are_written(server):

@@ -8,6 +8,7 @@ import pytest
 from engine.api import TextDelta, ToolCall
 from engine.chat_template import ChatTemplate
 from engine.constrain import TokenIndex
+from engine.constrain.schema import MAX_SUBSCHEMAS
 from engine.errors import SchemaError
 from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
@@ -558,3 +559,16 @@ async def test_smollm2_with_tools_and_a_schema_calls_or_answers(smollm2_model):
     for i, events in results.items():
         assert events[-1].reason == "stop", (asks[i], events)
         calls_or_answer(events[:-1], REAL_TOOLS, schema)
+
+
+def test_the_tools_of_a_request_are_bounded_together_as_one_schema(smollm2):
+    """D9: the tools are one grammar, and were compiled each within the bounds of one schema:
+    128 tools cost 128 schemas. Their parameters share MAX_SUBSCHEMAS, the tool where it is
+    crossed named."""
+    _, index = smollm2
+    each = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(255)}}  # 256 subschemas
+    tools = [{"name": f"t{k}", "parameters": each} for k in range(MAX_SUBSCHEMAS // 256 + 1)]
+    tool_constraint(tools[:-1], "required", index)
+    with pytest.raises(SchemaError, match=f"more than {MAX_SUBSCHEMAS:,} subschemas") as e:
+        tool_constraint(tools, "required", index)
+    assert e.value.path.startswith(f"/{len(tools) - 1}/parameters/properties/"), e.value.path

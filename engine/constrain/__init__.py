@@ -35,7 +35,8 @@ read in this order (each imports only those before it):
    beside it allow).
 
 5. schema.py, the JSON Schema compiler: schema -> nodes, the bounds on what a schema may
-   cost, and `json_constraint` (schema + vocabulary -> a generation's constraint).
+   cost (`Budget`: of one schema, or of a request's tools together), and `json_constraint`
+   (schema + vocabulary -> a generation's constraint).
 
 The JSON written is compact and bounded: no whitespace except at most one space after `:`
 and `,`, object properties in schema order (optional ones may be skipped, required ones must
@@ -64,7 +65,7 @@ required property that contains its own object again), and so are both behind a 
 from .grammar import AnyOf, FreeText, Literal, Object, Repeat, Seq, writes_objects
 from .masks import TokenIndex, can_constrain
 from .matcher import Grammar, GrammarConstraint
-from .schema import compile_schema, json_constraint, schema_key
+from .schema import Budget, compile_schema, json_constraint, schema_key
 from .validation import validate
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "Grammar",
     "GrammarConstraint",
     "compile_schema",
+    "Budget",
     "writes_objects",
     "can_constrain",
     "json_constraint",

@@ -1,9 +1,10 @@
 """The JSON Schema compiler: a schema (the supported subset) -> grammar nodes, or SchemaError.
 
 It refuses by name what it cannot enforce (a keyword, a malformed value, a schema that
-costs too much: MAX_PROPERTIES, MAX_ENUM, and the matcher's MAX_CONFIGURATIONS and
-MAX_DEPTH), and leaves out what no value satisfies where it is optional. `json_constraint`
-is the entry point: a schema and a vocabulary -> one generation's constraint.
+costs too much: MAX_PROPERTIES, MAX_ENUM, MAX_SUBSCHEMAS and MAX_ENUM_VALUES, and the
+matcher's MAX_CONFIGURATIONS and MAX_DEPTH), and leaves out what no value satisfies where
+it is optional. `json_constraint` is the entry point: a schema and a vocabulary -> one
+generation's constraint.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from .validation import is_number, pointer_keys, validate
 # n at each byte of a key (each is tried): 8,000 of them made a mask take 1.6 s.
 MAX_PROPERTIES = 256   # declared properties of one object
 MAX_ENUM = 1024        # values of one enum
+# ... and of a whole schema, or of all the tools of a request together (one grammar): the
+# bounds above are per object and per enum, so a 2-4 MB body of them compiled for 2-4 s
+# (256 objects of 256 properties; of 64 enums of 40 values), and 128 tools for 128 times
+# one. Compiling costs about 25 us a subschema and 4 us an enum value: 0.25 s and 0.04 s
+# at the bounds. OpenAI's structured outputs allow 5,000 properties in all.
+MAX_SUBSCHEMAS = 10_000    # subschemas compiled: properties' values, items, alternatives, $ref targets
+MAX_ENUM_VALUES = 10_000   # values of all the enums and consts together
 
 ANNOTATIONS = frozenset({"description", "title", "$schema", "$id", "$comment", "examples",
                          "default", "deprecated", "readOnly", "writeOnly"})
@@ -98,13 +106,36 @@ def _check_values(schema: dict, path: str) -> None:
                 raise SchemaError(f"'type' at {at} must be a non-empty list of distinct types", where, key)
 
 
+class Budget:
+    """What one request's schemas may still cost (MAX_SUBSCHEMAS, MAX_ENUM_VALUES): a
+    json_schema has its own, a request's tools share one (engine/tools.py). Spent as the
+    compiler goes, so that a schema past a bound is refused before it is compiled whole."""
+
+    def __init__(self):
+        self.subschemas, self.values = MAX_SUBSCHEMAS, MAX_ENUM_VALUES  # what is left of each
+
+    def spend_subschema(self, path: str) -> None:
+        self.subschemas -= 1
+        if self.subschemas < 0:
+            raise SchemaError(f"more than {MAX_SUBSCHEMAS:,} subschemas in all, the one at {path or '/'} among "
+                              "them (the tools of a request count together)", path)
+
+    def spend_values(self, n: int, path: str, keyword: str) -> None:
+        """n values of an enum or a const (`keyword`) at `path`."""
+        self.values -= n
+        if self.values < 0:
+            raise SchemaError(f"more than {MAX_ENUM_VALUES:,} enum and const values in all, those at {path or '/'} "
+                              "among them (the tools of a request count together)", f"{path}/{keyword}", keyword)
+
+
 class _Compiler:
     """One pass over a schema. `dead`: the $refs a first pass found without a finite document,
     each with the error its uses raise, so that they are left out where they are optional
     (as the same subschema written inline is: a $ref is only compiled after the rest)."""
 
-    def __init__(self, root, dead: dict[str, Unsatisfiable] | None = None):
+    def __init__(self, root, budget: Budget, dead: dict[str, Unsatisfiable] | None = None):
         self.root = root
+        self.budget = budget
         self.dead = dead or {}
         self.refs: dict[str, Ref] = {}
         self.unsatisfiable: dict[str, Unsatisfiable] = {}  # $ref -> why no value satisfies its target
@@ -185,6 +216,7 @@ class _Compiler:
         return dead
 
     def compile(self, schema, path: str = "") -> Node:
+        self.budget.spend_subschema(path)
         if schema is True or schema == {}:
             return self.any_value
         if schema is False:
@@ -259,6 +291,7 @@ class _Compiler:
         if len(values) > MAX_ENUM:
             raise SchemaError(f"an enum of more than {MAX_ENUM} values at {path or '/'} is not supported",
                               f"{path}/enum", "enum")
+        self.budget.spend_values(len(values), path, kind)
         beside = sorted(set(schema) & {"properties", "additionalProperties", "items"})
         if beside:
             raise SchemaError(f"'{beside[0]}' beside '{kind}' at {path or '/'} is not supported",
@@ -393,9 +426,10 @@ def _first_byte(node: Node, b: int, memo: dict) -> frozenset | None:
     return found
 
 
-def compile_schema(schema) -> Node:
-    """JSON Schema (the supported subset) -> grammar node; SchemaError names what is not supported."""
-    compiler = _Compiler(schema)
+def compile_schema(schema, budget: Budget | None = None) -> Node:
+    """JSON Schema (the supported subset) -> grammar node; SchemaError names what is not supported.
+    `budget`: what it may cost, shared with other schemas of the request (default: its own)."""
+    compiler = _Compiler(schema, budget or Budget())
     try:
         node = compiler.run()
         nodes = reachable(node)
@@ -403,7 +437,8 @@ def compile_schema(schema) -> Node:
         if dead:
             # compiled again, a use of one of those fails as the subschema inline would: it is
             # left out where optional. Only what had no finite document goes, so once is enough.
-            compiler = _Compiler(schema, dead)
+            # (with a budget of its own: it compiles part of what the first pass paid for)
+            compiler = _Compiler(schema, Budget(), dead)
             node = compiler.run()
             nodes = reachable(node)
         # nested anyOfs, and $refs to anyOfs, are followed as one; those of what was left out
