@@ -24,6 +24,7 @@ import trio
 
 from lmsp_min.http import Limits
 from lmsp_min.service import Service, ServiceConfig, serve
+from lmsp_min.store import STORE_TIMEOUT
 
 _loaded_models: dict[Path, object] = {}  # closed at the end of the session (close_loaded_models)
 _open_services: dict[int, AsyncExitStack] = {}  # id(service) -> what closes it (close_service)
@@ -31,7 +32,7 @@ _open_services: dict[int, AsyncExitStack] = {}  # id(service) -> what closes it 
 
 async def make_service(model_paths: list[Path], *, tokens_file: Path | None = None,
                        limits: Limits | None = None, log=None, data_dir: Path | str | None = None,
-                       event_retention: float = 3600.0) -> Service:
+                       event_retention: float = 3600.0, store_timeout: float = STORE_TIMEOUT) -> Service:
     """A service over `model_paths` (entered `Service.open`), whose engine models are
     loaded once per test session: the service serves them but does not own them.
     `start_server` closes it when the server stops; a test that does not serve it
@@ -44,7 +45,8 @@ async def make_service(model_paths: list[Path], *, tokens_file: Path | None = No
 
     lines: list[str] = []
     config = ServiceConfig(model_paths=list(model_paths), models_dir=None, tokens_file=tokens_file,
-                           limits=limits or Limits(), store=data_dir is not None, event_retention=event_retention)
+                           limits=limits or Limits(), store=data_dir is not None, event_retention=event_retention,
+                           store_timeout=store_timeout)
     if isinstance(data_dir, str):
         config.store_url = data_dir
     else:

@@ -14,9 +14,11 @@ across machines), and how it learns that something changed in another process
 (`watch`, `next_cancel_requests`: polling SQLite, LISTEN/NOTIFY in PostgreSQL).
 
 Every method that touches the database runs it in a worker thread: the trio
-loop never waits on a database. A store that cannot reach its database raises
-`unavailable()`, a 503 problem: a request that needs it is answered so, and
-the same request succeeds once the database is back.
+loop never waits on a database. A store that cannot reach its database, or
+whose call does not end within `--store-timeout` (a locked table, a frozen
+server), raises `unavailable()`, a 503 problem: a request that needs it is
+answered so, never held for as long as the fault lasts, and the same request
+succeeds once the database is back.
 
 Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """
@@ -40,6 +42,11 @@ FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 # when the backend cannot say (SQLite: another process may write at any time).
 POLL_INTERVAL = 0.05
 CANCEL_POLL_INTERVAL = 0.25
+# How long one store call may take (--store-timeout) before its request is a 503: a healthy
+# database answers in milliseconds (a purge's transaction in well under a second), so a call
+# this slow waits on a fault (a lock another session holds, a frozen or partitioned server)
+# that a client had better retry than sit through.
+STORE_TIMEOUT = 5.0
 
 
 class StoreError(ValueError):
@@ -49,6 +56,11 @@ class StoreError(ValueError):
 def unavailable(detail: str = "the service's database cannot be reached; try again shortly") -> Problem:
     """What a request that needs the database gets while it cannot be reached (503)."""
     return Problem("model_unavailable", detail, headers=[("Retry-After", "2")])
+
+
+def too_slow(timeout: float) -> Problem:
+    """What a request gets when a store call took longer than `timeout` (--store-timeout): 503."""
+    return unavailable(f"the service's database did not answer within {timeout:g} s; try again shortly")
 
 
 @dataclass(frozen=True)
