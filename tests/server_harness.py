@@ -14,6 +14,7 @@ can be sent too, for malformed, pipelined or slow requests.
 """
 
 import json
+import math
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import h11
 import pytest
 import trio
+import trio.testing
 
 from lmsp_min.http import Limits
 from lmsp_min.service import Service, ServiceConfig, serve
@@ -52,6 +54,11 @@ async def make_service(model_paths: list[Path], *, tokens_file: Path | None = No
     else:
         config.data_dir = data_dir
     service = await open_service(config, log=log or lines.append)
+    if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock) and service.store is not None:
+        # (a virtual clock, autojump_clock, jumps to the next deadline whenever the loop
+        # waits, a worker thread working or not: the deadline of a store call would pass
+        # while its thread works, at random)
+        service.store.timeout = math.inf
     service.log_lines = lines
     for entry in service.registry:
         if entry.path not in _loaded_models:
