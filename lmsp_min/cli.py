@@ -22,6 +22,7 @@ from lmsp_min import __version__, fetch
 from lmsp_min.auth import host_name
 from lmsp_min.cors import parse_origin
 from lmsp_min.paths import models_dir
+from lmsp_min.store import STORE_TIMEOUT
 
 
 class CommandError(Exception):
@@ -386,6 +387,9 @@ def add_serve_parser(commands) -> None:
                         "node given the same URL (default: $LMSP_STORE, else SQLite in --data-dir; docs/scale-out.md)")
     p.add_argument("--store-lease", type=_number(float, 0.5), default=10.0, metavar="SECONDS",
                    help="with --store: a node silent this long is gone, and another fails its tasks (default 10)")
+    p.add_argument("--store-timeout", type=_number(float, 0, above=True), default=STORE_TIMEOUT, metavar="SECONDS",
+                   help=f"how long one call to the database may take; past it (a locked table, a frozen server) "
+                        f"the request is a 503 with Retry-After (default {STORE_TIMEOUT:g})")
     p.add_argument("--event-retention", type=_number(float, 0), default=3600.0, metavar="SECONDS",
                    help="how long a finished task's events can be replayed (default 3600)")
     p.add_argument("--store-retention", type=_duration, default="30d", metavar="DURATION",
@@ -432,6 +436,7 @@ def cmd_serve(args) -> int:
         store=not args.no_store,
         store_url=args.store,
         store_lease=args.store_lease,
+        store_timeout=args.store_timeout,
         event_retention=args.event_retention,
         store_retention=args.store_retention,
         limits=Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,

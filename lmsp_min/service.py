@@ -41,7 +41,7 @@ from lmsp_min.problems import Problem, leaf_exceptions, quoted
 from lmsp_min.openai_dialect import routes as openai_routes
 from lmsp_min.registry import DEFAULT_QUEUE_DEPTH, Registry
 from lmsp_min.routing import App, Router
-from lmsp_min.store import StoreError
+from lmsp_min.store import STORE_TIMEOUT, StoreError
 from lmsp_min.store.open import open_store
 from lmsp_min.tasks import STORE_RETENTION, Tasks
 from lmsp_min.validate import MAX_INPUT_ITEMS
@@ -80,6 +80,7 @@ class ServiceConfig:
     store: bool = True  # False (--no-store): nothing outlives the process
     store_url: str | None = None  # postgresql://...: a PostgreSQL store, shared by several nodes
     store_lease: float = 10.0  # seconds a PostgreSQL node's tasks outlive its last sign of life
+    store_timeout: float = STORE_TIMEOUT  # seconds a store call may take, then its request is a 503
     event_retention: float = 3600.0  # seconds a finished task's events are kept (D3)
     store_retention: float = STORE_RETENTION  # seconds stored responses and final tasks are kept (0: for ever)
     limits: Limits = field(default_factory=Limits)
@@ -123,7 +124,7 @@ class Service:
         auth = (Auth.from_file(config.tokens_file) if config.tokens_file is not None
                 else Auth(allowed_hosts=config.allowed_hosts))
         location = config.store_url or ((config.data_dir or paths.data_dir()) if config.store else None)
-        store = await open_store(location, lease=config.store_lease, log=log)
+        store = await open_store(location, lease=config.store_lease, timeout=config.store_timeout, log=log)
         service = cls(registry, auth=auth, store=store, config=config, log=log)
         service.tasks = Tasks(store, event_retention=config.event_retention, store_retention=config.store_retention,
                               stores_responses=service.stores_responses, log=log)

@@ -32,9 +32,10 @@ def binaries() -> Path | None:
 class PostgresServer:
     """`start()`, then `new_database()` URLs, then `stop()`."""
 
-    def __init__(self, bin_dir: Path, fsync: bool = False):
+    def __init__(self, bin_dir: Path, fsync: bool = False, settings: dict[str, str] | None = None):
         self.bin_dir = bin_dir
         self.fsync = fsync
+        self.settings = settings or {}  # more of the server's settings (`-c name=value`)
         self.dir = Path(tempfile.mkdtemp(prefix="lmsp-min-pg-"))
         self.data = self.dir / "data"
         self._names = itertools.count(1)
@@ -72,8 +73,22 @@ class PostgresServer:
         """Start the server (pg_ctl waits until it accepts connections)."""
         fsync = "on" if self.fsync else "off"
         options = f"-k {self.dir} -c listen_addresses='' -c fsync={fsync} -c max_connections=200"
+        options += "".join(f" -c {name}={value}" for name, value in self.settings.items())
         self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.dir / "log"), "-w", "-t", "60",
                   "start")
+
+    def processes(self) -> list[int]:
+        """The running server's processes: the postmaster (first), then its children."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()  # (after the command's name)
+            except OSError:  # (a process that ended meanwhile)
+                continue
+            if int(fields[1]) == postmaster:
+                children.append(int(stat.parent.name))
+        return [postmaster, *children]
 
     def stop(self) -> None:
         self.stop_server()

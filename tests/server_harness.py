@@ -14,6 +14,7 @@ can be sent too, for malformed, pipelined or slow requests.
 """
 
 import json
+import math
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,11 @@ from pathlib import Path
 import h11
 import pytest
 import trio
+import trio.testing
 
 from lmsp_min.http import Limits
 from lmsp_min.service import Service, ServiceConfig, serve
+from lmsp_min.store import STORE_TIMEOUT
 
 _loaded_models: dict[Path, object] = {}  # closed at the end of the session (close_loaded_models)
 _open_services: dict[int, AsyncExitStack] = {}  # id(service) -> what closes it (close_service)
@@ -32,7 +35,7 @@ _open_services: dict[int, AsyncExitStack] = {}  # id(service) -> what closes it 
 async def make_service(model_paths: list[Path], *, tokens_file: Path | None = None,
                        limits: Limits | None = None, log=None, data_dir: Path | str | None = None,
                        event_retention: float = 3600.0, cors_origins: list[str] | None = None,
-                       allowed_hosts: list[str] | None = None) -> Service:
+                       allowed_hosts: list[str] | None = None, store_timeout: float = STORE_TIMEOUT) -> Service:
     """A service over `model_paths` (entered `Service.open`), whose engine models are
     loaded once per test session: the service serves them but does not own them.
     `start_server` closes it when the server stops; a test that does not serve it
@@ -46,12 +49,18 @@ async def make_service(model_paths: list[Path], *, tokens_file: Path | None = No
     lines: list[str] = []
     config = ServiceConfig(model_paths=list(model_paths), models_dir=None, tokens_file=tokens_file,
                            limits=limits or Limits(), store=data_dir is not None, event_retention=event_retention,
-                           cors_origins=cors_origins or [], allowed_hosts=allowed_hosts or [])
+                           cors_origins=cors_origins or [], allowed_hosts=allowed_hosts or [],
+                           store_timeout=store_timeout)
     if isinstance(data_dir, str):
         config.store_url = data_dir
     else:
         config.data_dir = data_dir
     service = await open_service(config, log=log or lines.append)
+    if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock) and service.store is not None:
+        # (a virtual clock, autojump_clock, jumps to the next deadline whenever the loop
+        # waits, a worker thread working or not: the deadline of a store call would pass
+        # while its thread works, at random)
+        service.store.timeout = math.inf
     service.log_lines = lines
     for entry in service.registry:
         if entry.path not in _loaded_models:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from server_harness import tiny_path  # noqa: F401
 from tiny import write_tiny_model
 from lmsp_min import cli, fetch
 
@@ -123,7 +124,7 @@ def test_unknown_arguments_are_rejected(capsys):
 
 @pytest.mark.parametrize("args", [
     ["serve", "--event-retention", "-5"], ["serve", "--event-retention", "nan"], ["serve", "--max-body-bytes", "0"],
-    ["serve", "--max-body-bytes", "1023"],
+    ["serve", "--max-body-bytes", "1023"], ["serve", "--store-timeout", "0"], ["serve", "--store-timeout", "nan"],
     ["serve", "--port", "70000"], ["run", "m", "--max-tokens", "0"], ["run", "m", "--temperature", "nan"],
     ["run", "m", "--top-p", "0"], ["run", "m", "--min-p", "5"], ["run", "m", "--seed", "-1"], ["run", "m", "--ctx", "-5"],
 ])
@@ -144,6 +145,16 @@ def test_a_bad_origin_or_allowed_host_is_a_usage_error_saying_what_it_must_be(ar
     with pytest.raises(SystemExit) as e:
         cli.main(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_passes_the_store_timeout_on(monkeypatch, tiny_path):
+    from lmsp_min import service
+
+    configs = []
+    monkeypatch.setattr(service, "run", lambda config, host, port: configs.append(config))
+    assert cli.main(["serve", "--model", str(tiny_path), "--store-timeout", "1.5"]) == 0
+    assert cli.main(["serve", "--model", str(tiny_path)]) == 0
+    assert [config.store_timeout for config in configs] == [1.5, 5.0]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import time
 import pytest
 import trio
 
+from lmsp_min.problems import Problem
 from lmsp_min.store import LoggedEvent, StoreError
 from lmsp_min.store.open import open_store
 from lmsp_min.store.sqlite import DB_NAME, MIGRATIONS, SQLiteStore
@@ -220,6 +221,21 @@ async def test_concurrent_readers_and_writer(store):
         nursery.start_soon(write)
         for _ in range(3):
             nursery.start_soon(read)
+
+
+async def test_a_database_another_process_holds_locked_is_a_503_within_the_store_timeout(tmp_path):
+    store = await SQLiteStore.open(tmp_path, timeout=0.5)
+    await store.put_response("resp_1", "alice", [], response_body("resp_1"))
+    other = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # (another process's write, holding the write lock)
+    with trio.fail_after(5), pytest.raises(Problem) as caught:
+        await store.put_response("resp_2", "alice", [], response_body("resp_2"))
+    assert caught.value.status == 503 and caught.value.headers == [("Retry-After", "2")]
+    assert (await store.get_response("resp_1", "alice")).body == response_body("resp_1")  # (WAL: reads go on)
+    other.execute("ROLLBACK")
+    other.close()
+    await store.put_response("resp_3", "alice", [], response_body("resp_3"))
+    store.close()
 
 
 def test_an_unusable_data_dir_is_a_clear_error(tmp_path):

@@ -14,12 +14,14 @@ across machines), and how it learns that something changed in another process
 (`watch`, `next_cancel_requests`: polling SQLite, LISTEN/NOTIFY in PostgreSQL).
 
 Every method that touches the database runs it in a worker thread: the trio
-loop never waits on a database. A store that cannot reach its database raises
-`unavailable()`, a 503 problem: a request that needs it is answered so, and
-the same request succeeds once the database is back. A write that finds the
-database's disk full (however the backend says it) raises `disk_full()`, a 503
-too, logged in one line when the disk fills, and again when a write succeeds:
-what is stored can still be read meanwhile.
+loop never waits on a database. A store that cannot reach its database, or
+whose call does not end within `--store-timeout` (a locked table, a frozen
+server), raises `unavailable()`, a 503 problem: a request that needs it is
+answered so, never held for as long as the fault lasts, and the same request
+succeeds once the database is back. A write that finds the database's disk full
+(however the backend says it) raises `disk_full()`, a 503 too, logged in one line
+when the disk fills, and again when a write succeeds: what is stored can still be
+read meanwhile.
 
 Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """
@@ -43,6 +45,11 @@ FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 # when the backend cannot say (SQLite: another process may write at any time).
 POLL_INTERVAL = 0.05
 CANCEL_POLL_INTERVAL = 0.25
+# How long one store call may take (--store-timeout) before its request is a 503: a healthy
+# database answers in milliseconds (a purge's transaction in well under a second), so a call
+# this slow waits on a fault (a lock another session holds, a frozen or partitioned server)
+# that a client had better retry than sit through.
+STORE_TIMEOUT = 5.0
 
 
 class StoreError(ValueError):
@@ -66,6 +73,11 @@ def disk_full() -> Problem:
     """What a request whose write finds the database's disk full gets (503)."""
     return Problem("model_unavailable", "the service's storage is full; try again later",
                    headers=[("Retry-After", DISK_FULL_RETRY_AFTER)])
+
+
+def too_slow(timeout: float) -> Problem:
+    """What a request gets when a store call took longer than `timeout` (--store-timeout): 503."""
+    return unavailable(f"the service's database did not answer within {timeout:g} s; try again shortly")
 
 
 @dataclass(frozen=True)

@@ -6,20 +6,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmsp_min.store import Store, StoreError
+from lmsp_min.store import STORE_TIMEOUT, Store, StoreError
 
 
-async def open_store(location: str | Path | None, *, lease: float = 10.0, log=None) -> Store:
+async def open_store(location: str | Path | None, *, lease: float = 10.0, timeout: float = STORE_TIMEOUT,
+                     log=None) -> Store:
     """The store at `location`: a postgresql:// URL (PostgreSQL, through the `postgres`
     extra; `lease`: seconds after which a silent node's tasks are failed by the others),
-    a data directory (SQLite), or None (SQLite in memory, --no-store). `log` hears what
-    the operator must know of it (a full disk, a lost connection), one line each."""
+    a data directory (SQLite), or None (SQLite in memory, --no-store). `timeout`: seconds
+    one store call may take before it is a 503 (--store-timeout). `log` hears what the
+    operator must know of it (a full disk, a lost connection), one line each."""
     if isinstance(location, str) and location.startswith(("postgresql://", "postgres://")):
         try:
             from lmsp_min.store.postgres import PostgresStore
         except ImportError as exc:
             raise StoreError(f"--store {location.split('://')[0]}://... needs psycopg 3: "
                              f"pip install 'lmsp-min[postgres]' ({exc})") from None
-        return await PostgresStore.open(location, lease=lease, log=log)
+        return await PostgresStore.open(location, lease=lease, log=log, timeout=timeout)
     from lmsp_min.store.sqlite import SQLiteStore
-    return await SQLiteStore.open(location, log=log)
+    return await SQLiteStore.open(location, timeout, log=log)

@@ -24,10 +24,19 @@ others (which try to reconnect every quarter of a lease at least) renew theirs
 first thing back: the leases that ran out during the outage are not taken for
 nodes that died.
 
-Durability: what a client is told of commits synchronously; task events and
-claims with `synchronous_commit = off` (a crash of the database server, not of a
-node, can lose the tail of a running task's log; that task then fails anyway).
-Migrations and purges run on one node at a time (advisory locks).
+Durability: what a client is told, and every task event, commits synchronously
+(the WAL flushed): followers on any node see an event once it is committed, and a
+crash of the database server must not lose it, or the recovery that fails its
+task would write its `response.failed` under an id a follower already holds.
+Claims, releases, cancels and status changes commit with `synchronous_commit = off`
+(what a crash loses of them a retry or the recovery redoes). Migrations and purges
+run on one node at a time (advisory locks).
+
+Deadlines (`--store-timeout`): every connection has it as its `statement_timeout`
+and `lock_timeout`, and as its connect timeout; a server that answers nothing at
+all (frozen, or cut off) is bounded by the thread call's own deadline (sql.py
+`_in_thread`), and the connection such a call held is closed when its thread
+ends, never reused.
 
 Next: lmsp_min/tasks.py, which runs tasks over either store.
 """
@@ -44,16 +53,17 @@ import psycopg
 import trio
 
 from lmsp_min.problems import Problem
-from lmsp_min.store import LoggedEvent, StoreError, Watch, unavailable
+from lmsp_min.store import STORE_TIMEOUT, LoggedEvent, StoreError, Watch, too_slow, unavailable
 from lmsp_min.store.sql import CANCEL_CHANNEL, EVENTS_CHANNEL, Dialect, SQLStore, schema
 
 POOL_SIZE = 4
 # Advisory lock keys ('lmsp' and a number), held for one transaction each.
 MIGRATION_LOCK = 0x6C6D7370_0001
 PURGE_LOCK = 0x6C6D7370_0002
-# libpq: how long a connection waits to be made, and how long a request may stay unanswered
-# by the network (a partition) before the connection counts as broken.
-CONNECT_OPTIONS = {"connect_timeout": 5, "tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle": 5,
+# libpq: how long a request may stay unanswered by the network (a partition) before the
+# connection counts as broken (the connect timeout and the server's own timeouts follow
+# --store-timeout: `connect_options`).
+CONNECT_OPTIONS = {"tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle": 5,
                    "keepalives_interval": 2, "keepalives_count": 2, "application_name": "lmsp-min"}
 
 POSTGRES = Dialect(
@@ -72,6 +82,14 @@ MIGRATIONS: list[list[str]] = [
         "CREATE TABLE owners (owner TEXT PRIMARY KEY, lease_until TIMESTAMPTZ NOT NULL)",
     ],
 ]
+
+
+def connect_options(timeout: float) -> dict:
+    """CONNECT_OPTIONS, with `timeout` seconds as the connect timeout (libpq counts whole
+    seconds, 2 at least) and as the server's limits on a statement and on a lock wait."""
+    milliseconds = max(1, round(timeout * 1000))
+    return {**CONNECT_OPTIONS, "connect_timeout": max(2, math.ceil(timeout)),
+            "options": f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"}
 
 
 def describe(url: str) -> str:
@@ -105,10 +123,11 @@ class PostgresStore(SQLStore):
 
     dialect = POSTGRES
     elsewhere = "another database"
+    durable_events = True  # (see "Durability" above)
 
     def __init__(self, url: str, lease: float, log: Callable[[str], None] | None = None,
-                 token: trio.lowlevel.TrioToken | None = None):
-        super().__init__(log)
+                 token: trio.lowlevel.TrioToken | None = None, timeout: float = STORE_TIMEOUT):
+        super().__init__(timeout, log)
         self.url = url
         self.lease = self.liveness_period = lease
         self._idle: list[_Connection] = []
@@ -137,15 +156,15 @@ class PostgresStore(SQLStore):
             self._listener.start()
 
     @classmethod
-    async def open(cls, url: str, *, lease: float = 10.0, log=None) -> "PostgresStore":
-        return await trio.to_thread.run_sync(cls, url, lease, log, trio.lowlevel.current_trio_token())
+    async def open(cls, url: str, *, lease: float = 10.0, log=None, timeout: float = STORE_TIMEOUT) -> "PostgresStore":
+        return await trio.to_thread.run_sync(cls, url, lease, log, trio.lowlevel.current_trio_token(), timeout)
 
     @property
     def location(self) -> str:
         return f"PostgreSQL, {describe(self.url)}, lease {self.lease:g} s"
 
     def _connect(self) -> _Connection:
-        return _Connection.connect(self.url, autocommit=True, **CONNECT_OPTIONS)
+        return _Connection.connect(self.url, autocommit=True, **connect_options(self.timeout))
 
     def close(self) -> None:
         """Stop listening, give up the lease (the other nodes recover at once whatever this
@@ -161,8 +180,12 @@ class PostgresStore(SQLStore):
 
     @contextmanager
     def _pooled(self) -> Iterator[_Connection]:
-        """An idle connection (or a new one: the limiters keep the pool at POOL_SIZE); one
-        that breaks is closed, never reused, and what failed on it is `unavailable()`."""
+        """An idle connection (or a new one: the limiters keep the pool at POOL_SIZE). What
+        fails on one that breaks, or past the server's timeouts, is `unavailable()`. One that
+        breaks is closed, never reused; so is one whose call outlived its deadline: the trio
+        side abandoned the call (its caller was answered 503), and nothing says what state
+        a frozen server left the connection in."""
+        started = time.monotonic()
         try:
             conn = self._idle.pop()
         except IndexError:
@@ -172,12 +195,14 @@ class PostgresStore(SQLStore):
                 raise unavailable() from exc
         try:
             yield conn
+        except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable) as exc:  # (statement, lock timeout)
+            raise too_slow(self.timeout) from exc
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise unavailable() from exc
             raise
         finally:
-            if conn.broken or conn.closed:
+            if conn.broken or conn.closed or time.monotonic() - started > self.timeout:
                 conn.close()
             else:
                 self._idle.append(conn)

@@ -13,6 +13,7 @@ Next: lmsp_min/store/sqlite.py and lmsp_min/store/postgres.py, the backends.
 from __future__ import annotations
 
 import errno
+import inspect
 import json
 import os
 import time
@@ -23,13 +24,17 @@ from typing import Any, Callable, Iterator
 
 import trio
 
-from lmsp_min.store import (FINAL_STATUSES, IdempotencyRecord, LoggedEvent, Store, StoredResponse, StoreError,
-                            TaskRow, disk_full)
+from lmsp_min.store import (FINAL_STATUSES, STORE_TIMEOUT, IdempotencyRecord, LoggedEvent, Store, StoredResponse,
+                             StoreError, TaskRow, disk_full, too_slow)
 
 _FINAL_LIST = ", ".join(f"'{status}'" for status in sorted(FINAL_STATUSES))  # (for SQL's IN)
 # What a commit tells the other processes of a task (PostgreSQL's NOTIFY channels).
 EVENTS_CHANNEL = "lmsp_events"  # it has new events, or ended
 CANCEL_CHANNEL = "lmsp_cancel"  # a cancel was asked
+# The keyword that lets trio stop waiting for a worker thread, which goes on alone: trio 0.23
+# renamed it (pyproject allows 0.22).
+_ABANDON = ("abandon_on_cancel" if "abandon_on_cancel" in inspect.signature(trio.to_thread.run_sync).parameters
+            else "cancellable")
 
 
 @dataclass(frozen=True)
@@ -107,11 +112,14 @@ class SQLStore(Store):
     dialect: Dialect
     elsewhere: str  # where to go instead of a database with a newer schema
     damaged: type[Exception] | tuple = ()  # what says a database cannot be read (SQLite's damaged file)
+    # Whether a task's events wait for the disk before followers can see them (append_events).
+    durable_events: bool
     _write_limiter: trio.CapacityLimiter
     _read_limiter: trio.CapacityLimiter
 
-    def __init__(self, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, timeout: float = STORE_TIMEOUT, log: Callable[[str], None] | None = None) -> None:
         self.owner = os.urandom(8).hex()
+        self.timeout = timeout  # seconds one call may take, its turn for a thread included (--store-timeout)
         self._log = log or (lambda line: None)
         self._disk_is_full = False  # an operation found the disk full (said once, until a write succeeds)
         # (principal, key) of the idempotency claims this Store's requests hold now: a
@@ -141,8 +149,7 @@ class SQLStore(Store):
 
     async def _write(self, fn: Callable[..., Any], *args: Any, durable: bool = True) -> Any:
         with self._full_disk_refused():
-            result = await trio.to_thread.run_sync(self._run_in_transaction, fn, args, durable,
-                                                   limiter=self._write_limiter)
+            result = await self._in_thread(self._run_in_transaction, (fn, args, durable), self._write_limiter)
         if self._disk_is_full:
             self._disk_is_full = False
             self._log(f"the database's disk has room again ({self.location}): writes go on")
@@ -150,7 +157,19 @@ class SQLStore(Store):
 
     async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
         with self._full_disk_refused():  # (a read may need room too: PostgreSQL's sorts on disk)
-            return await trio.to_thread.run_sync(self._run_read, fn, args, limiter=self._read_limiter)
+            return await self._in_thread(self._run_read, (fn, args), self._read_limiter)
+
+    async def _in_thread(self, run: Callable[..., Any], args: tuple, limiter: trio.CapacityLimiter) -> Any:
+        """`run(*args)` in a worker thread, waited for `timeout` seconds at most, its turn in
+        `limiter` included. Past it the caller gets a 503, and the thread (which nothing can
+        stop) is left to end by itself, keeping its place in `limiter` until it does (so no
+        other thread takes its connection meanwhile; PostgreSQL then closes it). Shielded
+        from the caller's own cancellation, as a thread call always was: a caller that gets
+        the result of a write acts on it (the runner publishes the events it committed)."""
+        with trio.move_on_after(self.timeout) as deadline:
+            deadline.shield = True
+            return await trio.to_thread.run_sync(run, *args, limiter=limiter, **{_ABANDON: True})
+        raise too_slow(self.timeout)
 
     @contextmanager
     def _full_disk_refused(self) -> Iterator[None]:
@@ -215,7 +234,9 @@ class SQLStore(Store):
             _insert_events(conn, task_id, events, time.time())
             self._notify(conn, EVENTS_CHANNEL, task_id)
 
-        await self._write(append, durable=False)
+        # (followers see the events once this returns: a backend whose crash loses commits that
+        # did not wait for the disk would make a recovery write other events under their ids)
+        await self._write(append, durable=self.durable_events)
 
     async def finish_task(self, task_id: str, status: str, response: str, final_events: list[LoggedEvent],
                           stored: tuple[str, list] | None = None) -> bool:

@@ -16,6 +16,10 @@ Durability. The promise is: nothing a client was told is stored is ever lost.
   fsyncs the same WAL file. Following a task stays cheap (an fsync takes
   milliseconds: benchmarks/tasks.py) without weakening any promise.
 
+Busy. A statement waits for another process's write lock up to `--store-timeout`
+seconds (SQLite's busy timeout), the call as a whole as long (sql.py `_in_thread`);
+then its request is a 503.
+
 Owners. Several processes may share a data directory, so "the process that was
 running this task died" must mean exactly that, not "a process started". Each
 Store (an owner) holds an exclusive `flock` on its file `owners/<id>.lock` while
@@ -34,11 +38,13 @@ from __future__ import annotations
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import trio
 
-from lmsp_min.store import StoreError
+from lmsp_min.problems import Problem
+from lmsp_min.store import STORE_TIMEOUT, StoreError, too_slow
 from lmsp_min.store.sql import Dialect, SQLStore, schema
 
 try:
@@ -60,11 +66,10 @@ _STEPS = schema(SQLITE)
 MIGRATIONS: list[list[str]] = [[*_STEPS[0], "CREATE INDEX tasks_by_status ON tasks (status)"], *_STEPS[1:]]
 
 
-def _connect(path: str) -> sqlite3.Connection:
-    # isolation_level=None: no implicit transactions; we say BEGIN/COMMIT ourselves.
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-    conn.execute("PRAGMA busy_timeout = 30000")
-    return conn
+def _connect(path: str, timeout: float) -> sqlite3.Connection:
+    # isolation_level=None: no implicit transactions; we say BEGIN/COMMIT ourselves. `timeout`:
+    # how long a statement waits for another process's write lock (SQLite's busy timeout).
+    return sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=timeout)
 
 
 def _use_wal(conn: sqlite3.Connection) -> None:
@@ -90,9 +95,13 @@ class SQLiteStore(SQLStore):
     dialect = SQLITE
     elsewhere = "another --data-dir"
     damaged = sqlite3.DatabaseError
+    # (a commit that did not wait for the disk is lost only with this machine's power, which
+    # also cuts every stream it serves: see "Durability" above)
+    durable_events = False
 
-    def __init__(self, path: Path | None, readers: int = 2, log: Callable[[str], None] | None = None):
-        super().__init__(log)
+    def __init__(self, path: Path | None, readers: int = 2, timeout: float = STORE_TIMEOUT,
+                 log: Callable[[str], None] | None = None):
+        super().__init__(timeout, log)
         self.path = path  # None: in memory
         self.persistent = path is not None
         self._synchronous = "FULL"
@@ -102,7 +111,7 @@ class SQLiteStore(SQLStore):
         self._owners = self._owner_lock = self._writer = None
         try:
             if path is None:
-                self._writer = _connect(":memory:")
+                self._writer = _connect(":memory:", timeout)
                 self._read_limiter = self._write_limiter  # one connection does everything
                 self._idle_readers.append(self._writer)
             else:
@@ -117,7 +126,7 @@ class SQLiteStore(SQLStore):
                     lock_path.with_suffix(".new").rename(lock_path)
                 for lock_file in self._owners.glob("*.lock"):  # (the dead leave theirs behind)
                     self._is_dead(lock_file.stem)
-                self._writer = _connect(str(path))
+                self._writer = _connect(str(path), timeout)
                 _use_wal(self._writer)
                 self._read_limiter = trio.CapacityLimiter(readers)
             self._writer.execute("PRAGMA synchronous = FULL")
@@ -127,19 +136,21 @@ class SQLiteStore(SQLStore):
             raise
 
     @classmethod
-    def open_sync(cls, data_dir: Path | str | None, log: Callable[[str], None] | None = None) -> "SQLiteStore":
+    def open_sync(cls, data_dir: Path | str | None, timeout: float = STORE_TIMEOUT,
+                  log: Callable[[str], None] | None = None) -> "SQLiteStore":
         if data_dir is None:
-            return cls(None, log=log)
+            return cls(None, timeout=timeout, log=log)
         data_dir = Path(data_dir)
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
-            return cls(data_dir / DB_NAME, log=log)
-        except (OSError, sqlite3.Error) as exc:
+            return cls(data_dir / DB_NAME, timeout=timeout, log=log)
+        except (OSError, sqlite3.Error, Problem) as exc:  # (a Problem: locked by another process too long)
             raise StoreError(f"cannot open the database in {data_dir}: {exc}") from None
 
     @classmethod
-    async def open(cls, data_dir: Path | str | None, log: Callable[[str], None] | None = None) -> "SQLiteStore":
-        return await trio.to_thread.run_sync(cls.open_sync, data_dir, log)
+    async def open(cls, data_dir: Path | str | None, timeout: float = STORE_TIMEOUT,
+                   log: Callable[[str], None] | None = None) -> "SQLiteStore":
+        return await trio.to_thread.run_sync(cls.open_sync, data_dir, timeout, log)
 
     @property
     def location(self) -> str:
@@ -190,23 +201,36 @@ class SQLiteStore(SQLStore):
         if synchronous != self._synchronous:
             conn.execute(f"PRAGMA synchronous = {synchronous}")
             self._synchronous = synchronous
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn(conn, *args)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:  # (after some errors, a full disk, SQLite has rolled back)
-                conn.execute("ROLLBACK")
-            raise
+        with self._busy_is_too_slow():
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(conn, *args)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:  # (after some errors, a full disk, SQLite has rolled back)
+                    conn.execute("ROLLBACK")
+                raise
         return result
 
     def _run_read(self, fn: Callable[..., Any], args: tuple) -> Any:
         try:
             conn = self._idle_readers.pop()
         except IndexError:
-            conn = _connect(str(self.path))  # (never in memory: its one connection is idle)
+            conn = _connect(str(self.path), self.timeout)  # (never in memory: its one connection is idle)
             self._all_readers.append(conn)
         try:
-            return fn(conn, *args)
+            with self._busy_is_too_slow():
+                return fn(conn, *args)
         finally:
             self._idle_readers.append(conn)
+
+    @contextmanager
+    def _busy_is_too_slow(self) -> Iterator[None]:
+        """A statement that waited the busy timeout out ("database is locked": another
+        process holds the lock) is a 503, as any call past --store-timeout."""
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc):
+                raise
+            raise too_slow(self.timeout) from exc
