@@ -217,9 +217,9 @@ async def test_a_model_admits_queue_depth_requests(nursery, tiny_path):
 BURST, QUIET = "s3cret-burst", "s3cret-quiet"
 
 
-async def test_one_principals_burst_does_not_starve_anothers_request(nursery, tiny_path, tmp_path, monkeypatch):
-    """With one request generating at a time, a principal's burst of four is queued first,
-    then another principal's single request: that one is served next, not last."""
+async def _two_principals_one_held_step_at_a_time(nursery, tiny_path, tmp_path, monkeypatch):
+    """A server with the principals "burst" and "quiet", generating one request at a time, each
+    step held until the test sets the event it returns (with the server and its model entry)."""
     import threading
 
     tokens = tmp_path / "tokens.json"
@@ -235,6 +235,13 @@ async def test_one_principals_burst_does_not_starve_anothers_request(nursery, ti
         return step(*args, **kwargs)
 
     monkeypatch.setattr(entry.model, "step", held_step)
+    return server, entry, go
+
+
+async def test_one_principals_burst_does_not_starve_anothers_request(nursery, tiny_path, tmp_path, monkeypatch):
+    """With one request generating at a time, a principal's burst of four is queued first,
+    then another principal's single request: that one is served next, not last."""
+    server, entry, go = await _two_principals_one_held_step_at_a_time(nursery, tiny_path, tmp_path, monkeypatch)
     finished: list[str] = []
     body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 4,
             "temperature": 0}
@@ -292,22 +299,8 @@ async def test_a_quiet_principal_is_admitted_while_a_busy_one_holds_its_share_of
     """A principal alone may hold all of a queue but its reserve (lmsp_min/admission.py): of a
     busy principal's burst of eight into a queue of eight, one gets 429, and another
     principal's request, sent while the seven wait, is admitted and served, not refused."""
-    import threading
-
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps([{"token": token, "principal": name, "scopes": ["responses:write"]}
-                                  for token, name in ((BURST, "burst"), (QUIET, "quiet"))]))
-    server = await start_server(nursery, await make_service([tiny_path], tokens_file=tokens))
-    entry = server.service.registry.get(TINY_ID)
+    server, entry, go = await _two_principals_one_held_step_at_a_time(nursery, tiny_path, tmp_path, monkeypatch)
     monkeypatch.setattr(entry, "queue_depth", 8)
-    monkeypatch.setattr(entry.model.scheduler, "max_batch", 1)
-    go, step = threading.Event(), entry.model.step
-
-    def held_step(*args, **kwargs):  # the engine steps once the test says so
-        go.wait(20)
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(entry.model, "step", held_step)
     body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 1}
     statuses: dict[str, list[int]] = {"burst": [], "quiet": []}
 
