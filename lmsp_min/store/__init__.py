@@ -1,27 +1,21 @@
 """The durable store's interface: what the service keeps, and the operations on it.
 
-Stored responses, tasks, task event logs and idempotency records live behind
-one interface, `Store`, with two backends (lmsp_min/store/open.py opens one):
-SQLite (sqlite.py), the embedded default, whose directory several processes on
-one machine may share; and PostgreSQL (postgres.py), which several nodes on
-several machines share to act as one service (docs/scale-out.md).
+Stored responses, tasks, task event logs and idempotency records live behind one interface, `Store`,
+with two backends (lmsp_min/store/open.py opens one): SQLite (sqlite.py), the embedded default,
+whose directory several processes on one machine may share; and PostgreSQL (postgres.py), which
+several nodes on several machines share to act as one service (docs/scale-out.md).
 
-The task, conversation and idempotency logic (tasks.py, idempotency.py,
-service.py) is written once, above this interface. What differs per backend is
-said here as operations: how a process knows another one is gone (`owner`,
-`interrupted_tasks`, `release_abandoned_keys`: an flock on one machine, a lease
-across machines), and how it learns that something changed in another process
+The task, conversation and idempotency logic (tasks.py, idempotency.py, service.py) is written once,
+above this interface. What differs per backend is said here as operations: how a process knows
+another one is gone (`owner`, `interrupted_tasks`, `release_abandoned_keys`: an flock on one
+machine, a lease across machines), and how it learns that something changed in another process
 (`watch`, `next_cancel_requests`: polling SQLite, LISTEN/NOTIFY in PostgreSQL).
 
-Every method that touches the database runs it in a worker thread: the trio
-loop never waits on a database. A store that cannot reach its database, or
-whose call does not end within `--store-timeout` (a locked table, a frozen
-server), raises `unavailable()`, a 503 problem: a request that needs it is
-answered so, never held for as long as the fault lasts, and the same request
-succeeds once the database is back. A write that finds the database's disk full
-(however the backend says it) raises `disk_full()`, a 503 too, logged in one line
-when the disk fills, and again when a write succeeds: what is stored can still be
-read meanwhile.
+Every database call runs in a worker thread: the trio loop never waits on a database. A call that
+cannot reach it, or does not end within `--store-timeout`, raises `unavailable()`, a 503: the
+request is never held while the fault lasts, and succeeds again once the database is back. A write
+that finds the disk full raises `disk_full()`, a 503 too, logged once when the disk fills and once
+when it has room again: reads go on meanwhile.
 
 Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """
@@ -46,9 +40,8 @@ FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 POLL_INTERVAL = 0.05
 CANCEL_POLL_INTERVAL = 0.25
 # How long one store call may take (--store-timeout) before its request is a 503: a healthy
-# database answers in milliseconds (a purge's transaction in well under a second), so a call
-# this slow waits on a fault (a lock another session holds, a frozen or partitioned server)
-# that a client had better retry than sit through.
+# database answers in milliseconds, so a call this slow waits on a fault (a lock held, a frozen
+# or partitioned server) that a client had better retry than sit through.
 STORE_TIMEOUT = 5.0
 
 
@@ -61,11 +54,10 @@ def unavailable(detail: str = "the service's database cannot be reached; try aga
     return Problem("model_unavailable", detail, headers=[("Retry-After", "2")])
 
 
-# A full disk is a 503, not WebDAV's 507 (RFC 4918 11.5): the request was right, and the
-# same request succeeds once there is room, which is what 503 with Retry-After tells every
-# client, proxy and SDK; 507 reads as "this request needs more room than there is", as if
-# a smaller one would do, and D1's closed table of codes has none for it. Retried after
-# half a minute: room comes back by an operator's hand or a purge, not within seconds.
+# A full disk is a 503, not WebDAV's 507 (RFC 4918 11.5): the same request succeeds once there
+# is room, which 503 with Retry-After tells every client; 507 reads as "a smaller request would
+# do", and D1's closed table of codes has none for it. Half a minute: room comes back by an
+# operator's hand or a purge, not within seconds.
 DISK_FULL_RETRY_AFTER = "30"
 
 
@@ -131,9 +123,9 @@ class IdempotencyRecord:
 
 
 class Watch:
-    """What a follower of a task another process runs waits on between two reads: `wait`
-    returns once the backend `notify`s it (PostgreSQL's LISTEN; a notice that came while
-    the follower read is kept), or, while `told()` says none can come, after POLL_INTERVAL."""
+    """What a follower waits on between two reads: `wait` returns once the backend `notify`s
+    it (a notice that came during the read is kept), or after POLL_INTERVAL while `told()`
+    says none can come."""
 
     def __init__(self, told: Callable[[], bool] = lambda: False):
         self._told = told
@@ -151,12 +143,9 @@ class Watch:
 
 
 class Store(ABC):
-    """The operations the service needs of its database (see the module docstring).
-
-    `owner` is this store's random id: tasks and idempotency claims record the
-    owner that runs them, and only the work of owners known to be gone is
-    recovered by another. `persistent` is False for `--no-store`'s memory.
-    """
+    """The operations the service needs of its database. `owner` is this store's random id,
+    recorded by the tasks and idempotency claims it runs: only the work of owners known to be
+    gone is recovered by another. `persistent` is False for `--no-store`'s memory."""
 
     owner: str
     persistent: bool = True
@@ -196,17 +185,14 @@ class Store(ABC):
 
     @abstractmethod
     async def append_events(self, task_id: str, events: list[LoggedEvent]) -> None:
-        """Append events to a task's log in one transaction (survives a kill -9 of
-        the process); followers in other processes are told."""
+        """Append events to a task's log in one transaction (survives a kill -9); followers are told."""
 
     @abstractmethod
     async def finish_task(self, task_id: str, status: str, response: str, final_events: list[LoggedEvent],
                           stored: tuple[str, list] | None = None) -> bool:
-        """End a task in one durable transaction: its last events, its final status
-        and response, and (`stored` = (principal, input items)) the stored response
-        when its request asked for `store: true`. False (nothing written) if the task
-        had already ended: two processes recovering the same dead owner's tasks end
-        each only once."""
+        """End a task in one durable transaction: its last events, final status and response, and
+        (`stored` = (principal, input items)) its stored response for `store: true`. False (nothing
+        written) if it had already ended: two processes recovering it end it only once."""
 
     @abstractmethod
     async def get_task(self, task_id: str, principal: str | None) -> TaskRow | None:
@@ -214,17 +200,15 @@ class Store(ABC):
 
     @abstractmethod
     async def get_task_of_response(self, response_id: str, principal: str) -> TaskRow | None:
-        """The task that generates (or generated) the response `response_id`, or None: the
-        OpenAI dialect names a background response by its response id, not by its task's."""
+        """The task that generates `response_id`, or None (the OpenAI dialect's background response)."""
 
     @abstractmethod
     async def read_events(self, task_id: str, after: int, limit: int | None = None) -> list[LoggedEvent]:
         """Up to `limit` (None: all) logged events with seq > `after`, in order, in one read."""
 
     def watch(self, task_id: str) -> AbstractContextManager[Watch]:
-        """`with store.watch(task_id) as watch:` then read, `await watch.wait(timeout)`,
-        read again...: each wait ends when the task may have new events (or a final
-        status), or after `timeout` seconds. Entered before the first read."""
+        """`with store.watch(task_id) as watch:` (before the first read) then read, `await
+        watch.wait(timeout)`, read again...: each wait ends when the task may have changed."""
         return nullcontext(Watch())
 
     @abstractmethod
@@ -232,10 +216,8 @@ class Store(ABC):
         """Ask the process that runs a task to cancel it."""
 
     async def next_cancel_requests(self, running: Callable[[], bool] = lambda: True) -> list[str]:
-        """Wait for cancels asked through other processes, then return the ids of our
-        unfinished tasks they named (Tasks cancels those it runs). Polled here, and
-        only while `running()` says this process runs a task: an idle server leaves
-        the database alone. (A store that is told of cancels overrides this.)"""
+        """Wait for cancels asked through other processes, then the ids of our unfinished tasks they
+        named. Polled, only while `running()`: an idle server leaves the database alone."""
         while True:
             await trio.sleep(CANCEL_POLL_INTERVAL)
             if running():
@@ -248,33 +230,27 @@ class Store(ABC):
     @abstractmethod
     async def interrupted_tasks(self, running: Callable[[str], bool] = lambda task_id: False
                                 ) -> list[tuple[TaskRow, list[LoggedEvent]]]:
-        """Tasks left queued or in progress by an owner that is gone, with their logs,
-        and this store's own unfinished tasks that are not `running` (asked after the
-        rows are read: a task of ours is running before its row exists, until it is final)."""
+        """Tasks left unfinished by an owner that is gone, with their logs, and our own unfinished
+        tasks not `running` (asked after the read: ours runs before its row exists)."""
 
     @abstractmethod
     async def delete_task(self, task_id: str, principal: str) -> bool:
-        """Delete a final task of `principal` with its event log, in one transaction.
-        False (nothing deleted) if there is no such task, or it is not final: a running
-        task is cancelled first (Tasks.delete says 409). Its stored response, if it made
-        one, is a resource of its own (delete_response)."""
+        """Delete a final task of `principal` with its event log, in one transaction; False if there
+        is none, or it is not final (Tasks.delete says 409). Its stored response stays."""
 
     @abstractmethod
     async def purge_stored(self, older_than: float) -> tuple[int, int]:
-        """Delete the stored responses created, and the final tasks (with their event logs)
-        ended, at or before `older_than` (Unix seconds): the --store-retention purge.
-        Returns (responses, tasks) deleted."""
+        """The --store-retention purge: delete the stored responses created, and the final tasks
+        (with their logs) ended, at or before `older_than`. Returns (responses, tasks) deleted."""
 
     @abstractmethod
     async def purge(self, now: float, event_retention: float, idempotency_ttl: float) -> int:
-        """Delete the events of tasks that ended more than `event_retention` seconds
-        ago and finished idempotency records older than `idempotency_ttl`.
-        Returns how many tasks had their events purged."""
+        """Delete the events of tasks ended over `event_retention` seconds ago and the finished
+        idempotency records older than `idempotency_ttl`; how many tasks lost their events."""
 
     @abstractmethod
     async def claim_idempotency_key(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | None:
-        """Claim `key` for a new request: None if this request now owns it (it is
-        recorded as running), else the record of the request that owns it."""
+        """Claim `key`: None if this request now owns it (recorded running), else the owner's record."""
 
     @abstractmethod
     async def complete_idempotency_key(self, principal: str, key: str, *, status: int,
@@ -284,11 +260,9 @@ class Store(ABC):
 
     @abstractmethod
     async def release_idempotency_key(self, principal: str, key: str) -> None:
-        """Forget a claim whose request produced nothing to replay (it failed, or its
-        client went away), so that a retry runs again."""
+        """Forget a claim whose request produced nothing to replay, so that a retry runs again."""
 
     @abstractmethod
     async def release_abandoned_keys(self) -> int:
-        """Release the claims of requests that died with their process, and our own
-        claims that no request holds any more (it could neither complete nor release
-        its key: the disk was full, say). Returns how many were released."""
+        """Release the claims of requests that died with their process, and ours that no request
+        holds any more (it could neither complete nor release: a full disk). How many released."""

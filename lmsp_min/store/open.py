@@ -1,5 +1,5 @@
-"""Which backend a `--store` (or `--data-dir`) names, opened: the one module that
-imports them (psycopg only for a postgresql:// URL). Next: lmsp_min/store/__init__.py.
+"""Which backend a `--store` (or `--data-dir`) names, opened: the one module that imports them (psycopg
+only for a postgresql:// URL). Next: lmsp_min/store/__init__.py.
 """
 
 from __future__ import annotations

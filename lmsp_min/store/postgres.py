@@ -1,42 +1,31 @@
-"""The PostgreSQL store, `--store postgresql://USER[:PASS]@HOST[:PORT]/DB`: several
-nodes share one database and act as one service. docs/scale-out.md says what they
-share and how one takes over from another; this module, how. The statements are
-lmsp_min/store/sql.py's; psycopg 3 (the `postgres` extra) is imported only here.
+"""The PostgreSQL store, `--store postgresql://USER[:PASS]@HOST[:PORT]/DB`: several nodes share one
+database and act as one service (docs/scale-out.md says what they share; this module, how). The
+statements are sql.py's; psycopg 3 (the `postgres` extra) is imported only here.
 
-Connections: a small pool for the operations, whose worker threads take one each
-(POOL_SIZE at most), and one more, in a thread of its own (the listener), that
-LISTENs and renews this node's lease.
+Connections: a pool of POOL_SIZE for the operations' worker threads, and one in a thread of its own
+(the listener) that LISTENs and renews this node's lease.
 
-Live across nodes, without polling. A transaction that appends a task's events
-(or ends it) NOTIFYs `lmsp_events` with its id, a cancel `lmsp_cancel`. The
-listener hands each notice to the trio loop, which wakes the `Watch`es of that
-task, or looks for cancels of this node's tasks. While the listener reconnects,
-watches poll; once it is back, all look again: nothing sent meanwhile is missed.
+Live across nodes, without polling: a transaction that appends a task's events (or ends it) NOTIFYs
+`lmsp_events` with its id, a cancel `lmsp_cancel`; the listener hands each notice to the trio loop,
+which wakes that task's `Watch`es or looks for cancels. While the listener reconnects watches poll;
+back, all look again.
 
-Leases. A node's `owners` row says until when it is alive (by the database's
-clock), renewed every third of the lease. Once it has expired, another node's
-recovery ends the node's unfinished tasks `failed`; back, the node finds them
-ended: `finish_task` writes nothing, and an event it appends collides with the
-other node's final one (the key is (task_id, seq)): `LeaseLost`. An outage of the
-database stops every node's renewals at once, so a node that lost the database
-judges no other node gone until a lease after its listener is back, while the
-others (which try to reconnect every quarter of a lease at least) renew theirs
-first thing back: the leases that ran out during the outage are not taken for
-nodes that died.
+Leases: a node's `owners` row says until when it is alive (the database's clock), renewed every
+third of the lease. Once it expired, another node's recovery fails the node's unfinished tasks;
+back, the node finds them ended (`finish_task` writes nothing, an event it appends collides with the
+final one: `LeaseLost`). An outage stops every node's renewals at once, so a node back from one
+judges no other gone for a lease, while the others (which retry every quarter of a lease at least)
+renew theirs: leases that ran out during the outage are not taken for deaths.
 
-Durability: what a client is told, and every task event, commits synchronously
-(the WAL flushed): followers on any node see an event once it is committed, and a
-crash of the database server must not lose it, or the recovery that fails its
-task would write its `response.failed` under an id a follower already holds.
-Claims, releases, cancels and status changes commit with `synchronous_commit = off`
-(what a crash loses of them a retry or the recovery redoes). Migrations and purges
-run on one node at a time (advisory locks).
+Durability: what a client is told, and every task event, commits with the WAL flushed: a follower
+sees an event once committed, and a crash of the server must not lose it, or the recovery would
+write its `response.failed` under an id a follower holds. Claims, releases, cancels and status
+changes commit with `synchronous_commit = off` (a retry or the recovery redoes what a crash loses).
+Migrations and purges run on one node at a time (advisory locks).
 
-Deadlines (`--store-timeout`): every connection has it as its `statement_timeout`
-and `lock_timeout`, and as its connect timeout; a server that answers nothing at
-all (frozen, or cut off) is bounded by the thread call's own deadline (sql.py
-`_in_thread`), and the connection such a call held is closed when its thread
-ends, never reused.
+Deadlines (`--store-timeout`): every connection's `statement_timeout`, `lock_timeout` and connect
+timeout; a server that answers nothing (frozen, cut off) is bounded by sql.py's `_in_thread`, and
+the connection such a call held is closed, never reused.
 
 Next: lmsp_min/tasks.py, which runs tasks over either store.
 """
@@ -61,8 +50,7 @@ POOL_SIZE = 4
 MIGRATION_LOCK = 0x6C6D7370_0001
 PURGE_LOCK = 0x6C6D7370_0002
 # libpq: how long a request may stay unanswered by the network (a partition) before the
-# connection counts as broken (the connect timeout and the server's own timeouts follow
-# --store-timeout: `connect_options`).
+# connection counts as broken (its other timeouts follow --store-timeout: `_connect`).
 CONNECT_OPTIONS = {"tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle": 5,
                    "keepalives_interval": 2, "keepalives_count": 2, "application_name": "lmsp-min"}
 
@@ -82,14 +70,6 @@ MIGRATIONS: list[list[str]] = [
         "CREATE TABLE owners (owner TEXT PRIMARY KEY, lease_until TIMESTAMPTZ NOT NULL)",
     ],
 ]
-
-
-def connect_options(timeout: float) -> dict:
-    """CONNECT_OPTIONS, with `timeout` seconds as the connect timeout (libpq counts whole
-    seconds, 2 at least) and as the server's limits on a statement and on a lock wait."""
-    milliseconds = max(1, round(timeout * 1000))
-    return {**CONNECT_OPTIONS, "connect_timeout": max(2, math.ceil(timeout)),
-            "options": f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"}
 
 
 def describe(url: str) -> str:
@@ -164,11 +144,15 @@ class PostgresStore(SQLStore):
         return f"PostgreSQL, {describe(self.url)}, lease {self.lease:g} s"
 
     def _connect(self) -> _Connection:
-        return _Connection.connect(self.url, autocommit=True, **connect_options(self.timeout))
+        # --store-timeout: the connect timeout (libpq counts whole seconds, 2 at least), and the
+        # server's limits on a statement and on a lock wait
+        milliseconds = max(1, round(self.timeout * 1000))
+        options = f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
+        return _Connection.connect(self.url, autocommit=True, connect_timeout=max(2, math.ceil(self.timeout)),
+                                   options=options, **CONNECT_OPTIONS)
 
     def close(self) -> None:
-        """Stop listening, give up the lease (the other nodes recover at once whatever this
-        node could not end), close the connections."""
+        """Stop listening, give up the lease (the others recover at once what this node left), close."""
         self._stopping.set()
         try:
             self._run_in_transaction(self._give_up_lease, (), durable=True)
@@ -180,11 +164,9 @@ class PostgresStore(SQLStore):
 
     @contextmanager
     def _pooled(self) -> Iterator[_Connection]:
-        """An idle connection (or a new one: the limiters keep the pool at POOL_SIZE). What
-        fails on one that breaks, or past the server's timeouts, is `unavailable()`. One that
-        breaks is closed, never reused; so is one whose call outlived its deadline: the trio
-        side abandoned the call (its caller was answered 503), and nothing says what state
-        a frozen server left the connection in."""
+        """An idle connection (or a new one: the limiters keep the pool at POOL_SIZE). What fails
+        on one that breaks, or past the server's timeouts, is a 503. One that breaks is closed,
+        and so is one whose call outlived its deadline (abandoned, in a state nothing knows)."""
         started = time.monotonic()
         try:
             conn = self._idle.pop()
@@ -235,16 +217,14 @@ class PostgresStore(SQLStore):
         return isinstance(exc, psycopg.errors.DiskFull) or super()._is_disk_full(exc)  # (SQLSTATE 53100)
 
     def _gone_among(self, conn: _Connection, owners: set[str]) -> set[str]:
-        """Those whose lease has expired, by the database's clock (or was given up: no row);
-        none while this node is back from an outage for less than a lease (`_listen`)."""
+        """Those whose lease expired (or was given up: no row); none for a lease after an outage."""
         if time.monotonic() < self._judge_from:
             return set()
         alive = conn.execute("SELECT owner FROM owners WHERE lease_until > clock_timestamp()").fetchall()
         return owners - {owner for (owner,) in alive}
 
     def _may_purge(self, conn: _Connection) -> bool:
-        """One node at a time (one that finds another purging leaves it to that one), which
-        also forgets the leases that expired (no row: gone too)."""
+        """One node at a time (the others leave it to that one), which forgets the expired leases."""
         if not conn.execute("SELECT pg_try_advisory_xact_lock(?)", (PURGE_LOCK,)).fetchone()[0]:
             return False
         conn.execute("DELETE FROM owners WHERE lease_until < clock_timestamp()")
@@ -256,10 +236,8 @@ class PostgresStore(SQLStore):
         except psycopg.errors.UniqueViolation:  # after the final event another node wrote
             raise LeaseLost(f"task {task_id} was ended by another node (this node's lease expired)") from None
 
-
     def _listen(self) -> None:
-        """LISTEN, renew the lease, hand notices to the trio loop; reconnect when the
-        connection breaks (every watch then looks again), until `close`."""
+        """LISTEN, renew the lease, hand notices to the trio loop; reconnect when it breaks, until `close`."""
         pause = 0.1
         while not self._stopping.is_set():
             conn = None
@@ -311,8 +289,7 @@ class PostgresStore(SQLStore):
             self._cancel_notice.set()
 
     def _look_again(self) -> None:
-        """(in the trio loop) Notices may have been missed: every watch and the cancel
-        check read the database again."""
+        """(in the trio loop) Notices may have been missed: every watch and the cancel check look again."""
         for watches in self._watches.values():
             for watch in watches:
                 watch.notify()

@@ -1,11 +1,9 @@
 """The store's operations, written once in SQL for both backends.
 
-`SQLStore` implements the `Store` of lmsp_min/store/__init__.py in statements
-with sqlite3's `?` placeholders (the PostgreSQL backend's connections take them
-too); what the two databases spell differently (types, booleans, a row lock,
-NOTIFY, the schema's version) its backend's `Dialect` says. The schema is
-`schema` below, brought up to date by one runner (`_migrate`) through each
-backend's own `MIGRATIONS`, the list of its versions that a later release extends.
+`SQLStore` implements lmsp_min/store/__init__.py's `Store` in statements with sqlite3's `?`
+placeholders (PostgreSQL's connections take them too); what the two spell differently its backend's
+`Dialect` says. `schema` below is brought up to date by `_migrate` through each backend's
+`MIGRATIONS`, which a later release extends.
 
 Next: lmsp_min/store/sqlite.py and lmsp_min/store/postgres.py, the backends.
 """
@@ -18,9 +16,8 @@ import json
 import os
 import time
 from abc import abstractmethod
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import trio
 
@@ -105,9 +102,8 @@ def schema(d: Dialect) -> list[list[str]]:
 
 
 class SQLStore(Store):
-    """The operations of `Store` in SQL. A backend adds what is its own (below): how a
-    worker thread takes a connection and a transaction (and how many threads may at
-    once: its two limiters), how it knows that an owner is gone, whether it purges now."""
+    """The operations of `Store` in SQL. A backend adds how a worker thread takes a connection
+    and a transaction (how many at once: its limiters), how it knows an owner is gone."""
 
     dialect: Dialect
     elsewhere: str  # where to go instead of a database with a newer schema
@@ -148,51 +144,43 @@ class SQLStore(Store):
         return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
     async def _write(self, fn: Callable[..., Any], *args: Any, durable: bool = True) -> Any:
-        with self._full_disk_refused():
-            result = await self._in_thread(self._run_in_transaction, (fn, args, durable), self._write_limiter)
+        result = await self._in_thread(self._run_in_transaction, (fn, args, durable), self._write_limiter)
         if self._disk_is_full:
             self._disk_is_full = False
             self._log(f"the database's disk has room again ({self.location}): writes go on")
         return result
 
     async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
-        with self._full_disk_refused():  # (a read may need room too: PostgreSQL's sorts on disk)
-            return await self._in_thread(self._run_read, (fn, args), self._read_limiter)
+        return await self._in_thread(self._run_read, (fn, args), self._read_limiter)
 
     async def _in_thread(self, run: Callable[..., Any], args: tuple, limiter: trio.CapacityLimiter) -> Any:
         """`run(*args)` in a worker thread, waited for `timeout` seconds at most, its turn in
         `limiter` included. Past it the caller gets a 503, and the thread (which nothing can
-        stop) is left to end by itself, keeping its place in `limiter` until it does (so no
-        other thread takes its connection meanwhile; PostgreSQL then closes it). Shielded
-        from the caller's own cancellation, as a thread call always was: a caller that gets
-        the result of a write acts on it (the runner publishes the events it committed)."""
+        stop) ends by itself, keeping its place in `limiter` (and its connection) until it does.
+        Shielded from the caller's cancellation: a caller that gets the result of a write acts
+        on it (the runner publishes the events it committed). A full disk (a read may need room
+        too: PostgreSQL's sorts) is `disk_full()`, logged once, not a traceback per request."""
         with trio.move_on_after(self.timeout) as deadline:
             deadline.shield = True
-            return await trio.to_thread.run_sync(run, *args, limiter=limiter, **{_ABANDON: True})
+            try:
+                return await trio.to_thread.run_sync(run, *args, limiter=limiter, **{_ABANDON: True})
+            except Exception as exc:
+                if not self._is_disk_full(exc):
+                    raise
+                if not self._disk_is_full:
+                    self._disk_is_full = True
+                    self._log(f"error: the database's disk is full ({self.location}): writes get 503 until there "
+                              f"is room, reads go on ({type(exc).__name__}: {exc})")
+                raise disk_full() from exc
         raise too_slow(self.timeout)
-
-    @contextmanager
-    def _full_disk_refused(self) -> Iterator[None]:
-        """A full disk, however the backend says it, raised as `disk_full()` (a 503), and
-        logged in one line when it starts, not a traceback for every request that meets it."""
-        try:
-            yield
-        except Exception as exc:
-            if not self._is_disk_full(exc):
-                raise
-            if not self._disk_is_full:
-                self._disk_is_full = True
-                self._log(f"error: the database's disk is full ({self.location}): writes get 503 until there "
-                          f"is room, reads go on ({type(exc).__name__}: {exc})")
-            raise disk_full() from exc
 
     def _notify(self, conn: Any, channel: str, task_id: str) -> None:
         if self.dialect.notify is not None:
             conn.execute(self.dialect.notify, (channel, task_id))
 
     def _migrate(self, conn: Any, migrations: list[list[str]]) -> None:
-        """Bring the schema up to date in the transaction of `conn` (DDL is transactional
-        in both databases): the later of two processes starting together finds nothing to do."""
+        """Bring the schema up to date in `conn`'s transaction (DDL is transactional in both):
+        the later of two processes starting together finds nothing to do."""
         for statement in self.dialect.version_setup:
             conn.execute(statement)
         (version,) = conn.execute(self.dialect.version).fetchone()

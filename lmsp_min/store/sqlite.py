@@ -1,34 +1,27 @@
-"""The embedded store: one SQLite file (stdlib `sqlite3`) under `--data-dir`, in
-WAL mode so that readers never wait for the writer; the statements are
-lmsp_min/store/sql.py's. Writes go through ONE connection, used by one worker
-thread at a time, so transactions never fight over the write lock; reads use a
-small pool of their own connections. `--no-store` is an in-memory database (one
-connection for both): tasks still work, and nothing outlives the process.
+"""The embedded store: one SQLite file (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
+readers never wait for the writer; the statements are sql.py's. Writes go through ONE connection,
+one worker thread at a time, so transactions never fight over the write lock; reads have a small
+pool. `--no-store` is an in-memory database (one connection for both): tasks still work, and nothing
+outlives the process.
 
-Durability. The promise is: nothing a client was told is stored is ever lost.
-- Writes a client is told about (a stored response, a created or finished task,
-  an idempotency result) commit with `synchronous=FULL`: the WAL is fsynced
-  before the call returns, so they survive a kill -9 and a power cut.
-- Task events commit with `synchronous=NORMAL`: the commit is in the WAL file
-  (the OS page cache) when the call returns, which survives a kill -9 of the
-  service. Only a power cut can lose the tail of a running task's log, and that
-  task is then marked failed on restart anyway; the FULL commit that ends a task
-  fsyncs the same WAL file. Following a task stays cheap (an fsync takes
-  milliseconds: benchmarks/tasks.py) without weakening any promise.
+Durability: nothing a client was told is stored is ever lost. What a client is told of (a stored
+response, a created or finished task, an idempotency result) commits with `synchronous=FULL`, the
+WAL fsynced: it survives a power cut. Task events commit with `synchronous=NORMAL`, in the OS page
+cache, which survives a kill -9: only a power cut can lose a running task's last events, and that
+task is marked failed on restart anyway (the FULL commit that ends a task fsyncs the same WAL).
+Following a task stays cheap (an fsync takes milliseconds: benchmarks/tasks.py).
 
-Busy. A statement waits for another process's write lock up to `--store-timeout`
-seconds (SQLite's busy timeout), the call as a whole as long (sql.py `_in_thread`);
-then its request is a 503.
+Busy: a statement waits for another process's write lock up to `--store-timeout` (SQLite's busy
+timeout), then its request is a 503.
 
-Owners. Several processes may share a data directory, so "the process that was
-running this task died" must mean exactly that, not "a process started". Each
-Store (an owner) holds an exclusive `flock` on its file `owners/<id>.lock` while
-it is open; the kernel drops it when the process dies, however it dies (kill -9
-included): only the work of owners whose lock can be taken is recovered. (Without
-`fcntl`, on Windows, every other owner counts as dead: one process per directory.)
+Owners: several processes may share a data directory, so "the process running this task died" must
+mean exactly that. Each Store (an owner) holds an exclusive `flock` on `owners/<id>.lock` while
+open; the kernel drops it when the process dies, even by kill -9: only the work of owners whose lock
+can be taken is recovered. (Without `fcntl`, on Windows, every other owner counts as dead: one
+process per directory.)
 
-Size. The pages that rows deleted by the purges held go to SQLite's freelist,
-which later writes reuse: the file stays as large as its fullest retention window.
+Size: the pages the purges free go to SQLite's freelist, which later writes reuse: the file stays as
+large as its fullest retention window.
 
 Next: lmsp_min/store/postgres.py, the store that several machines share.
 """
@@ -73,11 +66,9 @@ def _connect(path: str, timeout: float) -> sqlite3.Connection:
 
 
 def _use_wal(conn: sqlite3.Connection) -> None:
-    """Put the database in WAL mode (nothing to do once it is). On a new database opened
-    by several processes at once, two connections switching together can deadlock, each
-    holding the shared lock the other's switch waits for: SQLite then answers one of them
-    "database is locked" at once, without waiting for busy_timeout (once in 200 to 300
-    rounds of 16 threads opening a new directory), and that one tries again."""
+    """Put the database in WAL mode. Two connections switching a new database together can
+    deadlock: SQLite answers one "database is locked" at once, not after busy_timeout (once
+    in 200 to 300 rounds of 16 threads opening a new directory), and that one tries again."""
     for attempt in range(100):
         try:
             conn.execute("PRAGMA journal_mode = WAL")
@@ -89,8 +80,7 @@ def _use_wal(conn: sqlite3.Connection) -> None:
 
 
 class SQLiteStore(SQLStore):
-    """`await SQLiteStore.open(data_dir)` (`open_sync` outside trio); `data_dir=None`
-    is the in-memory database of `--no-store`."""
+    """`await SQLiteStore.open(data_dir)` (`open_sync` outside trio); None: `--no-store`."""
 
     dialect = SQLITE
     elsewhere = "another --data-dir"
@@ -174,12 +164,10 @@ class SQLiteStore(SQLStore):
         return super()._is_disk_full(exc)
 
     def _gone_among(self, conn: sqlite3.Connection, owners: set[str]) -> set[str]:
-        """The owners whose process has ended (one look at each one's lock)."""
         return {owner for owner in owners if self._is_dead(owner)}
 
     def _is_dead(self, owner: str) -> bool:
-        """Whether the process of `owner` is gone (its lock file can be locked, or is
-        missing); the file of a dead owner is removed."""
+        """Whether `owner`'s process is gone (its lock file can be locked, or is missing, then removed)."""
         if owner == self.owner or self._owners is None:
             return False
         path = self._owners / f"{owner}.lock"
@@ -226,8 +214,7 @@ class SQLiteStore(SQLStore):
 
     @contextmanager
     def _busy_is_too_slow(self) -> Iterator[None]:
-        """A statement that waited the busy timeout out ("database is locked": another
-        process holds the lock) is a 503, as any call past --store-timeout."""
+        """A statement that waited the busy timeout out ("database is locked") is a 503."""
         try:
             yield
         except sqlite3.OperationalError as exc:
