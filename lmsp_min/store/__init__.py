@@ -1,9 +1,9 @@
 """The durable store's interface: what the service keeps, and the operations on it.
 
 Stored responses, tasks, task event logs and idempotency records live behind one interface, `Store`,
-with two backends (lmsp_min/store/open.py opens one): SQLite (sqlite.py), the embedded default,
-whose directory several processes on one machine may share; and PostgreSQL (postgres.py), which
-several nodes on several machines share to act as one service (docs/scale-out.md).
+with two backends (lmsp_min/store/open.py opens one): SQLite (sqlite.py), the default, whose
+directory several processes on one machine may share; and PostgreSQL (postgres.py), which several
+machines share to act as one service (docs/scale-out.md).
 
 The task, conversation and idempotency logic (tasks.py, idempotency.py, service.py) is written once,
 above this interface. What differs per backend is said here as operations: how a process knows
@@ -12,10 +12,9 @@ machine, a lease across machines), and how it learns that something changed in a
 (`watch`, `next_cancel_requests`: polling SQLite, LISTEN/NOTIFY in PostgreSQL).
 
 Every database call runs in a worker thread: the trio loop never waits on a database. A call that
-cannot reach it, or does not end within `--store-timeout`, raises `unavailable()`, a 503: the
-request is never held while the fault lasts, and succeeds again once the database is back. A write
-that finds the disk full raises `disk_full()`, a 503 too, logged once when the disk fills and once
-when it has room again: reads go on meanwhile.
+cannot reach it, or does not end within `--store-timeout`, raises `unavailable()`, a 503; a write
+that finds the disk full, `disk_full()`, a 503 too (reads go on): the request is never held while
+the fault lasts, and succeeds again once it is over.
 
 Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """

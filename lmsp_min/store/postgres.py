@@ -3,12 +3,10 @@ database and act as one service (docs/scale-out.md says what they share; this mo
 statements are sql.py's; psycopg 3 (the `postgres` extra) is imported only here.
 
 Connections: a pool of POOL_SIZE for the operations' worker threads, and one in a thread of its own
-(the listener) that LISTENs and renews this node's lease.
-
-Live across nodes, without polling: a transaction that appends a task's events (or ends it) NOTIFYs
-`lmsp_events` with its id, a cancel `lmsp_cancel`; the listener hands each notice to the trio loop,
-which wakes that task's `Watch`es or looks for cancels. While the listener reconnects watches poll;
-back, all look again.
+(the listener) that LISTENs and renews this node's lease. A transaction that appends a task's events
+(or ends it) NOTIFYs `lmsp_events` with its id, a cancel `lmsp_cancel`; the listener hands each
+notice to the trio loop, which wakes that task's `Watch`es or looks for cancels. While the listener
+reconnects watches poll; back, all look again.
 
 Leases: a node's `owners` row says until when it is alive (the database's clock), renewed every
 third of the lease. Once it expired, another node's recovery fails the node's unfinished tasks;
@@ -17,15 +15,11 @@ final one: `LeaseLost`). An outage stops every node's renewals at once, so a nod
 judges no other gone for a lease, while the others (which retry every quarter of a lease at least)
 renew theirs: leases that ran out during the outage are not taken for deaths.
 
-Durability: what a client is told, and every task event, commits with the WAL flushed: a follower
-sees an event once committed, and a crash of the server must not lose it, or the recovery would
-write its `response.failed` under an id a follower holds. Claims, releases, cancels and status
-changes commit with `synchronous_commit = off` (a retry or the recovery redoes what a crash loses).
-Migrations and purges run on one node at a time (advisory locks).
-
-Deadlines (`--store-timeout`): every connection's `statement_timeout`, `lock_timeout` and connect
-timeout; a server that answers nothing (frozen, cut off) is bounded by sql.py's `_in_thread`, and
-the connection such a call held is closed, never reused.
+Durability: what a client is told, and every task event, commits with the WAL flushed: a crash of
+the server must not lose an event a follower saw, or the recovery would write its `response.failed`
+under that id. Claims, releases, cancels and status changes commit with `synchronous_commit = off`
+(a retry or the recovery redoes what a crash loses). Migrations and purges run on one node at a time
+(advisory locks).
 
 Next: lmsp_min/tasks.py, which runs tasks over either store.
 """
@@ -42,7 +36,7 @@ import psycopg
 import trio
 
 from lmsp_min.problems import Problem
-from lmsp_min.store import STORE_TIMEOUT, LoggedEvent, StoreError, Watch, too_slow, unavailable
+from lmsp_min.store import STORE_TIMEOUT, LoggedEvent, StoreError, Watch, unavailable
 from lmsp_min.store.sql import CANCEL_CHANNEL, EVENTS_CHANNEL, Dialect, SQLStore, schema
 
 POOL_SIZE = 4
@@ -144,8 +138,8 @@ class PostgresStore(SQLStore):
         return f"PostgreSQL, {describe(self.url)}, lease {self.lease:g} s"
 
     def _connect(self) -> _Connection:
-        # --store-timeout: the connect timeout (libpq counts whole seconds, 2 at least), and the
-        # server's limits on a statement and on a lock wait
+        # --store-timeout: the connect timeout (libpq counts whole seconds, 2 at least), and the server's
+        # limits on a statement and on a lock wait (a server that answers nothing: sql.py's `_in_thread`)
         milliseconds = max(1, round(self.timeout * 1000))
         options = f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
         return _Connection.connect(self.url, autocommit=True, connect_timeout=max(2, math.ceil(self.timeout)),
@@ -177,8 +171,6 @@ class PostgresStore(SQLStore):
                 raise unavailable() from exc
         try:
             yield conn
-        except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable) as exc:  # (statement, lock timeout)
-            raise too_slow(self.timeout) from exc
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise unavailable() from exc
@@ -215,6 +207,9 @@ class PostgresStore(SQLStore):
 
     def _is_disk_full(self, exc: Exception) -> bool:
         return isinstance(exc, psycopg.errors.DiskFull) or super()._is_disk_full(exc)  # (SQLSTATE 53100)
+
+    def _timed_out(self, exc: Exception) -> bool:
+        return isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable))  # (statement, lock)
 
     def _gone_among(self, conn: _Connection, owners: set[str]) -> set[str]:
         """Those whose lease expired (or was given up: no row); none for a lease after an outage."""

@@ -108,7 +108,8 @@ class SQLStore(Store):
     dialect: Dialect
     elsewhere: str  # where to go instead of a database with a newer schema
     damaged: type[Exception] | tuple = ()  # what says a database cannot be read (SQLite's damaged file)
-    # Whether a task's events wait for the disk before followers can see them (append_events).
+    # Whether a task's events wait for the disk before followers see them: a backend whose crash loses
+    # commits that did not would make a recovery write other events under ids a follower holds.
     durable_events: bool
     _write_limiter: trio.CapacityLimiter
     _read_limiter: trio.CapacityLimiter
@@ -118,9 +119,7 @@ class SQLStore(Store):
         self.timeout = timeout  # seconds one call may take, its turn for a thread included (--store-timeout)
         self._log = log or (lambda line: None)
         self._disk_is_full = False  # an operation found the disk full (said once, until a write succeeds)
-        # (principal, key) of the idempotency claims this Store's requests hold now: a
-        # 'running' claim of ours that is not here was left by a request that could
-        # neither complete nor release it (a failing disk), see release_abandoned_keys
+        # (principal, key) of the claims this Store's requests hold now: see release_abandoned_keys
         self._claims_held: set[tuple[str, str]] = set()
 
     @abstractmethod
@@ -139,9 +138,12 @@ class SQLStore(Store):
         return True  # (unless the backend's processes purge in turn)
 
     def _is_disk_full(self, exc: Exception) -> bool:
-        """Whether `exc` says the database's disk is full: the file system's ENOSPC (or a
-        quota's EDQUOT, as full for us), and what the backend says instead (it adds that)."""
+        """Whether `exc` says the disk is full: ENOSPC (or a quota's EDQUOT), or the backend's own word."""
         return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+    def _timed_out(self, exc: Exception) -> bool:
+        """Whether `exc` says the database's own deadline passed (a lock held too long, say)."""
+        return False
 
     async def _write(self, fn: Callable[..., Any], *args: Any, durable: bool = True) -> Any:
         result = await self._in_thread(self._run_in_transaction, (fn, args, durable), self._write_limiter)
@@ -158,13 +160,16 @@ class SQLStore(Store):
         `limiter` included. Past it the caller gets a 503, and the thread (which nothing can
         stop) ends by itself, keeping its place in `limiter` (and its connection) until it does.
         Shielded from the caller's cancellation: a caller that gets the result of a write acts
-        on it (the runner publishes the events it committed). A full disk (a read may need room
-        too: PostgreSQL's sorts) is `disk_full()`, logged once, not a traceback per request."""
+        on it (the runner publishes the events it committed). The database's own deadline is the
+        same 503; a full disk (a read may need room too: PostgreSQL's sorts) is `disk_full()`,
+        logged once, not a traceback per request."""
         with trio.move_on_after(self.timeout) as deadline:
             deadline.shield = True
             try:
                 return await trio.to_thread.run_sync(run, *args, limiter=limiter, **{_ABANDON: True})
             except Exception as exc:
+                if self._timed_out(exc):
+                    raise too_slow(self.timeout) from exc
                 if not self._is_disk_full(exc):
                     raise
                 if not self._disk_is_full:
@@ -222,8 +227,6 @@ class SQLStore(Store):
             _insert_events(conn, task_id, events, time.time())
             self._notify(conn, EVENTS_CHANNEL, task_id)
 
-        # (followers see the events once this returns: a backend whose crash loses commits that
-        # did not wait for the disk would make a recovery write other events under their ids)
         await self._write(append, durable=self.durable_events)
 
     async def finish_task(self, task_id: str, status: str, response: str, final_events: list[LoggedEvent],

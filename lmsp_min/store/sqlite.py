@@ -1,24 +1,20 @@
 """The embedded store: one SQLite file (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
 readers never wait for the writer; the statements are sql.py's. Writes go through ONE connection,
 one worker thread at a time, so transactions never fight over the write lock; reads have a small
-pool. `--no-store` is an in-memory database (one connection for both): tasks still work, and nothing
-outlives the process.
+pool. `--no-store` is an in-memory database (one connection for both): tasks work, nothing outlives
+the process.
 
 Durability: nothing a client was told is stored is ever lost. What a client is told of (a stored
 response, a created or finished task, an idempotency result) commits with `synchronous=FULL`, the
-WAL fsynced: it survives a power cut. Task events commit with `synchronous=NORMAL`, in the OS page
-cache, which survives a kill -9: only a power cut can lose a running task's last events, and that
-task is marked failed on restart anyway (the FULL commit that ends a task fsyncs the same WAL).
-Following a task stays cheap (an fsync takes milliseconds: benchmarks/tasks.py).
-
-Busy: a statement waits for another process's write lock up to `--store-timeout` (SQLite's busy
-timeout), then its request is a 503.
+WAL fsynced: it survives a power cut. Task events commit with `synchronous=NORMAL`, which survives
+a kill -9: only a power cut can lose a running task's last events, and that task is marked failed
+on restart anyway (the FULL commit that ends a task fsyncs the same WAL). Following a task stays
+cheap (an fsync takes milliseconds: benchmarks/tasks.py).
 
 Owners: several processes may share a data directory, so "the process running this task died" must
 mean exactly that. Each Store (an owner) holds an exclusive `flock` on `owners/<id>.lock` while
 open; the kernel drops it when the process dies, even by kill -9: only the work of owners whose lock
-can be taken is recovered. (Without `fcntl`, on Windows, every other owner counts as dead: one
-process per directory.)
+can be taken is recovered. (Without `fcntl`, on Windows, every other owner counts as dead.)
 
 Size: the pages the purges free go to SQLite's freelist, which later writes reuse: the file stays as
 large as its fullest retention window.
@@ -31,13 +27,11 @@ from __future__ import annotations
 import sqlite3
 import time
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import trio
 
-from lmsp_min.problems import Problem
-from lmsp_min.store import STORE_TIMEOUT, StoreError, too_slow
+from lmsp_min.store import STORE_TIMEOUT, StoreError
 from lmsp_min.store.sql import Dialect, SQLStore, schema
 
 try:
@@ -60,8 +54,8 @@ MIGRATIONS: list[list[str]] = [[*_STEPS[0], "CREATE INDEX tasks_by_status ON tas
 
 
 def _connect(path: str, timeout: float) -> sqlite3.Connection:
-    # isolation_level=None: no implicit transactions; we say BEGIN/COMMIT ourselves. `timeout`:
-    # how long a statement waits for another process's write lock (SQLite's busy timeout).
+    # isolation_level=None: no implicit transactions; we say BEGIN/COMMIT ourselves. `timeout`: how long
+    # a statement waits for another process's write lock (SQLite's busy timeout), then it is a 503.
     return sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=timeout)
 
 
@@ -85,9 +79,7 @@ class SQLiteStore(SQLStore):
     dialect = SQLITE
     elsewhere = "another --data-dir"
     damaged = sqlite3.DatabaseError
-    # (a commit that did not wait for the disk is lost only with this machine's power, which
-    # also cuts every stream it serves: see "Durability" above)
-    durable_events = False
+    durable_events = False  # (lost only with this machine's power, which cuts its streams too: "Durability")
 
     def __init__(self, path: Path | None, readers: int = 2, timeout: float = STORE_TIMEOUT,
                  log: Callable[[str], None] | None = None):
@@ -134,7 +126,7 @@ class SQLiteStore(SQLStore):
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
             return cls(data_dir / DB_NAME, timeout=timeout, log=log)
-        except (OSError, sqlite3.Error, Problem) as exc:  # (a Problem: locked by another process too long)
+        except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the database in {data_dir}: {exc}") from None
 
     @classmethod
@@ -163,6 +155,9 @@ class SQLiteStore(SQLStore):
             return code & 0xFF == SQLITE_FULL if code is not None else str(exc) == "database or disk is full"
         return super()._is_disk_full(exc)
 
+    def _timed_out(self, exc: Exception) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)  # (the busy timeout waited out)
+
     def _gone_among(self, conn: sqlite3.Connection, owners: set[str]) -> set[str]:
         return {owner for owner in owners if self._is_dead(owner)}
 
@@ -189,15 +184,14 @@ class SQLiteStore(SQLStore):
         if synchronous != self._synchronous:
             conn.execute(f"PRAGMA synchronous = {synchronous}")
             self._synchronous = synchronous
-        with self._busy_is_too_slow():
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(conn, *args)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:  # (after some errors, a full disk, SQLite has rolled back)
-                    conn.execute("ROLLBACK")
-                raise
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn, *args)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:  # (after some errors, a full disk, SQLite has rolled back)
+                conn.execute("ROLLBACK")
+            raise
         return result
 
     def _run_read(self, fn: Callable[..., Any], args: tuple) -> Any:
@@ -207,17 +201,6 @@ class SQLiteStore(SQLStore):
             conn = _connect(str(self.path), self.timeout)  # (never in memory: its one connection is idle)
             self._all_readers.append(conn)
         try:
-            with self._busy_is_too_slow():
-                return fn(conn, *args)
+            return fn(conn, *args)
         finally:
             self._idle_readers.append(conn)
-
-    @contextmanager
-    def _busy_is_too_slow(self) -> Iterator[None]:
-        """A statement that waited the busy timeout out ("database is locked") is a 503."""
-        try:
-            yield
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc):
-                raise
-            raise too_slow(self.timeout) from exc
