@@ -122,9 +122,8 @@ class IdempotencyRecord:
 
 
 class Watch:
-    """What a follower waits on between two reads: `wait` returns once the backend `notify`s
-    it (a notice that came during the read is kept), or after POLL_INTERVAL while `told()`
-    says none can come."""
+    """What a follower waits on between two reads: `wait` returns once the backend `notify`s it (a notice
+    that came during the read is kept), or after POLL_INTERVAL while `told()` says none can come."""
 
     def __init__(self, told: Callable[[], bool] = lambda: False):
         self._told = told
@@ -206,8 +205,8 @@ class Store(ABC):
         """Up to `limit` (None: all) logged events with seq > `after`, in order, in one read."""
 
     def watch(self, task_id: str) -> AbstractContextManager[Watch]:
-        """`with store.watch(task_id) as watch:` (before the first read) then read, `await
-        watch.wait(timeout)`, read again...: each wait ends when the task may have changed."""
+        """`with store.watch(task_id) as watch:` (before the first read), then read, `await watch.wait(t)`
+        (it ends when the task may have changed, or after `t` seconds), read again..."""
         return nullcontext(Watch())
 
     @abstractmethod
@@ -234,8 +233,8 @@ class Store(ABC):
 
     @abstractmethod
     async def delete_task(self, task_id: str, principal: str) -> bool:
-        """Delete a final task of `principal` with its event log, in one transaction; False if there
-        is none, or it is not final (Tasks.delete says 409). Its stored response stays."""
+        """Delete a final task of `principal` and its log in one transaction (its stored response stays);
+        False if there is none, or it is not final (Tasks.delete says 409)."""
 
     @abstractmethod
     async def purge_stored(self, older_than: float) -> tuple[int, int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import trio
+
 from lmsp_min.store import STORE_TIMEOUT, Store, StoreError
 
 
@@ -22,6 +24,7 @@ async def open_store(location: str | Path | None, *, lease: float = 10.0, timeou
         except ImportError as exc:
             raise StoreError(f"--store {location.split('://')[0]}://... needs psycopg 3: "
                              f"pip install 'lmsp-min[postgres]' ({exc})") from None
-        return await PostgresStore.open(location, lease=lease, log=log, timeout=timeout)
+        token = trio.lowlevel.current_trio_token()  # (the loop its listener hands notices to)
+        return await trio.to_thread.run_sync(PostgresStore, location, lease, log, token, timeout)
     from lmsp_min.store.sqlite import SQLiteStore
     return await SQLiteStore.open(location, timeout, log=log)

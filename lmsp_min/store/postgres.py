@@ -93,7 +93,7 @@ class _Connection(psycopg.Connection):
 
 
 class PostgresStore(SQLStore):
-    """The PostgreSQL database. Build it with `await PostgresStore.open(url, lease=...)`."""
+    """The PostgreSQL database, which open.py's `open_store` builds in a worker thread."""
 
     dialect = POSTGRES
     elsewhere = "another database"
@@ -109,8 +109,8 @@ class PostgresStore(SQLStore):
         self._watches: dict[str, set[Watch]] = {}
         self._cancel_notice = trio.Event()  # (set: a cancel may have been asked, look)
         self._listening = False
-        # (time.monotonic) before it, no other node is judged gone: inf while the database is
-        # away, then a lease from the listener's return, for the others to renew theirs
+        # (time.monotonic) before it no other node is judged gone: inf while the database is away, then
+        # a lease from the listener's return, for the others to renew theirs
         self._judge_from = 0.0
         self._stopping = threading.Event()
         self._wake_channel = f"lmsp_wake_{self.owner}"  # (what `close` tells the listener on)
@@ -128,10 +128,6 @@ class PostgresStore(SQLStore):
             raise
         if token is not None:
             self._listener.start()
-
-    @classmethod
-    async def open(cls, url: str, *, lease: float = 10.0, log=None, timeout: float = STORE_TIMEOUT) -> "PostgresStore":
-        return await trio.to_thread.run_sync(cls, url, lease, log, trio.lowlevel.current_trio_token(), timeout)
 
     @property
     def location(self) -> str:
@@ -158,9 +154,8 @@ class PostgresStore(SQLStore):
 
     @contextmanager
     def _pooled(self) -> Iterator[_Connection]:
-        """An idle connection (or a new one: the limiters keep the pool at POOL_SIZE). What fails
-        on one that breaks, or past the server's timeouts, is a 503. One that breaks is closed,
-        and so is one whose call outlived its deadline (abandoned, in a state nothing knows)."""
+        """An idle connection (or a new one: the limiters keep the pool at POOL_SIZE); what fails on one
+        that breaks is a 503. It is closed, as is one whose call outlived its deadline (abandoned)."""
         started = time.monotonic()
         try:
             conn = self._idle.pop()

@@ -57,22 +57,19 @@ class Dialect:
 def schema(d: Dialect) -> list[list[str]]:
     """The schema both databases have, in the three steps it grew by (SQLite's versions)."""
     tables = [
-        # A stored response: `body` is the response object exactly as it was served (its
-        # output, usage, status, error and incomplete_details); `input` the effective input
-        # items (earlier turns of previous_response_id included).
+        # A stored response: `body` is the response object exactly as it was served (its output, usage,
+        # status, error...); `input` the effective input items (previous_response_id's turns included).
         f"""CREATE TABLE responses (
             id TEXT PRIMARY KEY, principal TEXT NOT NULL, created_at {d.bigint} NOT NULL,
             model TEXT NOT NULL, status TEXT NOT NULL, input TEXT NOT NULL, body TEXT NOT NULL
         )""",
-        # A task: `owner` the Store (process) running it; `model` the id of the model it runs;
-        # `request` the request's parameters (tasks.py keeps no input there, see Tasks._start);
-        # `response` the final response object once the task is final; `ended_at` starts the
-        # event retention clock; `events_expired` is set when its events were purged.
+        # A task: `owner` the Store (process) running it; `model` the id of the model it runs; `request`
+        # the request's parameters (no input: Tasks._start); `response` the final response object once
+        # final; `ended_at` starts the event retention clock; `events_expired`: its events were purged.
         f"""CREATE TABLE tasks (
-            id TEXT PRIMARY KEY, principal TEXT NOT NULL, owner TEXT NOT NULL,
-            created_at {d.bigint} NOT NULL, model TEXT NOT NULL, response_id TEXT NOT NULL,
-            status TEXT NOT NULL, request TEXT NOT NULL, response TEXT,
-            ended_at {d.double}, events_expired {d.boolean} NOT NULL DEFAULT {d.false}
+            id TEXT PRIMARY KEY, principal TEXT NOT NULL, owner TEXT NOT NULL, created_at {d.bigint} NOT NULL,
+            model TEXT NOT NULL, response_id TEXT NOT NULL, status TEXT NOT NULL, request TEXT NOT NULL,
+            response TEXT, ended_at {d.double}, events_expired {d.boolean} NOT NULL DEFAULT {d.false}
         )""",
         f"CREATE INDEX tasks_by_end ON tasks (ended_at) WHERE events_expired = {d.false}",
         # A task's event log: `data` is the event's JSON text exactly as served.
@@ -80,13 +77,12 @@ def schema(d: Dialect) -> list[list[str]]:
             task_id TEXT NOT NULL, seq INTEGER NOT NULL, event TEXT NOT NULL, data TEXT NOT NULL,
             time {d.double} NOT NULL, PRIMARY KEY (task_id, seq)
         ){d.without_rowid}""",
-        # An Idempotency-Key: `fingerprint` identifies route + body; while `state` is
-        # 'running' (in process `owner`) repeats get 409; once 'done', `status`/`content_type`/`body`
-        # are the exact result to replay, or `task_id` the task to return again.
+        # An Idempotency-Key: `fingerprint` identifies route + body; while `state` is 'running' (in process
+        # `owner`) repeats get 409; once 'done', `status`/`content_type`/`body` are the exact result to
+        # replay, or `task_id` the task to return again.
         f"""CREATE TABLE idempotency (
-            principal TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
-            state TEXT NOT NULL, owner TEXT NOT NULL,
-            status INTEGER, content_type TEXT, body {d.blob}, task_id TEXT,
+            principal TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, state TEXT NOT NULL,
+            owner TEXT NOT NULL, status INTEGER, content_type TEXT, body {d.blob}, task_id TEXT,
             created_at {d.double} NOT NULL, PRIMARY KEY (principal, key)
         ){d.without_rowid}""",
         "CREATE INDEX idempotency_by_age ON idempotency (created_at)",
@@ -102,8 +98,8 @@ def schema(d: Dialect) -> list[list[str]]:
 
 
 class SQLStore(Store):
-    """The operations of `Store` in SQL. A backend adds how a worker thread takes a connection
-    and a transaction (how many at once: its limiters), how it knows an owner is gone."""
+    """`Store` in SQL. A backend adds how a worker thread takes a connection and a transaction (how
+    many at once: its limiters), how it knows an owner is gone, and what its errors say."""
 
     dialect: Dialect
     elsewhere: str  # where to go instead of a database with a newer schema
@@ -156,13 +152,12 @@ class SQLStore(Store):
         return await self._in_thread(self._run_read, (fn, args), self._read_limiter)
 
     async def _in_thread(self, run: Callable[..., Any], args: tuple, limiter: trio.CapacityLimiter) -> Any:
-        """`run(*args)` in a worker thread, waited for `timeout` seconds at most, its turn in
-        `limiter` included. Past it the caller gets a 503, and the thread (which nothing can
-        stop) ends by itself, keeping its place in `limiter` (and its connection) until it does.
-        Shielded from the caller's cancellation: a caller that gets the result of a write acts
-        on it (the runner publishes the events it committed). The database's own deadline is the
-        same 503; a full disk (a read may need room too: PostgreSQL's sorts) is `disk_full()`,
-        logged once, not a traceback per request."""
+        """`run(*args)` in a worker thread, waited for `timeout` seconds at most, its turn in `limiter`
+        included. Past it (or the database's own deadline) the caller gets a 503, and the thread (which
+        nothing can stop) ends by itself, keeping its place in `limiter` (and its connection). Shielded
+        from the caller's cancellation: a caller that gets the result of a write acts on it (the runner
+        publishes the events it committed). A full disk (a read may need room too: PostgreSQL's sorts)
+        is `disk_full()`, logged once, not a traceback per request."""
         with trio.move_on_after(self.timeout) as deadline:
             deadline.shield = True
             try:
@@ -184,8 +179,7 @@ class SQLStore(Store):
             conn.execute(self.dialect.notify, (channel, task_id))
 
     def _migrate(self, conn: Any, migrations: list[list[str]]) -> None:
-        """Bring the schema up to date in `conn`'s transaction (DDL is transactional in both):
-        the later of two processes starting together finds nothing to do."""
+        """Bring the schema up to date in `conn`'s transaction (DDL is transactional in both)."""
         for statement in self.dialect.version_setup:
             conn.execute(statement)
         (version,) = conn.execute(self.dialect.version).fetchone()

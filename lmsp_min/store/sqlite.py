@@ -60,9 +60,9 @@ def _connect(path: str, timeout: float) -> sqlite3.Connection:
 
 
 def _use_wal(conn: sqlite3.Connection) -> None:
-    """Put the database in WAL mode. Two connections switching a new database together can
-    deadlock: SQLite answers one "database is locked" at once, not after busy_timeout (once
-    in 200 to 300 rounds of 16 threads opening a new directory), and that one tries again."""
+    """Put the database in WAL mode. Two connections switching a new database together can deadlock:
+    SQLite answers one "database is locked" at once, not after busy_timeout (once in 200 to 300 rounds
+    of 16 threads opening a new directory), and that one tries again."""
     for attempt in range(100):
         try:
             conn.execute("PRAGMA journal_mode = WAL")
