@@ -1,20 +1,17 @@
 """The durable store's interface: what the service keeps, and the operations on it.
 
-Stored responses, tasks, task event logs and idempotency records live behind one interface, `Store`,
-with two backends (lmsp_min/store/open.py opens one): SQLite (sqlite.py), the default, whose
-directory several processes on one machine may share; and PostgreSQL (postgres.py), which several
-machines share to act as one service (docs/scale-out.md).
-
+Stored responses, tasks, their event logs and idempotency records live behind `Store`, with two
+backends (open.py opens one): SQLite (sqlite.py), the default, whose directory several processes on
+one machine may share; PostgreSQL (postgres.py), which several machines share (docs/scale-out.md).
 The task, conversation and idempotency logic (tasks.py, idempotency.py, service.py) is written once,
-above this interface. What differs per backend is said here as operations: how a process knows
-another one is gone (`owner`, `interrupted_tasks`, `release_abandoned_keys`: an flock on one
-machine, a lease across machines), and how it learns that something changed in another process
-(`watch`, `next_cancel_requests`: polling SQLite, LISTEN/NOTIFY in PostgreSQL).
+above it; what differs per backend is said here as operations: how a process knows another is gone
+(`owner`, `interrupted_tasks`, `release_abandoned_keys`: an flock on one machine, a lease across
+machines), and how it learns of a change another made (`watch`, `next_cancel_requests`: polling
+SQLite, LISTEN/NOTIFY in PostgreSQL).
 
-Every database call runs in a worker thread: the trio loop never waits on a database. A call that
-cannot reach it, or does not end within `--store-timeout`, raises `unavailable()`, a 503; a write
-that finds the disk full, `disk_full()`, a 503 too (reads go on): the request is never held while
-the fault lasts, and succeeds again once it is over.
+Every database call runs in a worker thread: the trio loop never waits on a database. One that
+cannot reach it or outlasts `--store-timeout` raises `unavailable()`, a write that finds the disk
+full `disk_full()` (reads go on): 503s, never a request held for as long as the fault lasts.
 
 Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """

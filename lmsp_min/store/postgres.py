@@ -2,24 +2,22 @@
 database and act as one service (docs/scale-out.md says what they share; this module, how). The
 statements are sql.py's; psycopg 3 (the `postgres` extra) is imported only here.
 
-Connections: a pool of POOL_SIZE for the operations' worker threads, and one in a thread of its own
-(the listener) that LISTENs and renews this node's lease. A transaction that appends a task's events
-(or ends it) NOTIFYs `lmsp_events` with its id, a cancel `lmsp_cancel`; the listener hands each
-notice to the trio loop, which wakes that task's `Watch`es or looks for cancels. While the listener
-reconnects watches poll; back, all look again.
+A pool of POOL_SIZE connections serves the operations' worker threads; one more, in a thread of its
+own (the listener), LISTENs and renews this node's lease. Appending a task's events (or ending it)
+NOTIFYs `lmsp_events` with its id, a cancel `lmsp_cancel`; the listener hands each notice to the
+trio loop, which wakes that task's `Watch`es or looks for cancels (while it reconnects, they poll;
+back, all look again).
 
 Leases: a node's `owners` row says until when it is alive (the database's clock), renewed every
-third of the lease. Once it expired, another node's recovery fails the node's unfinished tasks;
-back, the node finds them ended (`finish_task` writes nothing, an event it appends collides with the
-final one: `LeaseLost`). An outage stops every node's renewals at once, so a node back from one
-judges no other gone for a lease, while the others (which retry every quarter of a lease at least)
-renew theirs: leases that ran out during the outage are not taken for deaths.
+third of a lease. Once it expired, another node's recovery fails its unfinished tasks; back, the
+node finds them ended (`finish_task` writes nothing, an event it appends collides: `LeaseLost`). An
+outage stops every renewal at once, so a node back from one judges no other gone for a lease, while
+the others (retrying every quarter of a lease) renew theirs: leases run out meanwhile are no deaths.
 
-Durability: what a client is told, and every task event, commits with the WAL flushed: a crash of
-the server must not lose an event a follower saw, or the recovery would write its `response.failed`
-under that id. Claims, releases, cancels and status changes commit with `synchronous_commit = off`
-(a retry or the recovery redoes what a crash loses). Migrations and purges run on one node at a time
-(advisory locks).
+Durability: what a client is told, and every task event, commits with the WAL flushed (a recovery
+after a server crash must not write its `response.failed` under an id a follower saw); claims,
+releases, cancels and status changes with `synchronous_commit = off` (a retry or the recovery
+redoes them). Migrations and purges run on one node at a time (advisory locks).
 
 Next: lmsp_min/tasks.py, which runs tasks over either store.
 """

@@ -1,20 +1,18 @@
 """The embedded store: one SQLite file (stdlib `sqlite3`) under `--data-dir`, in WAL mode so that
 readers never wait for the writer; the statements are sql.py's. Writes go through ONE connection,
 one worker thread at a time, so transactions never fight over the write lock; reads have a small
-pool. `--no-store` is an in-memory database (one connection for both): tasks work, nothing outlives
-the process.
+pool. `--no-store` is an in-memory database (one connection): tasks work, nothing outlives the process.
 
-Durability: nothing a client was told is stored is ever lost. What a client is told of (a stored
-response, a created or finished task, an idempotency result) commits with `synchronous=FULL`, the
-WAL fsynced: it survives a power cut. Task events commit with `synchronous=NORMAL`, which survives
-a kill -9: only a power cut can lose a running task's last events, and that task is marked failed
-on restart anyway (the FULL commit that ends a task fsyncs the same WAL). Following a task stays
-cheap (an fsync takes milliseconds: benchmarks/tasks.py).
+Durability: nothing a client was told is stored is ever lost. What it is told of (a stored response,
+a created or finished task, an idempotency result) commits with `synchronous=FULL` (the WAL fsynced:
+it survives a power cut); task events with `synchronous=NORMAL`, which survives a kill -9 and keeps
+following a task cheap (benchmarks/tasks.py): only a power cut can lose a running task's last
+events, and that task fails on restart anyway (the FULL commit that ends it fsyncs the same WAL).
 
-Owners: several processes may share a data directory, so "the process running this task died" must
-mean exactly that. Each Store (an owner) holds an exclusive `flock` on `owners/<id>.lock` while
-open; the kernel drops it when the process dies, even by kill -9: only the work of owners whose lock
-can be taken is recovered. (Without `fcntl`, on Windows, every other owner counts as dead.)
+Owners: processes sharing a data directory must know "the process running this task died" exactly.
+Each Store (an owner) holds an exclusive `flock` on `owners/<id>.lock` while open, which the kernel
+drops when the process dies (even by kill -9): only the work of owners whose lock can be taken is
+recovered. (Without `fcntl`, on Windows, every other owner counts as dead.)
 
 Size: the pages the purges free go to SQLite's freelist, which later writes reuse: the file stays as
 large as its fullest retention window.
