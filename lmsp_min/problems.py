@@ -97,6 +97,29 @@ def shutting_down(detail: str = "the service is shutting down") -> Problem:
     return Problem("model_unavailable", detail, headers=[("Retry-After", "5")])
 
 
+def unavailable(detail: str = "the service's database cannot be reached; try again shortly") -> Problem:
+    """What a request that needs the database gets while it cannot be reached (503)."""
+    return Problem("model_unavailable", detail, headers=[("Retry-After", "2")])
+
+
+# A full disk is a 503, not WebDAV's 507 (RFC 4918 11.5): the same request succeeds once there
+# is room, which 503 with Retry-After tells every client; 507 reads as "a smaller request would
+# do", and D1's closed table of codes has none for it. Half a minute: room comes back by an
+# operator's hand or a purge, not within seconds.
+DISK_FULL_RETRY_AFTER = "30"
+
+
+def disk_full() -> Problem:
+    """What a request whose write finds the database's disk full gets (503)."""
+    return Problem("model_unavailable", "the service's storage is full; try again later",
+                   headers=[("Retry-After", DISK_FULL_RETRY_AFTER)])
+
+
+def too_slow(timeout: float) -> Problem:
+    """What a request gets when a store call took longer than `timeout` (--store-timeout): 503."""
+    return unavailable(f"the service's database did not answer within {timeout:g} s; try again shortly")
+
+
 def leaf_exceptions(exc: BaseException) -> list[BaseException]:
     """exc, or the exceptions its (nested) exception groups hold: trio's nurseries wrap
     what fails in them in groups (strictly since trio 0.25), which do not say what it was."""

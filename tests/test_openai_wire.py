@@ -8,7 +8,7 @@ import h11
 import pytest
 import trio
 
-from lmsp_min.store import unavailable
+from lmsp_min.problems import unavailable
 from server_harness import make_service, parse_sse, start_server, tiny_path  # noqa: F401
 from test_tasks import gated
 from waiting import wait_until

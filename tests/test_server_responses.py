@@ -214,7 +214,7 @@ async def test_a_stream_whose_store_is_away_ends_with_a_model_unavailable_error_
                                                                                     tmp_path, monkeypatch):
     """The store's own 503 (a database that cannot be reached) is said as itself, not as
     an internal error: a client retries a model_unavailable."""
-    from lmsp_min.store import unavailable
+    from lmsp_min.problems import unavailable
 
     server = await start_server(nursery, await make_service([tiny_path], data_dir=tmp_path / "data"))
 

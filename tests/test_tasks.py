@@ -16,7 +16,8 @@ from lmsp_min import tasks
 from lmsp_min.generation import prepare
 from lmsp_min.http import Limits
 from lmsp_min.problems import Problem
-from lmsp_min.store import LoggedEvent, StoreError, unavailable
+from lmsp_min.problems import unavailable
+from lmsp_min.store import LoggedEvent, StoreError
 from lmsp_min.store.sqlite import SQLiteStore
 from lmsp_min.service import _only
 from lmsp_min.tasks import Tasks

@@ -10,8 +10,9 @@ machines), and how it learns of a change another made (`watch`, `next_cancel_req
 SQLite, LISTEN/NOTIFY in PostgreSQL).
 
 Every database call runs in a worker thread: the trio loop never waits on a database. One that
-cannot reach it or outlasts `--store-timeout` raises `unavailable()`, a write that finds the disk
-full `disk_full()` (reads go on): 503s, never a request held for as long as the fault lasts.
+cannot reach it or outlasts `--store-timeout` raises lmsp_min/problems.py's `unavailable()`, a
+write that finds the disk full `disk_full()` (reads go on): 503s, never a request held for as long
+as the fault lasts.
 
 Next: lmsp_min/store/sql.py, the operations written once in SQL for both.
 """
@@ -27,7 +28,6 @@ from typing import Callable
 
 import trio
 
-from lmsp_min.problems import Problem
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
@@ -43,29 +43,6 @@ STORE_TIMEOUT = 5.0
 
 class StoreError(ValueError):
     """The database cannot be opened (a ValueError: `lmsp-min serve` prints it and stops)."""
-
-
-def unavailable(detail: str = "the service's database cannot be reached; try again shortly") -> Problem:
-    """What a request that needs the database gets while it cannot be reached (503)."""
-    return Problem("model_unavailable", detail, headers=[("Retry-After", "2")])
-
-
-# A full disk is a 503, not WebDAV's 507 (RFC 4918 11.5): the same request succeeds once there
-# is room, which 503 with Retry-After tells every client; 507 reads as "a smaller request would
-# do", and D1's closed table of codes has none for it. Half a minute: room comes back by an
-# operator's hand or a purge, not within seconds.
-DISK_FULL_RETRY_AFTER = "30"
-
-
-def disk_full() -> Problem:
-    """What a request whose write finds the database's disk full gets (503)."""
-    return Problem("model_unavailable", "the service's storage is full; try again later",
-                   headers=[("Retry-After", DISK_FULL_RETRY_AFTER)])
-
-
-def too_slow(timeout: float) -> Problem:
-    """What a request gets when a store call took longer than `timeout` (--store-timeout): 503."""
-    return unavailable(f"the service's database did not answer within {timeout:g} s; try again shortly")
 
 
 @dataclass(frozen=True)

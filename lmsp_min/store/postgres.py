@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterator
 import psycopg
 import trio
 
-from lmsp_min.problems import Problem
-from lmsp_min.store import STORE_TIMEOUT, LoggedEvent, StoreError, Watch, unavailable
+from lmsp_min.problems import Problem, unavailable
+from lmsp_min.store import STORE_TIMEOUT, LoggedEvent, StoreError, Watch
 from lmsp_min.store.sql import CANCEL_CHANNEL, EVENTS_CHANNEL, Dialect, SQLStore, schema
 
 POOL_SIZE = 4

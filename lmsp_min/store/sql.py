@@ -21,8 +21,9 @@ from typing import Any, Callable
 
 import trio
 
+from lmsp_min.problems import disk_full, too_slow
 from lmsp_min.store import (FINAL_STATUSES, STORE_TIMEOUT, IdempotencyRecord, LoggedEvent, Store, StoredResponse,
-                             StoreError, TaskRow, disk_full, too_slow)
+                             StoreError, TaskRow)
 
 _FINAL_LIST = ", ".join(f"'{status}'" for status in sorted(FINAL_STATUSES))  # (for SQL's IN)
 # What a commit tells the other processes of a task (PostgreSQL's NOTIFY channels).

@@ -14,9 +14,6 @@ Each Store (an owner) holds an exclusive `flock` on `owners/<id>.lock` while ope
 drops when the process dies (even by kill -9): only the work of owners whose lock can be taken is
 recovered. (Without `fcntl`, on Windows, every other owner counts as dead.)
 
-Size: the pages the purges free go to SQLite's freelist, which later writes reuse: the file stays as
-large as its fullest retention window.
-
 Next: lmsp_min/store/postgres.py, the store that several machines share.
 """
 
