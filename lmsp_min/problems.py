@@ -8,7 +8,12 @@ secret: it is always composed here or by the validator, never copied from an
 arbitrary exception. What it quotes of the request (a field name, a model id) is
 a short prefix (`quoted`), so a megabyte sent is never a megabyte echoed. What an
 unexpected exception was is for the log, where `leaf_exceptions` finds it inside
-trio's exception groups.
+trio's exception groups. The 503s the service says of itself are made here too: a
+stopping service (`shutting_down`), and a store that cannot answer (`unavailable`,
+`too_slow`, `disk_full`: lmsp_min/store/ raises them).
+
+Next: lmsp_min/http.py writes a Problem as its document; lmsp_min/routing.py picks the
+face's format.
 """
 
 # code -> (HTTP status, title). The closed list of D1's error table.
