@@ -44,12 +44,9 @@ def close_shared_models():
 @pytest.fixture(scope="session")
 def postgres_server():
     """One PostgreSQL server for the session; skipped only where PostgreSQL is not installed."""
-    from pg_server import PostgresServer, binaries
+    from pg_server import started
 
-    bin_dir = binaries()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL is not installed (no initdb; Debian: apt-get install postgresql)")
-    server = PostgresServer(bin_dir).start()
+    server = started()
     yield server
     server.stop()
 

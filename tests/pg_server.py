@@ -29,6 +29,17 @@ def binaries() -> Path | None:
     return Path(versions[-1]).parent if versions else None
 
 
+def started(settings: dict[str, str] | None = None) -> "PostgresServer":
+    """A server of a test's own (or a session's), started; the test is skipped, saying why,
+    where PostgreSQL is not installed (CI installs it: .ci/run)."""
+    import pytest
+
+    bin_dir = binaries()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb; Debian: apt-get install postgresql)")
+    return PostgresServer(bin_dir, settings=settings).start()
+
+
 class PostgresServer:
     """`start()`, then `new_database()` URLs, then `stop()`."""
 

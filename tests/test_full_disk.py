@@ -6,6 +6,7 @@ stored reads on; once there is room, writes go on. (PostgreSQL's disk_full, SQLS
 import errno
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ DISK_SIZE = "4m"  # room for the database and its WAL, small enough to fill in a
 
 
 @pytest.fixture
-def small_disk(tmp_path) -> Path:
+def small_disk(tmp_path) -> Iterator[Path]:
     """A tmpfs of DISK_SIZE mounted at tmp_path/disk, unmounted at the end (after the
     test's trio fixtures, so after the server closed its database)."""
     if os.geteuid() != 0:

@@ -30,11 +30,9 @@ SLACK = 4.0
 
 @pytest.fixture
 def own_server():
-    from pg_server import PostgresServer, binaries
+    from pg_server import started
 
-    if binaries() is None:
-        pytest.skip("PostgreSQL is not installed (no initdb; Debian: apt-get install postgresql)")
-    server = PostgresServer(binaries(), settings={"wal_writer_delay": "10s"}).start()
+    server = started(settings={"wal_writer_delay": "10s"})
     yield server
     server.stop()
 

@@ -133,11 +133,9 @@ async def test_purges_run_on_one_node_at_a_time(postgres_url):
 @pytest.fixture
 def own_server(tmp_path):
     """A PostgreSQL server of the test's own, which it stops and starts again."""
-    from pg_server import PostgresServer, binaries
+    from pg_server import started
 
-    if binaries() is None:
-        pytest.skip("PostgreSQL is not installed (no initdb; Debian: apt-get install postgresql)")
-    server = PostgresServer(binaries()).start()
+    server = started()
     yield server
     server.stop()
 
