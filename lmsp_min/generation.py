@@ -178,8 +178,8 @@ async def prepare(body: dict, principal: str, service) -> Generation:
     """Everything that can refuse a request, done before any generation (D1, D2, D4, D9)."""
     request = validate_responses_request(body)
     entry = await service.registry.find(request.model, param="model")
-    if request.previous_response_id is not None:
-        _require_conversations(service)
+    if request.previous_response_id is not None:  # (refused before a model is loaded for it;
+        _require_conversations(service)           # effective_input, below, asks for others too)
     model = await entry.load(service.log)
     if entry.full_for(principal):  # refused before the work below (entry.admit at the end counts it in)
         raise rate_limited()
