@@ -10,6 +10,10 @@ origins cannot call it; with it, `CorsPolicy` answers for the origins listed (or
   authentication, as the browser sends it without credentials: `204` with the methods
   and headers the request may use, for `MAX_AGE` seconds. An origin not allowed gets a
   `400` and no CORS header (its browser refuses the request, and never sends it).
+- A public page calling a service on a private address or loopback (Chromium's Private
+  Network Access) makes its preflight ask `Access-Control-Request-Private-Network: true`;
+  an allowed origin is told `Access-Control-Allow-Private-Network: true`, or Chromium
+  refuses the request even though its origin is listed.
 - Every actual response to an allowed origin (any status, either face, a stream too)
   names it in `Access-Control-Allow-Origin` and exposes the headers a client reads
   (`EXPOSED_HEADERS`); a response to another origin carries no CORS header, and the
@@ -91,11 +95,12 @@ class CorsPolicy:
                           "(lmsp-min serve --cors-origin ORIGIN allows them)")
         asked = request.headers.get("access-control-request-headers", "").lower()
         sdk_headers = [name for name in map(str.strip, asked.split(",")) if SDK_HEADER.fullmatch(name)]
-        return Response(204, b"", None, [
-            ("Access-Control-Allow-Methods", ALLOWED_METHODS),
-            ("Access-Control-Allow-Headers", ", ".join([*ALLOWED_HEADERS, *sdk_headers])),
-            ("Access-Control-Max-Age", MAX_AGE),
-        ])
+        headers = [("Access-Control-Allow-Methods", ALLOWED_METHODS),
+                   ("Access-Control-Allow-Headers", ", ".join([*ALLOWED_HEADERS, *sdk_headers])),
+                   ("Access-Control-Max-Age", MAX_AGE)]
+        if request.headers.get("access-control-request-private-network", "").lower() == "true":
+            headers.append(("Access-Control-Allow-Private-Network", "true"))
+        return Response(204, b"", None, headers)
 
     def response_headers(self, origin: str | None) -> list[tuple[str, str]]:
         """The CORS headers of a response to a request from `origin` (None: not from a page of

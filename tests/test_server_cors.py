@@ -61,6 +61,17 @@ async def test_a_preflight_from_an_unlisted_origin_gets_no_cors_header(server, p
     assert "--cors-origin" in json.dumps(reply.json())
 
 
+async def test_a_public_page_may_call_the_private_service_when_its_origin_is_listed(server):
+    """Chromium's Private Network Access: a page on a public address calling loopback asks first."""
+    asking = {**preflight_headers(PAGE), "Access-Control-Request-Private-Network": "true"}
+    allowed = await server.request("OPTIONS", "/v1/chat/completions", headers=asking)
+    assert allowed.status == 204 and allowed.headers["access-control-allow-private-network"] == "true"
+    refused = await server.request("OPTIONS", "/v1/chat/completions", headers={**asking, "Origin": OTHER})
+    assert refused.status == 400 and cors_headers(refused) == {}
+    plain = await server.request("OPTIONS", "/v1/chat/completions", headers=preflight_headers(PAGE))
+    assert "access-control-allow-private-network" not in plain.headers
+
+
 async def test_a_preflight_needs_no_token(guarded):
     """The browser sends a preflight without credentials: it is answered before authentication."""
     reply = await guarded.request("OPTIONS", "/v1/models", headers=preflight_headers(OTHER, "GET", "authorization"))
