@@ -7,9 +7,10 @@ parameter the client sent (`rename`): `input[2]` of the LMSP body may be `messag
 of a chat request, `extensions.lmsp-min.seed` is `seed`.
 
 What this module checks itself is what LMSP has no field for: the OpenAI parameters we
-accept, and those we cannot honour. A parameter that would change the output and that
-we cannot honour (`n` > 1, `logprobs`, penalties, image or audio parts...) is a 400
-naming it, never silently ignored; parameters that change nothing we produce (`user`,
+accept, and those we cannot honour. `n` is the dialect's own (openai_dialect/choices.py:
+n generations); `logprobs` / `top_logprobs`, the penalties and `logit_bias` are LMSP's
+extensions. A parameter that would change the output and that we cannot honour (image or
+audio parts, `suffix`, `best_of`...) is a 400 naming it, never silently ignored; parameters that change nothing we produce (`user`,
 `metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`) are accepted, and so
 are `top_k` and `min_p`, which llama-server's and vLLM's users send. Any other unknown
 parameter is a 400, as OpenAI's API answers it. An `allowed_tools` tool choice (either
@@ -56,6 +57,8 @@ class Translated:
     renames: dict[str, str] = field(default_factory=dict)  # LMSP param prefix -> OpenAI param prefix
     skipped: int = 0  # Responses: LMSP input items of ours before the request's (its instructions)
     previous: int = 0  # Responses: then those of the previous response's conversation
+    n: int = 1  # chat, completions: the choices to generate
+    logprobs: bool = False  # chat, completions: their logprobs asked for
 
     def rename(self, problem: Problem) -> Problem:
         """`problem` as the client's request names things."""
@@ -95,8 +98,38 @@ class Translated:
 # -- shared readers ---------------------------------------------------------------
 
 
-# LMSP extensions that both dialects name as top-level parameters
-EXTENSION_RENAMES = {_EXTENSION + name: name for name in ("top_p", "top_k", "min_p", "parallel_tool_calls")}
+# LMSP extensions that the dialects name as top-level parameters
+EXTENSION_RENAMES = {_EXTENSION + name: name for name in ("top_p", "top_k", "min_p", "parallel_tool_calls",
+                                                          "presence_penalty", "frequency_penalty", "logit_bias")}
+MAX_CHOICES = 8  # n: the choices are generated one after the other, each a whole generation's time
+
+
+def extension_of(lmsp: dict) -> dict:
+    """The LMSP body's `extensions["lmsp-min"]`, made if it is not there yet."""
+    return lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})
+
+
+def choices(body: dict) -> int:
+    """`n`: how many choices (1 to MAX_CHOICES)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"'n' must be an integer from 1 to {MAX_CHOICES}")
+    return n
+
+
+def penalties(body: dict, lmsp: dict) -> None:
+    """presence_penalty, frequency_penalty and logit_bias, as LMSP's extensions (whose
+    validation checks them; logit_bias's token ids once the model is known)."""
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+        if body.get(name) is not None:
+            extension_of(lmsp)[name] = body[name]
+
+
+def logprobs_asked(lmsp: dict, top: int) -> None:
+    """Each token's log probability reported, with `top` alternatives (LMSP validation bounds it)."""
+    extension_of(lmsp)["logprobs"] = top
 
 
 def _sampling(body: dict, lmsp: dict) -> None:
@@ -194,13 +227,14 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
     for name in body:
         if name not in RESPONSES_FIELDS:
             raise _unknown(name)
-    if body.get("top_logprobs"):
-        raise _cannot("top_logprobs", "log probabilities are not reported")
+    include_logprobs = False
     if body.get("include"):
         if not isinstance(body["include"], list):
             raise invalid("include", "'include' must be an array")
         for index, value in enumerate(body["include"]):
-            if value != "reasoning.encrypted_content":  # we have no encrypted reasoning to include
+            include_logprobs |= value == "message.output_text.logprobs"
+            if value not in ("reasoning.encrypted_content", "message.output_text.logprobs"):
+                # (we have no encrypted reasoning to include: accepted, nothing comes of it)
                 raise _cannot(f"include[{index}]", f"{quoted(value)} is not produced here")
     reasoning = body.get("reasoning")
     if reasoning is not None and (not isinstance(reasoning, dict) or reasoning.get("effort") is not None):
@@ -224,6 +258,8 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
     lmsp = {name: body[name] for name in ("model", "max_output_tokens", "tools", "tool_choice") if name in body}
     _sampling(body, lmsp)
     _parallel_tool_calls(body, lmsp)
+    if include_logprobs or body.get("top_logprobs"):  # (top_logprobs alone asks for them too)
+        logprobs_asked(lmsp, 0 if body.get("top_logprobs") is None else body["top_logprobs"])
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         lmsp["tool_choice"] = _allowed_tools(choice, "tool_choice", lmsp, lambda entry: entry.get("name"))
@@ -240,7 +276,8 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
                             instructions=body.get("instructions"),
                             previous_response_id=body.get("previous_response_id"),
                             renames={"response_format.json_schema": "text.format", "response_format": "text.format",
-                                     _EXTENSION + "allowed_tools": "tool_choice.tools", **EXTENSION_RENAMES})
+                                     _EXTENSION + "allowed_tools": "tool_choice.tools",
+                                     _EXTENSION + "logprobs": "top_logprobs", **EXTENSION_RENAMES})
     if "input" not in body:
         raise invalid("input", "'input' is required")
     if isinstance(body["input"], str):
@@ -300,12 +337,6 @@ CHAT_FIELDS = {
 }
 # name -> (what it may be and still be honoured, why not otherwise)
 _CHAT_HONOURED_ONLY_AS = {
-    "n": (lambda v: v is None or v == 1, "one choice is generated per request"),
-    "logprobs": (lambda v: not v, "log probabilities are not reported"),
-    "top_logprobs": (lambda v: not v, "log probabilities are not reported"),
-    "frequency_penalty": (lambda v: not v, "the sampler has no penalties"),
-    "presence_penalty": (lambda v: not v, "the sampler has no penalties"),
-    "logit_bias": (lambda v: not v, "the sampler takes no logit bias"),
     "modalities": (lambda v: v is None or v == ["text"], "the models served here write text only"),
     "audio": (lambda v: v is None, "the models served here write text only"),
     "prediction": (lambda v: v is None, "predicted outputs are not used"),
@@ -335,11 +366,18 @@ def chat_request(body: dict) -> Translated:
     tool_choice = body.get("tool_choice")
 
     lmsp = {"store": False, "stream": bool(body.get("stream"))}
-    renames = {**EXTENSION_RENAMES, _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop"}
+    renames = {**EXTENSION_RENAMES, _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop",
+               _EXTENSION + "logprobs": "top_logprobs"}
     if "model" in body:
         lmsp["model"] = body["model"]
     _sampling(body, lmsp)
     _parallel_tool_calls(body, lmsp)
+    penalties(body, lmsp)
+    _bool_or_none(body, "logprobs")
+    if body.get("top_logprobs") and not body.get("logprobs"):
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    if body.get("logprobs"):
+        logprobs_asked(lmsp, 0 if body.get("top_logprobs") is None else body["top_logprobs"])
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(limit) is not None:
         lmsp["max_output_tokens"] = body[limit]
@@ -372,7 +410,8 @@ def chat_request(body: dict) -> Translated:
         lmsp["tool_choice"] = _chat_tool_choice(tool_choice)
         renames["tool_choice.name"] = "tool_choice.function.name"
     translated = Translated(lmsp, [], stream=bool(body.get("stream")),
-                            include_usage=bool((options or {}).get("include_usage")), renames=renames)
+                            include_usage=bool((options or {}).get("include_usage")), renames=renames,
+                            n=choices(body), logprobs=bool(body.get("logprobs")))
     if "messages" not in body:
         raise invalid("messages", "'messages' is required")
     if not isinstance(body["messages"], list) or not body["messages"]:

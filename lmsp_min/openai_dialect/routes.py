@@ -38,7 +38,7 @@ from lmsp_min import generation, sse
 from lmsp_min.events import FINAL_EVENTS
 from lmsp_min.generation import Generation
 from lmsp_min.http import Request, Response, json_response
-from lmsp_min.openai_dialect import chat, errors, requests, responses
+from lmsp_min.openai_dialect import chat, choices, errors, requests, responses
 from lmsp_min.problems import Problem, quoted
 from lmsp_min.routing import Router, read_json_body
 from lmsp_min.store import FINAL_STATUSES, TaskRow
@@ -363,23 +363,21 @@ async def cancel_response(request: Request, service) -> Response:
 async def create_chat_completion(request: Request, service):
     body = await read_json_body(request)
     call = requests.chat_request(body)
-    try:
-        prepared = await generation.prepare({**call.body, "input": call.input}, request.principal, service)
-    except Problem as problem:
-        raise call.rename(problem) from None
-
+    prepared = await choices.prepare(call, [(call.input, None)], request.principal, service)
     if call.stream:  # (a chat completion is never stored: its LMSP request says store false)
-        return sse.stream(prepared.stream_body(_chat_sse(prepared, call, request, service)), service.config.limits)
-    await _respond(prepared, call, request, service)
-    return json_response(chat.completion_object(prepared.run.response_object()))
+        chunks = _chat_sse(prepared, call, request, service)
+        return sse.stream(choices.stream_body(prepared, chunks), service.config.limits)
+    await choices.respond(prepared, call, request, service)
+    return json_response(chat.completion_object([choice.run.response_object() for choice in prepared],
+                                                call.logprobs))
 
 
-async def _chat_sse(prepared: Generation, call: requests.Translated, request: Request,
+async def _chat_sse(prepared: list[Generation], call: requests.Translated, request: Request,
                     service) -> AsyncIterator[bytes]:
-    run = prepared.run
-    chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, call.include_usage)
-    async with aclosing(_lmsp_events(prepared, call, request, service)) as events:
-        async for name, data in events:
-            body = chunks.translate(name, data)
+    run = prepared[0].run
+    chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, call.include_usage, len(prepared), call.logprobs)
+    async with aclosing(choices.events(prepared, call, request, service)) as events:
+        async for index, name, data in events:
+            body = chunks.translate(index, name, data)
             if body:
                 yield body
