@@ -45,7 +45,7 @@ import secrets
 from dataclasses import replace
 
 from .api import ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, TokenLogprob, ToolCall
-from .errors import ContextLengthExceeded, SchemaError
+from .errors import ContextLengthExceeded, PromptError, SchemaError
 from .generate import StopFilter
 from .tools import ToolCallParser, output_field, plan_output
 
@@ -146,10 +146,10 @@ def prepare_text(model, prompt: str | list[int], request: ChatRequest) -> Prepar
     else:
         prompt_ids = [int(i) for i in prompt]
         if any(not 0 <= i < model.tokenizer.n_vocab for i in prompt_ids):
-            raise ValueError(f"a prompt token id is outside the vocabulary (0 to {model.tokenizer.n_vocab - 1})")
+            raise PromptError(f"a token id of the prompt is outside the vocabulary (0 to {model.tokenizer.n_vocab - 1})")
         prompt = model.tokenizer.decode(prompt_ids)
     if not prompt_ids:
-        raise ValueError("the prompt has no token")
+        raise PromptError("the prompt has no token (the model adds no BOS to an empty text)")
     return PreparedChat(request, prompt, prompt_ids, _max_tokens(model, request, prompt_ids), False, False)
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import trio
 
 from engine.api import ChatRequest, SamplingParams
-from engine.errors import ChatTemplateError, ContextLengthExceeded, SchemaError
+from engine.errors import ChatTemplateError, ContextLengthExceeded, PromptError, SchemaError
 from lmsp_min.admission import Admission
 from lmsp_min.events import Event, ResponseRun, ServiceStopping, compact_json
 from lmsp_min.http import Request
@@ -192,7 +192,7 @@ async def prepare(body: dict, principal: str, service, prompt: str | list[int] |
     if entry.full_for(principal):  # refused before the work below (entry.admit at the end counts it in)
         raise rate_limited()
     _check_capabilities(request, entry)
-    _check_vocabulary(request, prompt, model.info.n_vocab)
+    _check_vocabulary(request, model.info.n_vocab)
     items = await effective_input(service, principal, request.previous_response_id, request.input)
     messages = items_to_messages(items, input_start=len(items) - len(request.input))
     prepared = await _prepare_chat(model, _chat_request(request, messages), constrained=bool(request.tools)
@@ -210,16 +210,14 @@ def _check_capabilities(request: ResponsesRequest, entry) -> None:
                       param="response_format")
 
 
-def _check_vocabulary(request: ResponsesRequest, prompt, n_vocab: int) -> None:
-    """The token ids a request names (its logit_bias, a prompt of ids) are in the model's vocabulary."""
+def _check_vocabulary(request: ResponsesRequest, n_vocab: int) -> None:
+    """The token ids of the request's logit_bias are in the model's vocabulary (a raw
+    prompt's are the engine's to check: PromptError)."""
     for token, _ in request.logit_bias:
         if token >= n_vocab:
             raise Problem("invalid_request", f"logit_bias names token {token}, outside the vocabulary of "
                           f"model '{request.model}' (0 to {n_vocab - 1})",
                           param=f"extensions.{EXTENSION}.logit_bias.{token}")
-    if isinstance(prompt, list) and any(token >= n_vocab for token in prompt):
-        raise Problem("invalid_request", f"the prompt names a token outside the vocabulary of model "
-                      f"'{request.model}' (0 to {n_vocab - 1})", param="prompt")
 
 
 def _require_conversations(service) -> None:
@@ -258,6 +256,8 @@ async def _prepare_chat(model, chat_request: ChatRequest, constrained: bool, pro
         raise Problem("context_length_exceeded", str(exc), param=param) from None
     except SchemaError as exc:
         raise _schema_problem(exc) from None
+    except PromptError as exc:
+        raise Problem("invalid_request", str(exc), param="prompt") from None
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None

@@ -9,6 +9,7 @@ import pytest
 
 from engine import ChatRequest, SamplingParams, load_model
 from engine.api import Finished, TextDelta, TokenLogprob
+from engine.errors import PromptError
 from engine.sampling import Sampler
 from tiny import write_tiny_chat_model
 
@@ -106,5 +107,5 @@ async def test_a_raw_prompt_is_generated_without_the_chat_template(model, prompt
     assert text == "".join(t.text for t in expected)
     from_ids = model.prepare_text(prompt, request)
     assert from_ids.prompt_ids == prompt and from_ids.prompt == model.detokenize(prompt)
-    with pytest.raises(ValueError):
+    with pytest.raises(PromptError):
         model.prepare_text([model.tokenizer.n_vocab], request)

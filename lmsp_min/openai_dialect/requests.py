@@ -28,11 +28,11 @@ MAX_METADATA = 16  # OpenAI's bounds on `metadata`: 16 pairs, keys of 64 charact
 UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio", "image_url", "file", "audio")
 
 
-def _unknown(name: str) -> Problem:
+def unknown(name: str) -> Problem:
     return invalid(clipped(name), f"Unknown parameter: {quoted(name)}.")
 
 
-def _cannot(name: str, why: str) -> Problem:
+def cannot(name: str, why: str) -> Problem:
     return invalid(name, f"'{name}' cannot be honoured by this server: {why}")
 
 
@@ -109,7 +109,7 @@ def extension_of(lmsp: dict) -> dict:
     return lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})
 
 
-def choices(body: dict) -> int:
+def choice_count(body: dict) -> int:
     """`n`: how many choices (1 to MAX_CHOICES)."""
     n = body.get("n")
     if n is None:
@@ -132,7 +132,7 @@ def logprobs_asked(lmsp: dict, top: int) -> None:
     extension_of(lmsp)["logprobs"] = top
 
 
-def _sampling(body: dict, lmsp: dict) -> None:
+def sampling(body: dict, lmsp: dict) -> None:
     """temperature, top_p and the `top_k` / `min_p` that llama-server's and vLLM's users send
     (in the SDK's extra_body; LMSP's extensions): LMSP validation checks their ranges.
     OpenAI's top_p may be 0, LMSP's may not: the smallest nucleus is the most likely token
@@ -167,14 +167,14 @@ def _string_or_none(body: dict, name: str) -> None:
         raise invalid(name, f"'{name}' must be a string")
 
 
-def _bool_or_none(body: dict, name: str) -> None:
+def bool_or_none(body: dict, name: str) -> None:
     if body.get(name) is not None and not isinstance(body[name], bool):
         raise invalid(name, f"'{name}' must be a boolean")
 
 
 def _parallel_tool_calls(body: dict, lmsp: dict) -> None:
     """false (agents such as Codex send it) is LMSP's extension: at most one call is made."""
-    _bool_or_none(body, "parallel_tool_calls")
+    bool_or_none(body, "parallel_tool_calls")
     if body.get("parallel_tool_calls") is False:
         lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})["parallel_tool_calls"] = False
 
@@ -192,7 +192,7 @@ def _allowed_tools(choice: dict, param: str, lmsp: dict, name_of) -> str:
     names = []
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict) or entry.get("type") != "function":
-            raise _cannot(f"{param}.tools[{index}]", "the tools here are functions only")
+            raise cannot(f"{param}.tools[{index}]", "the tools here are functions only")
         names.append(name_of(entry))
     lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})["allowed_tools"] = names
     return mode
@@ -226,7 +226,7 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
     """Read a POST /v1/responses body (a parsed JSON object)."""
     for name in body:
         if name not in RESPONSES_FIELDS:
-            raise _unknown(name)
+            raise unknown(name)
     include_logprobs = False
     if body.get("include"):
         if not isinstance(body["include"], list):
@@ -235,28 +235,28 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
             include_logprobs |= value == "message.output_text.logprobs"
             if value not in ("reasoning.encrypted_content", "message.output_text.logprobs"):
                 # (we have no encrypted reasoning to include: accepted, nothing comes of it)
-                raise _cannot(f"include[{index}]", f"{quoted(value)} is not produced here")
+                raise cannot(f"include[{index}]", f"{quoted(value)} is not produced here")
     reasoning = body.get("reasoning")
     if reasoning is not None and (not isinstance(reasoning, dict) or reasoning.get("effort") is not None):
-        raise _cannot("reasoning.effort", "a model reasons or not as its chat template says")
+        raise cannot("reasoning.effort", "a model reasons or not as its chat template says")
     if body.get("truncation") not in (None, "disabled"):
-        raise _cannot("truncation", "the input is never truncated (a too long input is a 400)")
+        raise cannot("truncation", "the input is never truncated (a too long input is a 400)")
     if body.get("max_tool_calls") is not None:
-        raise _cannot("max_tool_calls", "the model may make up to four calls in one response")
+        raise cannot("max_tool_calls", "the model may make up to four calls in one response")
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
             raise invalid("text", "'text' must be an object")
         if text.get("verbosity") not in (None, "medium"):
-            raise _cannot("text.verbosity", "the model writes as it writes")
+            raise cannot("text.verbosity", "the model writes as it writes")
     for name in ("instructions", "user", "previous_response_id"):
         _string_or_none(body, name)
     for name in ("stream", "background", "store"):
-        _bool_or_none(body, name)
+        bool_or_none(body, name)
     _metadata(body.get("metadata"))
 
     lmsp = {name: body[name] for name in ("model", "max_output_tokens", "tools", "tool_choice") if name in body}
-    _sampling(body, lmsp)
+    sampling(body, lmsp)
     _parallel_tool_calls(body, lmsp)
     if include_logprobs or body.get("top_logprobs"):  # (top_logprobs alone asks for them too)
         logprobs_asked(lmsp, 0 if body.get("top_logprobs") is None else body["top_logprobs"])
@@ -304,7 +304,7 @@ def _responses_item(item, param: str):
         if isinstance(content, list):
             for index, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") in UNSUPPORTED_PARTS:
-                    raise _cannot(f"{param}.content[{index}].type", f"the models served here read text only, "
+                    raise cannot(f"{param}.content[{index}].type", f"the models served here read text only, "
                                   f"not {part['type']!r} parts")
             if item["role"] == "assistant":  # refusals given back are the assistant's text too
                 item["content"] = [{"type": "output_text", "text": part.get("refusal", "")}
@@ -319,7 +319,7 @@ def _text_of_parts(parts: list, param: str) -> str:
     texts = []
     for index, part in enumerate(parts):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            raise _cannot(f"{param}[{index}]", "the models served here read text only")
+            raise cannot(f"{param}[{index}]", "the models served here read text only")
         if not isinstance(part.get("text"), str):
             raise invalid(f"{param}[{index}].text", f"'{param}[{index}].text' must be a string")
         texts.append(part["text"])
@@ -353,11 +353,11 @@ def chat_request(body: dict) -> Translated:
     """Read a POST /v1/chat/completions body (a parsed JSON object)."""
     for name in body:
         if name not in CHAT_FIELDS:
-            raise _unknown(name)
+            raise unknown(name)
     for name, (honoured, why) in _CHAT_HONOURED_ONLY_AS.items():
         if not honoured(body.get(name)):
-            raise _cannot(name, why)
-    _bool_or_none(body, "stream")
+            raise cannot(name, why)
+    bool_or_none(body, "stream")
     _string_or_none(body, "user")
     _metadata(body.get("metadata"))
     options = body.get("stream_options")
@@ -370,10 +370,10 @@ def chat_request(body: dict) -> Translated:
                _EXTENSION + "logprobs": "top_logprobs"}
     if "model" in body:
         lmsp["model"] = body["model"]
-    _sampling(body, lmsp)
+    sampling(body, lmsp)
     _parallel_tool_calls(body, lmsp)
     penalties(body, lmsp)
-    _bool_or_none(body, "logprobs")
+    bool_or_none(body, "logprobs")
     if body.get("top_logprobs") and not body.get("logprobs"):
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     if body.get("logprobs"):
@@ -411,7 +411,7 @@ def chat_request(body: dict) -> Translated:
         renames["tool_choice.name"] = "tool_choice.function.name"
     translated = Translated(lmsp, [], stream=bool(body.get("stream")),
                             include_usage=bool((options or {}).get("include_usage")), renames=renames,
-                            n=choices(body), logprobs=bool(body.get("logprobs")))
+                            n=choice_count(body), logprobs=bool(body.get("logprobs")))
     if "messages" not in body:
         raise invalid("messages", "'messages' is required")
     if not isinstance(body["messages"], list) or not body["messages"]:
@@ -453,7 +453,7 @@ def _chat_text(content, param: str, allowed: tuple[str, ...] = ("text",)) -> str
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in allowed:
             if kind in UNSUPPORTED_PARTS or kind == "input_audio":
-                raise _cannot(f"{param}[{index}].type", f"the models served here read text only, not {kind!r} parts")
+                raise cannot(f"{param}[{index}].type", f"the models served here read text only, not {kind!r} parts")
             raise invalid(f"{param}[{index}].type", f"'{param}[{index}].type' must be {' or '.join(allowed)}")
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
@@ -494,6 +494,6 @@ def _chat_message(message, param: str) -> list[tuple[dict, tuple[str, dict[str, 
         return [({"type": "function_call_output", "call_id": message.get("tool_call_id"), "output": output},
                  (param, {"call_id": f"{param}.tool_call_id", "output": f"{param}.content"}))]
     if role == "function":
-        raise _cannot(f"{param}.role", "'function' messages are deprecated: use 'tool' messages")
+        raise cannot(f"{param}.role", "'function' messages are deprecated: use 'tool' messages")
     raise invalid(f"{param}.role", f"'{param}.role' must be system, developer, user, assistant or tool")
 
