@@ -181,8 +181,8 @@ async def prepare(body: dict, principal: str, service, prompt: str | list[int] |
 
     `prompt`, a raw prompt (text or token ids: /v1/completions), is generated instead of
     the input's messages, without the chat template (engine/chat.py `prepare_text`); the
-    body's `input` is then one user message holding the prompt's text, which a stored
-    response keeps and validation reads as any other.
+    body's `input` is then a stand-in, one user message holding the prompt's text (what
+    validation reads, and a stored response would keep).
     """
     request = validate_responses_request(body)
     entry = await service.registry.find(request.model, param="model")
@@ -192,7 +192,8 @@ async def prepare(body: dict, principal: str, service, prompt: str | list[int] |
     if entry.full_for(principal):  # refused before the work below (entry.admit at the end counts it in)
         raise rate_limited()
     _check_capabilities(request, entry)
-    _check_vocabulary(request, model.info.n_vocab)
+    if request.logit_bias:
+        _check_vocabulary(request, model.info.n_vocab)
     items = await effective_input(service, principal, request.previous_response_id, request.input)
     messages = items_to_messages(items, input_start=len(items) - len(request.input))
     prepared = await _prepare_chat(model, _chat_request(request, messages), constrained=bool(request.tools)
@@ -237,7 +238,8 @@ async def effective_input(service, principal: str, previous_response_id: str | N
     return await service.conversation_input(principal, previous_response_id, items)
 
 
-async def _prepare_chat(model, chat_request: ChatRequest, constrained: bool, prompt=None):
+async def _prepare_chat(model, chat_request: ChatRequest, constrained: bool,
+                        prompt: str | list[int] | None = None):
     """The engine's prepared chat (of a raw `prompt` if given), in a worker thread unless it
     is quick (INLINE_PREPARE_CHARS); an engine error as the Problem it is for the request."""
     def engine_prepare():
