@@ -144,9 +144,9 @@ def prepare_text(model, prompt: str | list[int], request: ChatRequest) -> Prepar
     if isinstance(prompt, str):
         prompt_ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True)
     else:
-        prompt_ids = [int(i) for i in prompt]
-        if any(not 0 <= i < model.tokenizer.n_vocab for i in prompt_ids):
-            raise PromptError(f"a token id of the prompt is outside the vocabulary (0 to {model.tokenizer.n_vocab - 1})")
+        prompt_ids, n_vocab = [int(i) for i in prompt], model.tokenizer.n_vocab
+        if any(not 0 <= i < n_vocab for i in prompt_ids):
+            raise PromptError(f"a token id of the prompt is outside the vocabulary (0 to {n_vocab - 1})")
         prompt = model.tokenizer.decode(prompt_ids)
     if not prompt_ids:
         raise PromptError("the prompt has no token (the model adds no BOS to an empty text)")

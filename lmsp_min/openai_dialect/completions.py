@@ -55,22 +55,41 @@ def _is_int(value) -> bool:
 
 def completion_request(body: dict) -> tuple[Translated, list[str | list[int]]]:
     """Read a POST /v1/completions body (a parsed JSON object): the call, and its prompts."""
+    _check_fields(body)
+    n = choice_count(body)
+    if body.get("best_of") not in (None, 1, n):
+        raise cannot("best_of", "every choice generated is returned: 'best_of' may only be 1 or 'n'")
+    ours = f"extensions.{EXTENSION}."
+    renames = {**EXTENSION_RENAMES, ours + "seed": "seed", ours + "stop": "stop", ours + "logprobs": "logprobs",
+               "max_output_tokens": "max_tokens"}
+    options = body.get("stream_options") or {}
+    call = Translated(_lmsp_body(body), [], stream=bool(body.get("stream")), renames=renames, n=n,
+                      include_usage=bool(options.get("include_usage")), logprobs=body.get("logprobs") is not None)
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) * n > MAX_GENERATIONS:
+        raise invalid("prompt", f"the prompts times 'n' make more than {MAX_GENERATIONS} choices")
+    return call, prompts
+
+
+def _check_fields(body: dict) -> None:
+    """What LMSP has no field for: unknown parameters, those refused, the types of our own."""
     for name in body:
         if name not in COMPLETION_FIELDS:
             raise unknown(name)
     if body.get("suffix") not in (None, ""):
         raise cannot("suffix", "the models served here do not fill in the middle")
-    n = choice_count(body)
-    if body.get("best_of") not in (None, 1, n):
-        raise cannot("best_of", "every choice generated is returned: 'best_of' may only be 1 or 'n'")
     for name in ("stream", "echo"):
         bool_or_none(body, name)
     if body.get("echo") and body.get("logprobs") is not None:
         raise cannot("echo", "the prompt's log probabilities are not computed: ask for 'logprobs' without 'echo'")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise invalid("stream_options", "'stream_options' must be an object")
+    if body.get("seed") is not None and not _is_int(body["seed"]):
+        raise invalid("seed", "'seed' must be an integer")
 
+
+def _lmsp_body(body: dict) -> dict:
+    """The LMSP request body a completion asks for, but its input (each prompt's: choices.py)."""
     lmsp = {"store": False, "stream": bool(body.get("stream")), "max_output_tokens": DEFAULT_MAX_TOKENS}
     if "model" in body:
         lmsp["model"] = body["model"]
@@ -81,21 +100,10 @@ def completion_request(body: dict) -> tuple[Translated, list[str | list[int]]]:
     if body.get("logprobs") is not None:
         logprobs_asked(lmsp, body["logprobs"])
     if body.get("seed") is not None:
-        if not _is_int(body["seed"]):
-            raise invalid("seed", "'seed' must be an integer")
         extension_of(lmsp)["seed"] = body["seed"] % 2**64  # (as chat's: the same 64 bits)
     if body.get("stop") is not None:
         extension_of(lmsp)["stop"] = body["stop"]
-    ours = f"extensions.{EXTENSION}."
-    renames = {**EXTENSION_RENAMES, ours + "seed": "seed", ours + "stop": "stop", ours + "logprobs": "logprobs",
-               "max_output_tokens": "max_tokens"}
-    call = Translated(lmsp, [], stream=bool(body.get("stream")), renames=renames, n=n,
-                      include_usage=bool((options or {}).get("include_usage")),
-                      logprobs=body.get("logprobs") is not None)
-    prompts = _prompts(body.get("prompt"))
-    if len(prompts) * n > MAX_GENERATIONS:
-        raise invalid("prompt", f"the prompts times 'n' make more than {MAX_GENERATIONS} choices")
-    return call, prompts
+    return lmsp
 
 
 def _prompts(value) -> list[str | list[int]]:

@@ -10,8 +10,9 @@ What this module checks itself is what LMSP has no field for: the OpenAI paramet
 accept, and those we cannot honour. `n` is the dialect's own (openai_dialect/choices.py:
 n generations); `logprobs` / `top_logprobs`, the penalties and `logit_bias` are LMSP's
 extensions. A parameter that would change the output and that we cannot honour (image or
-audio parts, `suffix`, `best_of`...) is a 400 naming it, never silently ignored; parameters that change nothing we produce (`user`,
-`metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`) are accepted, and so
+audio parts, a completion's `suffix`...) is a 400 naming it, never silently ignored;
+parameters that change nothing we produce (`user`, `metadata`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`) are accepted, and so
 are `top_k` and `min_p`, which llama-server's and vLLM's users send. Any other unknown
 parameter is a 400, as OpenAI's API answers it. An `allowed_tools` tool choice (either
 API's form) becomes its mode and our `allowed_tools` extension (docs/protocol.md, D1).
