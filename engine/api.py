@@ -7,6 +7,8 @@ hands it to `model.prepare_chat`, which answers with a `PreparedChat` whose `cou
     TextDelta(text)              message text (complete UTF-8, never a stop sequence)
     ReasoningDelta(text)         text between <think> and </think>, for models that reason
     ToolCall(index, name, arguments)   a whole tool call
+    TokenLogprob(id, piece, logprob, top)   a generated token's log probability, when asked
+                                 (SamplingParams.logprobs), before the text of its token
     Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
 
 These are dataclasses of the standard library only, so that the protocol package,
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (llama-server's n_probs has none)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,6 +34,12 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    # OpenAI's penalties, on the logits before temperature: a token already in the output
+    # loses presence_penalty once and frequency_penalty × its count there
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value) pairs added to the logits
+    logprobs: int | None = None  # report each token's log probability, and this many most likely ones
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -40,6 +50,12 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("min_p must be in [0, 1]")
+        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if any(not -100.0 <= value <= 100.0 for _, value in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
 
 @dataclass
@@ -106,6 +122,19 @@ class ToolCall:
     index: int      # 0, 1, ... in the order of the response
     name: str
     arguments: str  # compact JSON, valid for the tool's parameters schema
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model's own distribution: the
+    log-softmax of the logits the model gave, before penalties, bias and temperature (what
+    llama-server's n_probs and OpenAI report), and the `SamplingParams.logprobs` most likely
+    tokens there, most likely first. `piece`: the token's bytes (a control token's text)."""
+
+    id: int
+    piece: bytes
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()  # (id, piece, logprob)
 
 
 @dataclass(frozen=True)

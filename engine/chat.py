@@ -28,6 +28,10 @@ with `json_schema` they are not applied (they could cut the document; the server
 refuses the combination). With tools and `json_schema` both, the output is calls or
 the document, as the grammar decides at its first byte (engine/tools.py).
 
+With `sampling.logprobs`, each generated token's `TokenLogprob` comes before the events
+of its text. `prepare_text` prepares a raw prompt (text or token ids) without the chat
+template, for a plain completion: `generate_chat` generates it as any other.
+
 Reading the request path: lmsp_min/generation.py calls both; `generate_chat` reads the
 tokens of engine/generate.py's `Generation`, and its events go to
 lmsp_min/events.py (`ResponseRun.events`).
@@ -40,8 +44,8 @@ import re
 import secrets
 from dataclasses import replace
 
-from .api import ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, ToolCall
-from .errors import ContextLengthExceeded, SchemaError
+from .api import ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, TokenLogprob, ToolCall
+from .errors import ContextLengthExceeded, PromptError, SchemaError
 from .generate import StopFilter
 from .tools import ToolCallParser, output_field, plan_output
 
@@ -127,15 +131,37 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
         # opened one is closed empty, as a template's no-thinking mode does (Qwen3)
         prompt += "\n" + THINK_CLOSE + "\n\n"
     prompt_ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True, literal_spans=spans)
+    starts_in_reasoning = reasoning and opens_thought
+    return PreparedChat(request, prompt, prompt_ids, _max_tokens(model, request, prompt_ids), reasoning,
+                        starts_in_reasoning, plan.constraint, plan.tool_calls)
+
+
+def prepare_text(model, prompt: str | list[int], request: ChatRequest) -> PreparedChat:
+    """A raw prompt prepared as `prepare_chat` prepares messages (`request.messages` is not
+    read), without a template: text tokenized as llama-server's /completion does (the
+    model's BOS first, special-token text parsed: the client writes the whole prompt), or
+    token ids as they are. No tools, no reasoning split: the output is text."""
+    if isinstance(prompt, str):
+        prompt_ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True)
+    else:
+        prompt_ids, n_vocab = [int(i) for i in prompt], model.tokenizer.n_vocab
+        if any(not 0 <= i < n_vocab for i in prompt_ids):
+            raise PromptError(f"a token id of the prompt is outside the vocabulary (0 to {n_vocab - 1})")
+        prompt = model.tokenizer.decode(prompt_ids)
+    if not prompt_ids:
+        raise PromptError("the prompt has no token (the model adds no BOS to an empty text)")
+    return PreparedChat(request, prompt, prompt_ids, _max_tokens(model, request, prompt_ids), False, False)
+
+
+def _max_tokens(model, request: ChatRequest, prompt_ids: list[int]) -> int:
+    """The request's output budget, resolved: the context window checked (D4), the rest
+    of it when the request sets none."""
     n_ctx = model.n_ctx
     if request.max_tokens is not None and request.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     if len(prompt_ids) >= n_ctx or len(prompt_ids) + (request.max_tokens or 0) > n_ctx:
         raise ContextLengthExceeded(len(prompt_ids), request.max_tokens or 0, n_ctx)
-    max_tokens = request.max_tokens if request.max_tokens is not None else n_ctx - len(prompt_ids)
-    starts_in_reasoning = reasoning and opens_thought
-    return PreparedChat(request, prompt, prompt_ids, max_tokens, reasoning, starts_in_reasoning,
-                        plan.constraint, plan.tool_calls)
+    return request.max_tokens if request.max_tokens is not None else n_ctx - len(prompt_ids)
 
 
 async def generate_chat(model, prepared: PreparedChat):
@@ -156,6 +182,8 @@ async def generate_chat(model, prepared: PreparedChat):
     try:
         async for token in generation:
             counts.update(generation)
+            if token.logprob is not None:
+                yield _token_logprob(model.tokenizer, token)
             events = output.feed(token.text)
             for event in message_stop.apply(events) if message_stop else events:
                 yield event
@@ -176,6 +204,11 @@ async def generate_chat(model, prepared: PreparedChat):
     # (stopped perhaps in the last token allowed: "stop" all the same)
     yield Finished("stop" if stopped() else generation.finish_reason or "stop", counts.input_tokens,
                    counts.output_tokens, cached_tokens=counts.cached_tokens)
+
+
+def _token_logprob(tokenizer, token) -> TokenLogprob:
+    top = tuple((i, tokenizer.piece(i), logprob) for i, logprob in token.logprob.top)
+    return TokenLogprob(token.id, tokenizer.piece(token.id), token.logprob.logprob, top)
 
 
 class ReasoningSplitter:

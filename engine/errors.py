@@ -69,6 +69,11 @@ class ModelClosed(EngineError):
         super().__init__("the model is closed")
 
 
+class PromptError(EngineError):
+    """A raw prompt (engine/chat.py `prepare_text`) that cannot be generated from: it has no
+    token, or names a token outside the model's vocabulary."""
+
+
 class ChatTemplateError(EngineError):
     """The model's chat template does not compile, or cannot render these messages
     (the template called raise_exception, e.g. "roles must alternate user/assistant")."""

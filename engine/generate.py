@@ -18,6 +18,8 @@ returns a `Generation`: `async for token in generation` yields `Token(id, text)`
   (unless text was held back until then: it comes with that last Token).
   So does a constraint that reports `is_done()`, after its last token.
 - `finish_reason` is "stop" or "length" once the iteration is over.
+- With `sampling.logprobs`, each generated token's `logprob` is what the sampler
+  reported when it picked it (engine/sampling.py `Reported`); else None.
 
 Reading the request path: engine/chat.py's `generate_chat` reads a Generation;
 a Generation reads the steps of its request in engine/scheduler.py.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from .api import SamplingParams
 from .errors import ContextLengthExceeded
-from .sampling import Constraint, Sampler
+from .sampling import Constraint, Reported, Sampler
 from .tokenizer import IncrementalDecoder
 
 
@@ -37,6 +39,7 @@ from .tokenizer import IncrementalDecoder
 class Token:
     id: int
     text: str  # complete UTF-8 only; "" while held back (partial character or stop-sequence prefix)
+    logprob: Reported | None = None  # when the sampling asked for logprobs (not on held-back text's carrier)
 
 
 class StopFilter:
@@ -113,6 +116,8 @@ class Generation:
                                     constraint=sampler.constraint) as steps:
             async for token, ending in steps:
                 self.cached_tokens = steps.cached_tokens
+                # (the worker picks ahead of this reader: its reports are in the steps' order)
+                logprob = sampler.reported.popleft() if sampler.params.logprobs is not None else None
                 if token in eos_ids:
                     self.finish_reason = "stop"
                     break
@@ -120,7 +125,7 @@ class Generation:
                 text = stops.feed(decoder.feed(token))
                 if stops.stopped:
                     self.finish_reason = "stop"
-                    yield Token(token, text)
+                    yield Token(token, text, logprob)
                     return
                 done = ending == "stop"  # the constraint is complete (judged when the token was picked)
                 if done or self.n_generated >= self.max_tokens:
@@ -131,9 +136,9 @@ class Generation:
                         self.finish_reason = "stop"
                     else:
                         text += stops.flush()
-                    yield Token(token, text)
+                    yield Token(token, text, logprob)
                     return
-                yield Token(token, text)
+                yield Token(token, text, logprob)
         tail = stops.feed(decoder.flush())
         tail += "" if stops.stopped else stops.flush()
         if tail:

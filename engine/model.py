@@ -185,6 +185,10 @@ class Model:
         from .chat import prepare_chat
         return prepare_chat(self, request)
 
+    def prepare_text(self, prompt, request):
+        from .chat import prepare_text
+        return prepare_text(self, prompt, request)
+
     def generate_chat(self, prepared):
         from .chat import generate_chat
         return generate_chat(self, prepared)

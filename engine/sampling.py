@@ -1,6 +1,9 @@
 """Choosing the next token from the logits.
 
-A request's `SamplingParams` (engine/api.py) say how. Temperature 0 is greedy: the
+A request's `SamplingParams` (engine/api.py) say how. First, when the request has them,
+the logits are adjusted as OpenAI defines it: `logit_bias` added, then each token already
+in this request's output loses `presence_penalty` once and `frequency_penalty` × its
+count there (the prompt does not count). Temperature 0 is greedy: the
 argmax, deterministic (the lowest id wins a tie). Otherwise the logits are divided
 by the temperature, then filtered, in this order, by top_k (keep the k most
 likely), top_p (keep the smallest set whose probability reaches p) and min_p
@@ -18,11 +21,18 @@ from that restriction is exactly a draw from it). Only when no candidate is
 allowed (or all those allowed have underflowed to 0 at a tiny temperature) are
 the filters applied to the allowed tokens alone. (llama.cpp instead
 redraws with the filters applied to the allowed tokens, which mixes the two.)
+
+With `logprobs`, each pick also notes the picked token's log probability and the most
+likely tokens' (`reported`, one entry per pick, in order): the log-softmax of the logits
+as the model gave them, before bias, penalties and temperature, as llama-server reports
+`n_probs` (its `post_sampling_probs` off) and OpenAI its logprobs. That costs a pass over
+the vocabulary, made only when asked; so is the adjustment.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections import Counter, deque
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -37,6 +47,13 @@ class Constraint(Protocol):
     def is_done(self) -> bool: ...
 
 
+class Reported(NamedTuple):
+    """A picked token's log probability, and the most likely tokens' (ids, most likely first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 class Sampler:
     """The token picker of one request: its parameters, its random generator, its constraint."""
 
@@ -44,9 +61,36 @@ class Sampler:
         self.params = params
         self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)
+        self.output_counts: Counter[int] = Counter()  # the picked tokens, for the penalties
+        self.reported: deque[Reported] = deque()  # with logprobs: one per pick (a reader pops them)
+        self._bias_ids = np.array([i for i, _ in params.logit_bias], dtype=np.int64)
+        self._bias_values = np.array([v for _, v in params.logit_bias], dtype=np.float64)
+        self._penalized = bool(params.presence_penalty or params.frequency_penalty)
 
     def pick(self, logits: np.ndarray) -> int:
         """The next token id for logits (V,); advances the constraint with it."""
+        raw = logits
+        if self._penalized or len(self._bias_ids):
+            logits = self._adjusted(logits)
+        token = self._pick(logits)
+        if self._penalized:
+            self.output_counts[token] += 1
+        if self.params.logprobs is not None:
+            self.reported.append(report(raw, token, self.params.logprobs))
+        return token
+
+    def _adjusted(self, logits: np.ndarray) -> np.ndarray:
+        """The logits (V,) with the bias added and the penalties taken off, in float64."""
+        z = logits.astype(np.float64)                               # (V,) a copy
+        z[self._bias_ids] += self._bias_values
+        if self.output_counts:
+            ids = np.fromiter(self.output_counts.keys(), np.int64)  # (U,) the tokens output so far
+            counts = np.fromiter(self.output_counts.values(), np.float64)
+            z[ids] -= self.params.presence_penalty + self.params.frequency_penalty * counts
+        return z
+
+    def _pick(self, logits: np.ndarray) -> int:
+        """The token drawn from (adjusted) logits, as the constraint allows; advances it."""
         ids, probs = self._candidates(logits)
         token = self._draw(ids, probs)
         if self.constraint is not None:
@@ -97,3 +141,15 @@ class Sampler:
         u = self.rng.random()
         i = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)
         return int(ids[i])
+
+
+def report(logits: np.ndarray, token: int, n_top: int) -> Reported:
+    """`token`'s log probability under logits (V,), and the `n_top` most likely tokens'
+    (the lowest id first among equals, as the greedy pick)."""
+    z = logits.astype(np.float64)                                   # (V,)
+    z -= z.max()
+    logprobs = z - np.log(np.exp(z).sum())                          # (V,) log-softmax
+    n_top = min(n_top, len(z))
+    top = np.argpartition(-logprobs, n_top - 1)[:n_top] if n_top else np.zeros(0, np.int64)  # (n_top,)
+    top = top[np.lexsort((top, -logprobs[top]))]                    # most likely first
+    return Reported(float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in top))

@@ -491,6 +491,11 @@ class Tokenizer(abc.ABC):
         """The bytes this token adds to generated text (b"" for control and unknown tokens)."""
         return b"" if self._silent[token_id] else self._pieces[token_id]
 
+    def piece(self, token_id: int) -> bytes:
+        """The token as llama.cpp's token_to_piece(special=True) writes it: its bytes, a
+        control token's text (what a token's log probability is reported under)."""
+        return self._pieces[token_id]
+
     def decode(self, ids, special: bool = False) -> str:
         """Token ids -> text; see the module docstring for how special tokens render.
 

@@ -21,6 +21,13 @@ and for a tool call (the engine gives out whole calls): output_item.added
 (arguments ""), then output_item.done (the complete call). Ids count from 1
 and only grow.
 
+A response that asked for log probabilities (`logprobs`: extensions.lmsp-min.logprobs)
+has a `logprobs` array on each `response.output_text.delta`, the tokens whose text
+that delta first gives out, and on the message's output_text part, all of them; each
+entry is OpenAI's {token, logprob, bytes, top_logprobs} (docs/protocol.md). A token
+whose text never reaches the message text (reasoning, a tool call, a stop sequence)
+is not reported.
+
 Reading the request path: lmsp_min/generation.py hands `events()` the engine's
 chat events (engine/api.py's types, from engine/chat.py `generate_chat`); what it
 yields goes back to generation.py's pump, then to a face, which frames it as SSE
@@ -34,7 +41,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from engine.api import Finished, ReasoningDelta, TextDelta, ToolCall
+from engine.api import Finished, ReasoningDelta, TextDelta, TokenLogprob, ToolCall
 from lmsp_min.problems import Problem, shutting_down
 
 FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed",
@@ -81,7 +88,8 @@ class Event:
 class ResponseRun:
     """One response being generated: its state, and the events that build it."""
 
-    def __init__(self, model_id: str, *, response_id: str | None = None, log=None, counts=None):
+    def __init__(self, model_id: str, *, response_id: str | None = None, log=None, counts=None,
+                 logprobs: bool = False):
         self.id = response_id or new_id("resp")
         self.model_id = model_id
         self.created_at = int(time.time())
@@ -97,6 +105,8 @@ class ResponseRun:
         self._last_id = 0
         self._open: dict | None = None  # the reasoning or message item receiving deltas
         self._call_ids: set[str] = set()
+        self.logprobs = logprobs  # the request asked for them
+        self._pending: list[dict] = []  # logprob entries of tokens whose text has not come yet
 
     def response_object(self) -> dict:
         """The response object of 6.2, as it stands now."""
@@ -150,6 +160,12 @@ class ResponseRun:
         events = self._text_item(kind)
         item = self._open
         add_text(item, text)
+        entries, self._pending = self._pending, []  # (a reasoning delta's tokens are not reported)
+        if kind == "message" and self.logprobs:
+            item["content"][0].setdefault("logprobs", []).extend(entries)
+            events.append(self._event("response.output_text.delta", item_id=item["id"], delta=text,
+                                      logprobs=entries))
+            return events
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_summary_text.delta"
         events.append(self._event(name, item_id=item["id"], delta=text))
         return events
@@ -175,7 +191,7 @@ class ResponseRun:
             # empty message, so that clients always find one.
             item = {"id": new_id("msg"), "type": "message", "role": "assistant", "content": []}
             events.append(self._add_item(item))
-            item["content"].append({"type": "output_text", "text": ""})
+            item["content"].append({"type": "output_text", "text": "", **({"logprobs": []} if self.logprobs else {})})
             events.append(self._done_item(item))
         self.usage = usage(input_tokens, output_tokens, cached_tokens)
         if reason == "length":
@@ -210,7 +226,11 @@ class ResponseRun:
                         batch = self._text_delta("message", chat_event.text) if chat_event.text else []
                     elif kind is ReasoningDelta:
                         batch = self._text_delta("reasoning", chat_event.text) if chat_event.text else []
+                    elif kind is TokenLogprob:
+                        self._pending.append(logprob_entry(chat_event))
+                        batch = []
                     elif kind is ToolCall:
+                        self._pending = []  # (a call's tokens are not reported)
                         batch = self._call(chat_event.name, chat_event.arguments)
                     elif kind is Finished:
                         batch = self._finish(chat_event.reason, chat_event.input_tokens,
@@ -267,6 +287,14 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
     return {"input_tokens": input_tokens, "output_tokens": output_tokens,
             "total_tokens": input_tokens + output_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def logprob_entry(logprob: TokenLogprob) -> dict:
+    """A token's log probability as OpenAI writes it: {token, logprob, bytes, top_logprobs}."""
+    def token(piece: bytes, value: float) -> dict:
+        return {"token": piece.decode("utf-8", "replace"), "logprob": value, "bytes": list(piece)}
+    return {**token(logprob.piece, logprob.logprob),
+            "top_logprobs": [token(piece, value) for _, piece, value in logprob.top]}
 
 
 def add_text(item: dict, text: str) -> None:

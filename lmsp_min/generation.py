@@ -40,13 +40,14 @@ from dataclasses import dataclass
 import trio
 
 from engine.api import ChatRequest, SamplingParams
-from engine.errors import ChatTemplateError, ContextLengthExceeded, SchemaError
+from engine.errors import ChatTemplateError, ContextLengthExceeded, PromptError, SchemaError
 from lmsp_min.admission import Admission
 from lmsp_min.events import Event, ResponseRun, ServiceStopping, compact_json
 from lmsp_min.http import Request
 from lmsp_min.problems import Problem
 from lmsp_min.registry import rate_limited
-from lmsp_min.validate import ResponsesRequest, items_to_messages, kept_items, validate_responses_request
+from lmsp_min.validate import (EXTENSION, ResponsesRequest, items_to_messages, kept_items,
+                               validate_responses_request)
 
 # Rendering and tokenizing a short input takes well under a millisecond, less
 # than handing it to a worker thread and back; longer inputs, and requests that
@@ -114,7 +115,7 @@ class Generation:
     def stream_body(self, chunks: AsyncIterator[bytes]) -> "StreamBody":
         """`chunks` as the body of a streamed response, which releases this generation
         when the HTTP layer closes it."""
-        return StreamBody(self, chunks)
+        return StreamBody([self], chunks)
 
     async def _engine_events(self):
         """The engine's chat events, asked for only when the first one is wanted, once
@@ -153,12 +154,12 @@ class Generation:
 
 
 class StreamBody:
-    """The body of a streamed response, which releases its generation's admission when
-    closed: the HTTP layer closes a body however the response ends, even one that never
-    started (its client left before the head was sent)."""
+    """The body of a streamed response, which releases its generations' admissions when
+    closed (one, or an OpenAI request's n choices): the HTTP layer closes a body however
+    the response ends, even one that never started (its client left before the head was sent)."""
 
-    def __init__(self, generation: Generation, chunks: AsyncIterator[bytes]):
-        self._generation = generation
+    def __init__(self, generations: "list[Generation]", chunks: AsyncIterator[bytes]):
+        self._generations = generations
         self._chunks = chunks
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -168,14 +169,21 @@ class StreamBody:
         try:
             await self._chunks.aclose()
         finally:
-            self._generation.release()
+            for generation in self._generations:
+                generation.release()
 
 
 # -- preparing -------------------------------------------------------------------------------
 
 
-async def prepare(body: dict, principal: str, service) -> Generation:
-    """Everything that can refuse a request, done before any generation (D1, D2, D4, D9)."""
+async def prepare(body: dict, principal: str, service, prompt: str | list[int] | None = None) -> Generation:
+    """Everything that can refuse a request, done before any generation (D1, D2, D4, D9).
+
+    `prompt`, a raw prompt (text or token ids: /v1/completions), is generated instead of
+    the input's messages, without the chat template (engine/chat.py `prepare_text`); the
+    body's `input` is then a stand-in, one user message holding the prompt's text (what
+    validation reads, and a stored response would keep).
+    """
     request = validate_responses_request(body)
     entry = await service.registry.find(request.model, param="model")
     if request.previous_response_id is not None:  # (refused before a model is loaded for it;
@@ -184,11 +192,13 @@ async def prepare(body: dict, principal: str, service) -> Generation:
     if entry.full_for(principal):  # refused before the work below (entry.admit at the end counts it in)
         raise rate_limited()
     _check_capabilities(request, entry)
+    if request.logit_bias:
+        _check_vocabulary(request, model.info.n_vocab)
     items = await effective_input(service, principal, request.previous_response_id, request.input)
     messages = items_to_messages(items, input_start=len(items) - len(request.input))
     prepared = await _prepare_chat(model, _chat_request(request, messages), constrained=bool(request.tools)
-                                   or request.json_schema is not None)
-    run = ResponseRun(entry.id, log=service.log, counts=prepared.counts)
+                                   or request.json_schema is not None, prompt=prompt)
+    run = ResponseRun(entry.id, log=service.log, counts=prepared.counts, logprobs=request.logprobs is not None)
     admission = entry.admit(principal)  # (the caller owns it from here, through the Generation)
     return Generation(request, principal, kept_items(items), model, prepared, run, admission, service.generations)
 
@@ -199,6 +209,16 @@ def _check_capabilities(request: ResponsesRequest, entry) -> None:
     if request.json_schema is not None and "structured_output" not in entry.capabilities:
         raise Problem("unsupported_capability", f"model '{entry.id}' has no 'structured_output' capability",
                       param="response_format")
+
+
+def _check_vocabulary(request: ResponsesRequest, n_vocab: int) -> None:
+    """The token ids of the request's logit_bias are in the model's vocabulary (a raw
+    prompt's are the engine's to check: PromptError)."""
+    for token, _ in request.logit_bias:
+        if token >= n_vocab:
+            raise Problem("invalid_request", f"logit_bias names token {token}, outside the vocabulary of "
+                          f"model '{request.model}' (0 to {n_vocab - 1})",
+                          param=f"extensions.{EXTENSION}.logit_bias.{token}")
 
 
 def _require_conversations(service) -> None:
@@ -218,18 +238,28 @@ async def effective_input(service, principal: str, previous_response_id: str | N
     return await service.conversation_input(principal, previous_response_id, items)
 
 
-async def _prepare_chat(model, chat_request: ChatRequest, constrained: bool):
-    """The engine's prepared chat, in a worker thread unless it is quick (INLINE_PREPARE_CHARS);
-    an engine error as the Problem it is for the request."""
-    try:
-        if not constrained and _text_size(chat_request.messages) <= INLINE_PREPARE_CHARS:
+async def _prepare_chat(model, chat_request: ChatRequest, constrained: bool,
+                        prompt: str | list[int] | None = None):
+    """The engine's prepared chat (of a raw `prompt` if given), in a worker thread unless it
+    is quick (INLINE_PREPARE_CHARS); an engine error as the Problem it is for the request."""
+    def engine_prepare():
+        if prompt is None:
             return model.prepare_chat(chat_request)
-        return await trio.to_thread.run_sync(model.prepare_chat, chat_request)
+        return model.prepare_text(prompt, chat_request)
+
+    try:
+        size = _text_size(chat_request.messages) if prompt is None else len(prompt)
+        if not constrained and size <= INLINE_PREPARE_CHARS:
+            return engine_prepare()
+        return await trio.to_thread.run_sync(engine_prepare)
     except ContextLengthExceeded as exc:  # param: what to change, the input only when it alone fills the window
-        param = "input" if exc.n_prompt >= exc.n_ctx else "max_output_tokens"
+        too_long = "input" if prompt is None else "prompt"
+        param = too_long if exc.n_prompt >= exc.n_ctx else "max_output_tokens"
         raise Problem("context_length_exceeded", str(exc), param=param) from None
     except SchemaError as exc:
         raise _schema_problem(exc) from None
+    except PromptError as exc:
+        raise Problem("invalid_request", str(exc), param="prompt") from None
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None
@@ -270,7 +300,7 @@ def _chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatReques
     sampling = {}
     if request.temperature is not None:
         sampling["temperature"] = request.temperature
-    for name in ("top_k", "top_p", "min_p", "seed"):
+    for name in ("top_k", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty", "logprobs"):
         if getattr(request, name) is not None:
             sampling[name] = getattr(request, name)
     tools = [{"name": t.name, "description": t.description, "parameters": t.parameters}
@@ -278,7 +308,7 @@ def _chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatReques
     return ChatRequest(
         messages=messages,
         max_tokens=request.max_output_tokens,
-        sampling=SamplingParams(**sampling),
+        sampling=SamplingParams(**sampling, logit_bias=request.logit_bias),
         stop=request.stop,
         tools=tools or None,
         tool_choice=request.tool_choice,

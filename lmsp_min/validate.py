@@ -15,7 +15,10 @@ Choices this module makes where section 6 leaves room:
   the prompt reads of it (`kept_items`).
 - Several text parts of one message are joined with a newline.
 - `temperature` is in [0, 2]; `extensions["lmsp-min"]` sampling keys follow
-  llama.cpp's ranges (top_p in (0, 1], top_k >= 0, min_p in [0, 1]).
+  llama.cpp's ranges (top_p in (0, 1], top_k >= 0, min_p in [0, 1]), and OpenAI's
+  for its penalties ([-2, 2]), logit_bias (values in [-100, 100]) and logprobs (0 to 20).
+  That logit_bias names tokens of the model's vocabulary is checked once the model is
+  loaded (lmsp_min/generation.py).
 
 Capabilities (does the model have `tools`?) are checked later, by the route,
 once the model is known.
@@ -27,6 +30,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from engine.api import MAX_TOP_LOGPROBS
 from lmsp_min.problems import Problem, clipped, quoted
 
 MAX_JSON_DEPTH = 64  # arrays and objects in a request nest at most this deep (D9)
@@ -45,6 +49,8 @@ MAX_INPUT_ITEMS = 4096
 MAX_TOOLS = 128
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
+MAX_LOGIT_BIAS = 1024  # entries: each pick adds them all (OpenAI allows 300; a grammar-free ban list may be longer)
+TOKEN_ID = re.compile(r"[0-9]{1,9}")
 EXTENSION = "lmsp-min"
 
 
@@ -76,6 +82,10 @@ class ResponsesRequest:
     stop: tuple[str, ...] = ()
     parallel_tool_calls: bool = True  # extensions.lmsp-min.parallel_tool_calls: false, one call at most
     allowed_tools: tuple[str, ...] | None = None  # extensions.lmsp-min.allowed_tools: calls name only these
+    presence_penalty: float | None = None  # extensions.lmsp-min.presence_penalty ...
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # extensions.lmsp-min.logit_bias, by token id
+    logprobs: int | None = None  # extensions.lmsp-min.logprobs: report them, with this many alternatives
 
 
 def invalid(param: str, detail: str) -> Problem:
@@ -413,6 +423,26 @@ def _extensions(extensions: dict, request: ResponsesRequest) -> None:
         request.parallel_tool_calls = ours["parallel_tool_calls"]
     if ours.get("allowed_tools") is not None:
         request.allowed_tools = _allowed_tools(ours["allowed_tools"], request, f"{prefix}.allowed_tools")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if ours.get(name) is not None:
+            setattr(request, name, _number_in(ours[name], f"{prefix}.{name}", -2, 2))
+    if ours.get("logit_bias") is not None:
+        request.logit_bias = _logit_bias(ours["logit_bias"], f"{prefix}.logit_bias")
+    if ours.get("logprobs") is not None:
+        if not _is_int(ours["logprobs"]) or not 0 <= ours["logprobs"] <= MAX_TOP_LOGPROBS:
+            raise invalid(f"{prefix}.logprobs", f"'{prefix}.logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        request.logprobs = ours["logprobs"]
+
+
+def _logit_bias(value, param: str) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]} as (id, bias) pairs, by id."""
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise invalid(param, f"'{param}' must be an object of at most {MAX_LOGIT_BIAS} token ids and values")
+    for key in value:
+        if not TOKEN_ID.fullmatch(key):
+            raise invalid(f"{param}.{clipped(key)}", f"'{param}' keys must be token ids (decimal integers)")
+    biases = {int(key): _number_in(bias, f"{param}.{key}", -100, 100) for key, bias in value.items()}
+    return tuple(sorted(biases.items()))  # ("01" and "1" are one token: the last value given)
 
 
 def _allowed_tools(value, request: ResponsesRequest, param: str) -> tuple[str, ...]:

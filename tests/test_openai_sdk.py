@@ -105,7 +105,7 @@ async def test_errors_are_the_sdk_exceptions_with_the_param(server):
         errors = {}
         for name, kwargs in {
             "model": {"model": "nope", "input": "hi"},
-            "top_logprobs": {"model": TINY_ID, "input": "hi", "top_logprobs": 3},
+            "top_logprobs": {"model": TINY_ID, "input": "hi", "top_logprobs": 21},  # (0 to 20)
             "input[0].content[1].type": {"model": TINY_ID, "input": [{"role": "user", "content": [
                 {"type": "input_text", "text": "What is this?"},
                 {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
@@ -527,12 +527,14 @@ async def test_chat_completions_parse_gets_a_parsed_object(server):
     assert isinstance(message.parsed, Verdict) and message.parsed == Verdict.model_validate_json(message.content)
 
 
-async def test_chat_parameters_we_cannot_honour_are_named(server):
+async def test_chat_parameters_we_cannot_honour_or_out_of_range_are_named(server):
     def work(client):
         errors = {}
         messages = [{"role": "user", "content": "hi"}]
         for name, kwargs in {
-            "n": {"n": 2}, "logprobs": {"logprobs": True}, "presence_penalty": {"presence_penalty": 0.5},
+            "n": {"n": 9}, "top_logprobs": {"logprobs": True, "top_logprobs": 21},
+            "presence_penalty": {"presence_penalty": 2.5}, "logit_bias.100000": {"logit_bias": {"100000": 1}},
+            "modalities": {"modalities": ["audio"]},
             "messages[0].content[1].type": {"messages": [{"role": "user", "content": [
                 {"type": "text", "text": "What is it?"},
                 {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},

@@ -89,7 +89,7 @@ async def test_a_preflight_for_no_route_is_404_and_for_another_method_405(server
     ("GET", "/lmsp/v1/models", None, 200), ("GET", "/v1/models", None, 200),
     ("POST", "/v1/chat/completions", CHAT, 200),
     ("GET", "/lmsp/v1/models/no-such-model", None, 404), ("GET", "/v1/models/no-such-model", None, 404),
-    ("POST", "/v1/chat/completions", {**CHAT, "n": 2}, 400),
+    ("POST", "/v1/chat/completions", {**CHAT, "n": 9}, 400),
 ])
 async def test_every_answer_to_a_listed_origin_lets_its_page_read_it(server, method, path, body, status):
     reply = await server.request(method, path, json_body=body, headers={"Origin": PAGE})

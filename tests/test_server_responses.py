@@ -560,3 +560,34 @@ async def test_every_response_releases_its_admission(server, how):
             await wait_until(lambda: entry.admitted == 0, "the admission released")
     finally:
         gc.enable()
+
+
+async def test_lmsp_extensions_report_logprobs_on_the_deltas_and_the_message(server):
+    ours = {"logprobs": 2, "frequency_penalty": 0.5, "presence_penalty": 0.1, "logit_bias": {"0": -100}}
+    body = request(max_output_tokens=5, extensions={"lmsp-min": ours})
+    events = await stream(server, body)
+    text = check_stream(events)
+    deltas = [e.data["logprobs"] for e in events if e.event == "response.output_text.delta"]
+    done = [e.data["item"] for e in events if e.event == "response.output_item.done"][-1]
+    entries = done["content"][0]["logprobs"]
+    assert [entry for delta in deltas for entry in delta] == entries and len(entries) == 5
+    assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 and entry["top_logprobs"][0]["logprob"]
+               >= entry["top_logprobs"][1]["logprob"] for entry in entries)
+    assert bytes(b for entry in entries for b in entry["bytes"]).decode("utf-8", "replace") == text
+    response = (await server.responses(body)).json()
+    again = response["output"][-1]["content"][0]["logprobs"]  # (the prompt from the prefix cache now: float32 apart)
+    assert [e["token"] for e in again] == [e["token"] for e in entries]
+    assert [e["logprob"] for e in again] == pytest.approx([e["logprob"] for e in entries], abs=1e-4)
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("logprobs", 21, "extensions.lmsp-min.logprobs"),
+    ("logprobs", True, "extensions.lmsp-min.logprobs"),
+    ("presence_penalty", -2.5, "extensions.lmsp-min.presence_penalty"),
+    ("logit_bias", {"x": 1}, "extensions.lmsp-min.logit_bias.x"),
+    ("logit_bias", {"5": 100.5}, "extensions.lmsp-min.logit_bias.5"),
+    ("logit_bias", {"99999999": 1}, "extensions.lmsp-min.logit_bias.99999999"),
+])
+async def test_lmsp_sampling_extensions_out_of_range_are_400s_naming_them(server, field, value, param):
+    reply = await server.responses(request(extensions={"lmsp-min": {field: value}}))
+    assert reply.status == 400 and reply.json()["param"] == param

@@ -12,6 +12,12 @@ in the first chunk's delta, text as `content` deltas, each call as one indexed
 `stream_options.include_usage` every chunk has `"usage": null` and one more chunk, with
 no choices, carries the usage; then `data: [DONE]`. A response that fails mid-stream
 sends `{"error": {...}}`, which the SDK raises as an APIError.
+
+With `n`, each choice is one LMSP response (openai_dialect/choices.py), its `index` its
+place; a stream gives them one after the other, each chunk with its choice's `index`,
+then the usage of all (the prompt counted once, as OpenAI counts it) and one `[DONE]`.
+With `logprobs`, a choice's `logprobs.content` lists its tokens' (lmsp_min/events.py
+writes each entry as OpenAI does); a content chunk carries those of its text.
 """
 
 from lmsp_min.events import compact_json
@@ -43,26 +49,46 @@ def tool_call(item: dict) -> dict:
             "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
-def completion_object(lmsp: dict) -> dict:
-    """A final LMSP response object as a `chat.completion`."""
+def message_of(lmsp: dict) -> tuple[dict, list[dict], list[dict]]:
+    """A final LMSP response's assistant message, its calls, and its message text's logprob entries."""
     texts = {"message": [], "reasoning": []}
-    calls = []
+    calls, logprobs = [], []
     for item in lmsp["output"]:
         if item["type"] == "function_call":
             calls.append(tool_call(item))
         else:
-            texts[item["type"]] += [part["text"] for part in item.get("content", item.get("summary", []))]
+            parts = item.get("content", item.get("summary", []))
+            texts[item["type"]] += [part["text"] for part in parts]
+            logprobs += [entry for part in parts for entry in part.get("logprobs", ())]
     text = "".join(texts["message"])
     message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
     if texts["reasoning"]:
         message["reasoning_content"] = "".join(texts["reasoning"])
     if calls:
         message["tool_calls"] = calls
-    return {"id": completion_id(lmsp["id"]), "object": "chat.completion", "created": lmsp["created_at"],
-            "model": lmsp["model"], "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": finish_reason(lmsp["status"], len(calls))}],
-            "usage": chat_usage(lmsp["usage"])}
+    return message, calls, logprobs
+
+
+def total_usage(lmsps: list[dict]) -> dict | None:
+    """The LMSP usage of n choices of one prompt: the prompt once (the first choice's), every output."""
+    if any(lmsp["usage"] is None for lmsp in lmsps):
+        return None
+    first, output = lmsps[0]["usage"], sum(lmsp["usage"]["output_tokens"] for lmsp in lmsps)
+    return {**first, "output_tokens": output, "total_tokens": first["input_tokens"] + output}
+
+
+def completion_object(lmsps: list[dict], logprobs: bool = False) -> dict:
+    """The final LMSP response objects of a request's choices as one `chat.completion`."""
+    choices = []
+    for index, lmsp in enumerate(lmsps):
+        message, calls, entries = message_of(lmsp)
+        choices.append({"index": index, "message": message,
+                        "logprobs": {"content": entries, "refusal": None} if logprobs else None,
+                        "finish_reason": finish_reason(lmsp["status"], len(calls))})
+    first = lmsps[0]
+    return {"id": completion_id(first["id"]), "object": "chat.completion", "created": first["created_at"],
+            "model": first["model"], "system_fingerprint": None, "choices": choices,
+            "usage": chat_usage(total_usage(lmsps))}
 
 
 def stream_error(problem: dict) -> dict:
@@ -72,42 +98,58 @@ def stream_error(problem: dict) -> dict:
 
 
 class ChatChunks:
-    """The SSE body of a streamed chat completion, from the LMSP events of its response."""
+    """The SSE body of a streamed chat completion, from the LMSP events of its n choices'
+    responses, one choice after the other."""
 
-    def __init__(self, response_id: str, created_at: int, model: str, include_usage: bool):
+    def __init__(self, response_id: str, created_at: int, model: str, include_usage: bool, n: int = 1,
+                 logprobs: bool = False):
         self._head = {"id": completion_id(response_id), "object": "chat.completion.chunk", "created": created_at,
                       "model": model, "system_fingerprint": None}
         self._include_usage = include_usage
-        self._calls = 0
+        self._logprobs = logprobs
+        self._calls = [0] * n  # each choice's calls so far
+        self._usages: list[dict] = []  # each ended choice's (LMSP) usage
 
-    def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
-        chunk = {**self._head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    def _chunk(self, index: int, delta: dict, finish: str | None = None, logprobs: list | None = None) -> bytes:
+        choice = {"index": index, "delta": delta,
+                  "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                  "finish_reason": finish}
+        chunk = {**self._head, "choices": [choice]}
         if self._include_usage:
             chunk["usage"] = None
         return _data(chunk)
 
-    def translate(self, name: str, data: dict) -> bytes:
-        """The bytes to send for one LMSP event (b"" when it has no chat counterpart)."""
+    def translate(self, index: int, name: str, data: dict) -> bytes:
+        """The bytes to send for one LMSP event of choice `index` (b"" when it has no chat counterpart)."""
         if name == "response.created":
-            return self._chunk({"role": "assistant", "content": ""})
+            return self._chunk(index, {"role": "assistant", "content": ""})
         if name == "response.output_text.delta":
-            return self._chunk({"content": data["delta"]})
+            return self._chunk(index, {"content": data["delta"]},
+                               logprobs=data.get("logprobs", []) if self._logprobs else None)
         if name == "response.reasoning_summary_text.delta":
-            return self._chunk({"reasoning_content": data["delta"]})
+            return self._chunk(index, {"reasoning_content": data["delta"]})
         if name == "response.output_item.done" and data["item"]["type"] == "function_call":
-            call = {"index": self._calls, **tool_call(data["item"])}
-            self._calls += 1
-            return self._chunk({"tool_calls": [call]})
+            call = {"index": self._calls[index], **tool_call(data["item"])}
+            self._calls[index] += 1
+            return self._chunk(index, {"tool_calls": [call]})
         if name in ("response.completed", "response.incomplete"):
-            body = self._chunk({}, finish_reason(data["status"], self._calls))
-            if self._include_usage:
-                body += _data({**self._head, "choices": [], "usage": chat_usage(data["usage"])})
-            return body + DONE
+            return self._ended(index, data)
         if name in ("response.failed", "error"):
             return _data(stream_error(data["error"])) + DONE
         if name == "response.cancelled":
             return DONE
         return b""
+
+    def _ended(self, index: int, data: dict) -> bytes:
+        """A choice's last chunk; after the last choice's, the usage of all, and [DONE]."""
+        body = self._chunk(index, {}, finish_reason(data["status"], self._calls[index]))
+        self._usages.append(data["usage"])
+        if len(self._usages) < len(self._calls):
+            return body
+        if self._include_usage:
+            usage = total_usage([{"usage": usage} for usage in self._usages])
+            body += _data({**self._head, "choices": [], "usage": chat_usage(usage)})
+        return body + DONE
 
 
 def _data(obj: dict) -> bytes:

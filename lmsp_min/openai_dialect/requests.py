@@ -7,10 +7,12 @@ parameter the client sent (`rename`): `input[2]` of the LMSP body may be `messag
 of a chat request, `extensions.lmsp-min.seed` is `seed`.
 
 What this module checks itself is what LMSP has no field for: the OpenAI parameters we
-accept, and those we cannot honour. A parameter that would change the output and that
-we cannot honour (`n` > 1, `logprobs`, penalties, image or audio parts...) is a 400
-naming it, never silently ignored; parameters that change nothing we produce (`user`,
-`metadata`, `service_tier`, `prompt_cache_key`, `safety_identifier`) are accepted, and so
+accept, and those we cannot honour. `n` is the dialect's own (openai_dialect/choices.py:
+n generations); `logprobs` / `top_logprobs`, the penalties and `logit_bias` are LMSP's
+extensions. A parameter that would change the output and that we cannot honour (image or
+audio parts, a completion's `suffix`...) is a 400 naming it, never silently ignored;
+parameters that change nothing we produce (`user`, `metadata`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`) are accepted, and so
 are `top_k` and `min_p`, which llama-server's and vLLM's users send. Any other unknown
 parameter is a 400, as OpenAI's API answers it. An `allowed_tools` tool choice (either
 API's form) becomes its mode and our `allowed_tools` extension (docs/protocol.md, D1).
@@ -27,11 +29,11 @@ MAX_METADATA = 16  # OpenAI's bounds on `metadata`: 16 pairs, keys of 64 charact
 UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio", "image_url", "file", "audio")
 
 
-def _unknown(name: str) -> Problem:
+def unknown(name: str) -> Problem:
     return invalid(clipped(name), f"Unknown parameter: {quoted(name)}.")
 
 
-def _cannot(name: str, why: str) -> Problem:
+def cannot(name: str, why: str) -> Problem:
     return invalid(name, f"'{name}' cannot be honoured by this server: {why}")
 
 
@@ -56,6 +58,8 @@ class Translated:
     renames: dict[str, str] = field(default_factory=dict)  # LMSP param prefix -> OpenAI param prefix
     skipped: int = 0  # Responses: LMSP input items of ours before the request's (its instructions)
     previous: int = 0  # Responses: then those of the previous response's conversation
+    n: int = 1  # chat, completions: the choices to generate
+    logprobs: bool = False  # chat, completions: their logprobs asked for
 
     def rename(self, problem: Problem) -> Problem:
         """`problem` as the client's request names things."""
@@ -95,11 +99,41 @@ class Translated:
 # -- shared readers ---------------------------------------------------------------
 
 
-# LMSP extensions that both dialects name as top-level parameters
-EXTENSION_RENAMES = {_EXTENSION + name: name for name in ("top_p", "top_k", "min_p", "parallel_tool_calls")}
+# LMSP extensions that the dialects name as top-level parameters
+EXTENSION_RENAMES = {_EXTENSION + name: name for name in ("top_p", "top_k", "min_p", "parallel_tool_calls",
+                                                          "presence_penalty", "frequency_penalty", "logit_bias")}
+MAX_CHOICES = 8  # n: the choices are generated one after the other, each a whole generation's time
 
 
-def _sampling(body: dict, lmsp: dict) -> None:
+def extension_of(lmsp: dict) -> dict:
+    """The LMSP body's `extensions["lmsp-min"]`, made if it is not there yet."""
+    return lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})
+
+
+def choice_count(body: dict) -> int:
+    """`n`: how many choices (1 to MAX_CHOICES)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"'n' must be an integer from 1 to {MAX_CHOICES}")
+    return n
+
+
+def penalties(body: dict, lmsp: dict) -> None:
+    """presence_penalty, frequency_penalty and logit_bias, as LMSP's extensions (whose
+    validation checks them; logit_bias's token ids once the model is known)."""
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+        if body.get(name) is not None:
+            extension_of(lmsp)[name] = body[name]
+
+
+def logprobs_asked(lmsp: dict, top: int) -> None:
+    """Each token's log probability reported, with `top` alternatives (LMSP validation bounds it)."""
+    extension_of(lmsp)["logprobs"] = top
+
+
+def sampling(body: dict, lmsp: dict) -> None:
     """temperature, top_p and the `top_k` / `min_p` that llama-server's and vLLM's users send
     (in the SDK's extra_body; LMSP's extensions): LMSP validation checks their ranges.
     OpenAI's top_p may be 0, LMSP's may not: the smallest nucleus is the most likely token
@@ -134,14 +168,14 @@ def _string_or_none(body: dict, name: str) -> None:
         raise invalid(name, f"'{name}' must be a string")
 
 
-def _bool_or_none(body: dict, name: str) -> None:
+def bool_or_none(body: dict, name: str) -> None:
     if body.get(name) is not None and not isinstance(body[name], bool):
         raise invalid(name, f"'{name}' must be a boolean")
 
 
 def _parallel_tool_calls(body: dict, lmsp: dict) -> None:
     """false (agents such as Codex send it) is LMSP's extension: at most one call is made."""
-    _bool_or_none(body, "parallel_tool_calls")
+    bool_or_none(body, "parallel_tool_calls")
     if body.get("parallel_tool_calls") is False:
         lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})["parallel_tool_calls"] = False
 
@@ -159,7 +193,7 @@ def _allowed_tools(choice: dict, param: str, lmsp: dict, name_of) -> str:
     names = []
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict) or entry.get("type") != "function":
-            raise _cannot(f"{param}.tools[{index}]", "the tools here are functions only")
+            raise cannot(f"{param}.tools[{index}]", "the tools here are functions only")
         names.append(name_of(entry))
     lmsp.setdefault("extensions", {}).setdefault(EXTENSION, {})["allowed_tools"] = names
     return mode
@@ -193,37 +227,40 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
     """Read a POST /v1/responses body (a parsed JSON object)."""
     for name in body:
         if name not in RESPONSES_FIELDS:
-            raise _unknown(name)
-    if body.get("top_logprobs"):
-        raise _cannot("top_logprobs", "log probabilities are not reported")
+            raise unknown(name)
+    include_logprobs = False
     if body.get("include"):
         if not isinstance(body["include"], list):
             raise invalid("include", "'include' must be an array")
         for index, value in enumerate(body["include"]):
-            if value != "reasoning.encrypted_content":  # we have no encrypted reasoning to include
-                raise _cannot(f"include[{index}]", f"{quoted(value)} is not produced here")
+            include_logprobs |= value == "message.output_text.logprobs"
+            if value not in ("reasoning.encrypted_content", "message.output_text.logprobs"):
+                # (we have no encrypted reasoning to include: accepted, nothing comes of it)
+                raise cannot(f"include[{index}]", f"{quoted(value)} is not produced here")
     reasoning = body.get("reasoning")
     if reasoning is not None and (not isinstance(reasoning, dict) or reasoning.get("effort") is not None):
-        raise _cannot("reasoning.effort", "a model reasons or not as its chat template says")
+        raise cannot("reasoning.effort", "a model reasons or not as its chat template says")
     if body.get("truncation") not in (None, "disabled"):
-        raise _cannot("truncation", "the input is never truncated (a too long input is a 400)")
+        raise cannot("truncation", "the input is never truncated (a too long input is a 400)")
     if body.get("max_tool_calls") is not None:
-        raise _cannot("max_tool_calls", "the model may make up to four calls in one response")
+        raise cannot("max_tool_calls", "the model may make up to four calls in one response")
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
             raise invalid("text", "'text' must be an object")
         if text.get("verbosity") not in (None, "medium"):
-            raise _cannot("text.verbosity", "the model writes as it writes")
+            raise cannot("text.verbosity", "the model writes as it writes")
     for name in ("instructions", "user", "previous_response_id"):
         _string_or_none(body, name)
     for name in ("stream", "background", "store"):
-        _bool_or_none(body, name)
+        bool_or_none(body, name)
     _metadata(body.get("metadata"))
 
     lmsp = {name: body[name] for name in ("model", "max_output_tokens", "tools", "tool_choice") if name in body}
-    _sampling(body, lmsp)
+    sampling(body, lmsp)
     _parallel_tool_calls(body, lmsp)
+    if include_logprobs or body.get("top_logprobs"):  # (top_logprobs alone asks for them too)
+        logprobs_asked(lmsp, 0 if body.get("top_logprobs") is None else body["top_logprobs"])
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         lmsp["tool_choice"] = _allowed_tools(choice, "tool_choice", lmsp, lambda entry: entry.get("name"))
@@ -240,7 +277,8 @@ def responses_request(body: dict, stores_responses: bool) -> Translated:
                             instructions=body.get("instructions"),
                             previous_response_id=body.get("previous_response_id"),
                             renames={"response_format.json_schema": "text.format", "response_format": "text.format",
-                                     _EXTENSION + "allowed_tools": "tool_choice.tools", **EXTENSION_RENAMES})
+                                     _EXTENSION + "allowed_tools": "tool_choice.tools",
+                                     _EXTENSION + "logprobs": "top_logprobs", **EXTENSION_RENAMES})
     if "input" not in body:
         raise invalid("input", "'input' is required")
     if isinstance(body["input"], str):
@@ -267,7 +305,7 @@ def _responses_item(item, param: str):
         if isinstance(content, list):
             for index, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") in UNSUPPORTED_PARTS:
-                    raise _cannot(f"{param}.content[{index}].type", f"the models served here read text only, "
+                    raise cannot(f"{param}.content[{index}].type", f"the models served here read text only, "
                                   f"not {part['type']!r} parts")
             if item["role"] == "assistant":  # refusals given back are the assistant's text too
                 item["content"] = [{"type": "output_text", "text": part.get("refusal", "")}
@@ -282,7 +320,7 @@ def _text_of_parts(parts: list, param: str) -> str:
     texts = []
     for index, part in enumerate(parts):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            raise _cannot(f"{param}[{index}]", "the models served here read text only")
+            raise cannot(f"{param}[{index}]", "the models served here read text only")
         if not isinstance(part.get("text"), str):
             raise invalid(f"{param}[{index}].text", f"'{param}[{index}].text' must be a string")
         texts.append(part["text"])
@@ -300,12 +338,6 @@ CHAT_FIELDS = {
 }
 # name -> (what it may be and still be honoured, why not otherwise)
 _CHAT_HONOURED_ONLY_AS = {
-    "n": (lambda v: v is None or v == 1, "one choice is generated per request"),
-    "logprobs": (lambda v: not v, "log probabilities are not reported"),
-    "top_logprobs": (lambda v: not v, "log probabilities are not reported"),
-    "frequency_penalty": (lambda v: not v, "the sampler has no penalties"),
-    "presence_penalty": (lambda v: not v, "the sampler has no penalties"),
-    "logit_bias": (lambda v: not v, "the sampler takes no logit bias"),
     "modalities": (lambda v: v is None or v == ["text"], "the models served here write text only"),
     "audio": (lambda v: v is None, "the models served here write text only"),
     "prediction": (lambda v: v is None, "predicted outputs are not used"),
@@ -322,11 +354,11 @@ def chat_request(body: dict) -> Translated:
     """Read a POST /v1/chat/completions body (a parsed JSON object)."""
     for name in body:
         if name not in CHAT_FIELDS:
-            raise _unknown(name)
+            raise unknown(name)
     for name, (honoured, why) in _CHAT_HONOURED_ONLY_AS.items():
         if not honoured(body.get(name)):
-            raise _cannot(name, why)
-    _bool_or_none(body, "stream")
+            raise cannot(name, why)
+    bool_or_none(body, "stream")
     _string_or_none(body, "user")
     _metadata(body.get("metadata"))
     options = body.get("stream_options")
@@ -335,11 +367,18 @@ def chat_request(body: dict) -> Translated:
     tool_choice = body.get("tool_choice")
 
     lmsp = {"store": False, "stream": bool(body.get("stream"))}
-    renames = {**EXTENSION_RENAMES, _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop"}
+    renames = {**EXTENSION_RENAMES, _EXTENSION + "seed": "seed", _EXTENSION + "stop": "stop",
+               _EXTENSION + "logprobs": "top_logprobs"}
     if "model" in body:
         lmsp["model"] = body["model"]
-    _sampling(body, lmsp)
+    sampling(body, lmsp)
     _parallel_tool_calls(body, lmsp)
+    penalties(body, lmsp)
+    bool_or_none(body, "logprobs")
+    if body.get("top_logprobs") and not body.get("logprobs"):
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    if body.get("logprobs"):
+        logprobs_asked(lmsp, 0 if body.get("top_logprobs") is None else body["top_logprobs"])
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(limit) is not None:
         lmsp["max_output_tokens"] = body[limit]
@@ -372,7 +411,8 @@ def chat_request(body: dict) -> Translated:
         lmsp["tool_choice"] = _chat_tool_choice(tool_choice)
         renames["tool_choice.name"] = "tool_choice.function.name"
     translated = Translated(lmsp, [], stream=bool(body.get("stream")),
-                            include_usage=bool((options or {}).get("include_usage")), renames=renames)
+                            include_usage=bool((options or {}).get("include_usage")), renames=renames,
+                            n=choice_count(body), logprobs=bool(body.get("logprobs")))
     if "messages" not in body:
         raise invalid("messages", "'messages' is required")
     if not isinstance(body["messages"], list) or not body["messages"]:
@@ -414,7 +454,7 @@ def _chat_text(content, param: str, allowed: tuple[str, ...] = ("text",)) -> str
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in allowed:
             if kind in UNSUPPORTED_PARTS or kind == "input_audio":
-                raise _cannot(f"{param}[{index}].type", f"the models served here read text only, not {kind!r} parts")
+                raise cannot(f"{param}[{index}].type", f"the models served here read text only, not {kind!r} parts")
             raise invalid(f"{param}[{index}].type", f"'{param}[{index}].type' must be {' or '.join(allowed)}")
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
@@ -455,6 +495,6 @@ def _chat_message(message, param: str) -> list[tuple[dict, tuple[str, dict[str, 
         return [({"type": "function_call_output", "call_id": message.get("tool_call_id"), "output": output},
                  (param, {"call_id": f"{param}.tool_call_id", "output": f"{param}.content"}))]
     if role == "function":
-        raise _cannot(f"{param}.role", "'function' messages are deprecated: use 'tool' messages")
+        raise cannot(f"{param}.role", "'function' messages are deprecated: use 'tool' messages")
     raise invalid(f"{param}.role", f"'{param}.role' must be system, developer, user, assistant or tool")
 

@@ -63,8 +63,9 @@ def usage(lmsp: dict | None) -> dict | None:
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] = ()) -> dict:
+    """An output_text part; `logprobs`: its tokens', when the request included them (events.py)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
 def output_item(item: dict, status: str) -> dict:
@@ -72,7 +73,7 @@ def output_item(item: dict, status: str) -> dict:
     kind = item["type"]
     if kind == "message":
         return {"id": item["id"], "type": "message", "status": status, "role": "assistant",
-                "content": [text_part(part["text"]) for part in item["content"]]}
+                "content": [text_part(part["text"], part.get("logprobs", ())) for part in item["content"]]}
     if kind == "function_call":
         return {"id": item["id"], "type": "function_call", "status": status, "call_id": item["call_id"],
                 "name": item["name"], "arguments": item["arguments"]}
@@ -196,7 +197,7 @@ class ResponseEvents:
         index, item = self._by_id[data["item_id"]]
         add_text(item, data["delta"])
         return [self._event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                            delta=data["delta"], logprobs=[])]
+                            delta=data["delta"], logprobs=data.get("logprobs", []))]
 
     def _reasoning_summary_text_delta(self, data: dict) -> list[dict]:
         index, item = self._by_id[data["item_id"]]
@@ -220,8 +221,11 @@ class ResponseEvents:
         events = []
         if item["type"] == "message":
             text = "".join(part["text"] for part in item["content"])
-            events += [self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
-                       self._event("response.content_part.done", **where, content_index=0, part=text_part(text))]
+            logprobs = [entry for part in item["content"] for entry in part.get("logprobs", ())]
+            events += [self._event("response.output_text.done", **where, content_index=0, text=text,
+                                   logprobs=logprobs),
+                       self._event("response.content_part.done", **where, content_index=0,
+                                   part=text_part(text, logprobs))]
         elif item["type"] == "reasoning":
             text = "".join(part["text"] for part in item["summary"])
             part = {"type": "summary_text", "text": text}

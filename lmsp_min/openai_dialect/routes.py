@@ -13,7 +13,8 @@
     GET    /v1/responses/{id}/input_items    responses:read   the input a stored response was made from
     POST   /v1/responses/{id}/cancel         tasks:write      stop a background response
     POST   /v1/responses/input_tokens        responses:write  the input tokens a request would have
-    POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`
+    POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`, `n` choices
+    POST   /v1/completions                   responses:write  a plain completion of raw prompts (completions.py)
 
 Every request is translated (requests.py) into the LMSP request it asks for and runs
 through lmsp_min/generation.py exactly as `/lmsp/v1/responses` does (`prepare`, then
@@ -38,7 +39,7 @@ from lmsp_min import generation, sse
 from lmsp_min.events import FINAL_EVENTS
 from lmsp_min.generation import Generation
 from lmsp_min.http import Request, Response, json_response
-from lmsp_min.openai_dialect import chat, errors, requests, responses
+from lmsp_min.openai_dialect import chat, choices, completions, errors, requests, responses
 from lmsp_min.problems import Problem, quoted
 from lmsp_min.routing import Router, read_json_body
 from lmsp_min.store import FINAL_STATUSES, TaskRow
@@ -60,6 +61,7 @@ def add_routes(router: Router) -> None:
         ("GET", RESPONSES + "/{response_id}/input_items", "responses:read", list_input_items),
         ("POST", RESPONSES + "/{response_id}/cancel", "tasks:write", cancel_response),
         ("POST", "/v1/chat/completions", "responses:write", create_chat_completion),
+        ("POST", "/v1/completions", "responses:write", completions.create_completion),
     ):
         router.add(method, path, scope, handler)
 
@@ -363,23 +365,21 @@ async def cancel_response(request: Request, service) -> Response:
 async def create_chat_completion(request: Request, service):
     body = await read_json_body(request)
     call = requests.chat_request(body)
-    try:
-        prepared = await generation.prepare({**call.body, "input": call.input}, request.principal, service)
-    except Problem as problem:
-        raise call.rename(problem) from None
-
+    prepared = await choices.prepare(call, [(call.input, None)], request.principal, service)
     if call.stream:  # (a chat completion is never stored: its LMSP request says store false)
-        return sse.stream(prepared.stream_body(_chat_sse(prepared, call, request, service)), service.config.limits)
-    await _respond(prepared, call, request, service)
-    return json_response(chat.completion_object(prepared.run.response_object()))
+        chunks = _chat_sse(prepared, call, request, service)
+        return sse.stream(choices.stream_body(prepared, chunks), service.config.limits)
+    await choices.respond(prepared, call, request, service)
+    return json_response(chat.completion_object([choice.run.response_object() for choice in prepared],
+                                                call.logprobs))
 
 
-async def _chat_sse(prepared: Generation, call: requests.Translated, request: Request,
+async def _chat_sse(prepared: list[Generation], call: requests.Translated, request: Request,
                     service) -> AsyncIterator[bytes]:
-    run = prepared.run
-    chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, call.include_usage)
-    async with aclosing(_lmsp_events(prepared, call, request, service)) as events:
-        async for name, data in events:
-            body = chunks.translate(name, data)
+    run = prepared[0].run
+    chunks = chat.ChatChunks(run.id, run.created_at, run.model_id, call.include_usage, len(prepared), call.logprobs)
+    async with aclosing(choices.events(prepared, call, request, service)) as events:
+        async for index, name, data in events:
+            body = chunks.translate(index, name, data)
             if body:
                 yield body
