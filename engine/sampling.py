@@ -40,10 +40,14 @@ class Constraint(Protocol):
 class Sampler:
     """The token picker of one request: its parameters, its random generator, its constraint."""
 
-    def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None, draws: int = 0):
         self.params = params
         self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)
+        # Random numbers drawn so far: a sampler made with `draws` goes on as one that had drawn
+        # them (a generation taken over), each draw one step of the PCG64 generator.
+        self.rng.bit_generator.advance(draws)
+        self.draws = draws
 
     def pick(self, logits: np.ndarray) -> int:
         """The next token id for logits (V,); advances the constraint with it."""
@@ -95,5 +99,6 @@ class Sampler:
             return int(ids[0])
         probs = probs / probs.sum()
         u = self.rng.random()
+        self.draws += 1
         i = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)
         return int(ids[i])

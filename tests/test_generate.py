@@ -8,6 +8,7 @@ import trio
 
 from engine import (ChatRequest, ContextLengthExceeded, Finished, ReasoningDelta,
                     SamplingParams, TextDelta, ToolCall, load_model)
+from engine.api import Continuation
 from engine.chat import Literals, MessageStop, OutputSplitter, ReasoningSplitter
 from engine.tools import ToolCallParser
 from engine.generate import StopFilter
@@ -48,6 +49,25 @@ async def test_seeded_generation_repeats(model, prompt):
     first = await collect(model.generate(prompt, max_tokens=6, sampling=params))
     second = await collect(model.generate(prompt, max_tokens=6, sampling=params))
     assert first == second
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, top_p=0.9, seed=7)],
+                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("cut", [1, 5, 11])
+async def test_a_continuation_goes_on_as_the_uninterrupted_generation_would(model, prompt, sampling, cut):
+    """A generation taken over from its output token ids and its sampler's draws (what a task's log
+    keeps) gives the tokens and text the uninterrupted one gave, with its stop sequences applied."""
+    whole = model.generate(prompt, max_tokens=12, sampling=sampling)
+    tokens = await collect(whole)
+    first = model.generate(prompt, max_tokens=12, sampling=sampling)
+    begun = [await first.__anext__() for _ in range(cut)]
+    await first.aclose()
+    continued = model.generate(prompt, max_tokens=12, sampling=sampling,
+                               continuation=Continuation(tuple(first.output_ids), first.draws))
+    again = await collect(continued)
+    assert begun == tokens[:cut] and again == tokens
+    assert continued.output_ids == whole.output_ids and continued.draws == whole.draws
+    assert continued.finish_reason == whole.finish_reason == "length"
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-308, 5e-324])
