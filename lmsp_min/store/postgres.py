@@ -141,7 +141,10 @@ class PostgresStore(SQLStore):
         # --store-timeout: the connect timeout (libpq counts whole seconds, 2 at least), and the server's
         # limits on a statement and on a lock wait (a server that answers nothing: sql.py's `_in_thread`)
         milliseconds = max(1, round(self.timeout * 1000))
-        options = f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
+        # and on a transaction left open: a node frozen mid-transaction (a stopped process, a stalled VM),
+        # which the server's TCP keep-alives cannot tell from a live one, holds a task's row no longer
+        options = (f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
+                   f" -c idle_in_transaction_session_timeout={milliseconds}")
         return _Connection.connect(self.url, autocommit=True, connect_timeout=max(2, math.ceil(self.timeout)),
                                    options=options, **CONNECT_OPTIONS)
 
