@@ -630,6 +630,11 @@ class Tasks:
             return False
         finally:
             self._taking_over.discard(row.id)
+        if self._stopping:  # (the service began to drain meanwhile: it goes on elsewhere)
+            del self._running[row.id]
+            generation.release()
+            await self.store.hand_over_task(row.id)
+            return True
         self._nursery.start_soon(self._run, running)
         self._log(f"task {row.id} taken over (from {row.owner}) after its event {len(events)}")
         return True
