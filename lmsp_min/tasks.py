@@ -295,9 +295,9 @@ class Tasks:
         # The row keeps the request's parameters, never its input: the runner has the
         # input in memory, a task whose process died is failed rather than run again, and
         # a stored response keeps its own (docs/protocol.md D3). So a `store: false` task
-        # leaves no prompt behind, and the row's size is not the input's.
+        # leaves no prompt behind, and the row's size is not the input's. Where another
+        # node may take it over, `resume` keeps the input too, until it ends.
         parameters = compact_json({name: value for name, value in body.items() if name != "input"})
-        # (Where another node may take it over: the input too, until it ends.)
         resume = (compact_json({"body": generation.body, "prompt_ids": generation.prepared.prompt_ids})
                   if self.store.takes_over and generation.body is not None else None)
         running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))

@@ -1,6 +1,7 @@
 """Generation and chat on a tiny model: tokens, text, stop sequences, limits, cancellation."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -224,6 +225,25 @@ async def test_chat_events(model):
     assert events[-1] == Finished("length", prepared.input_tokens, 5, 0)
     counts = prepared.counts
     assert (counts.input_tokens, counts.output_tokens, counts.cached_tokens) == (prepared.input_tokens, 5, 0)
+
+
+async def test_a_constrained_chat_continued_from_its_output_ids_gives_the_same_document(model):
+    """The constraint is taken again through the continuation's tokens: its matcher goes on where
+    the first generation's was, and the document is the one the uninterrupted chat gave."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    request = ChatRequest([{"role": "user", "content": "Hi"}], max_tokens=40, sampling=GREEDY, json_schema=schema)
+    whole = [ev async for ev in model.generate_chat(model.prepare_chat(request))]
+    first = model.prepare_chat(request)
+    chat = model.generate_chat(first)
+    begun = [await chat.__anext__() for _ in range(3)]
+    await chat.aclose()
+    counts = first.counts
+    again = replace(model.prepare_chat(request), continuation=Continuation(tuple(counts.output_ids), counts.draws))
+    continued = [ev async for ev in model.generate_chat(again)]
+    text = "".join(ev.text for ev in whole[:-1])
+    assert json.loads(text) and begun == whole[:3]
+    assert "".join(ev.text for ev in continued[:-1]) == text
+    assert (continued[-1].reason, continued[-1].output_tokens) == (whole[-1].reason, whole[-1].output_tokens)
 
 
 async def test_a_chat_stopped_early_has_counted_its_tokens_until_then(model):
