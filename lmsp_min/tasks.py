@@ -240,7 +240,7 @@ class Tasks:
         self._running: dict[str, _Running] = {}
         self._taking_over: set[str] = set()  # claimed, being prepared to run here
         self._nursery: trio.Nursery | None = None
-        self._stopping = False  # the service is stopping: running tasks end failed
+        self._stopping = False  # the service is stopping: running tasks are handed over, or end failed
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then host the task runners, recover and purge periodically, until cancelled."""
@@ -600,8 +600,11 @@ class Tasks:
         for row, events in await self.store.interrupted_tasks(self._is_ours):
             if row.owner != self.store.owner and self.store.takes_over:
                 claimed = await self.store.claim_task(row.id, row.owner)
-                if claimed is None or await self._continue(row, events, *claimed):
-                    continue  # (another took it first, or it ended; or it goes on here)
+                if claimed is None:
+                    continue  # (another took it first, or it ended)
+                resume, events = claimed
+                if await self._continue(row, events, resume):
+                    continue
             problem = _process_died() if row.owner != self.store.owner else _runner_lost()
             response, final = _failed_ending(row.response_id, row.created_at, row.model, events, problem)
             # Not kept as a stored response even with `store: true`: the effective
@@ -612,16 +615,17 @@ class Tasks:
         await self.store.release_abandoned_keys()
         return recovered
 
-    async def _continue(self, row: TaskRow, events: list[LoggedEvent], resume: str | None,
-                        tokens: list[str | None]) -> bool:
+    async def _continue(self, row: TaskRow, events: list[LoggedEvent], resume: str | None) -> bool:
         """Run here a task claimed from a process that is gone, from its last logged event;
         False (logged) if this node cannot."""
-        if resume is None or self._prepare is None or self._nursery is None:
+        if resume is None:  # (an older lmsp-min's)
             self._log(f"task {row.id} cannot be taken over: its row holds no request to continue from")
+            return False
+        if self._prepare is None or self._nursery is None:  # (`recover` called outside `run`)
             return False
         self._taking_over.add(row.id)
         try:
-            generation = await self._prepared_again(row, events, json.loads(resume), tokens)
+            generation = await self._prepared_again(row, events, json.loads(resume))
             running = _Running(row.id, row.principal, generation, LiveLog(self.store, row.id, events),
                                logged_tokens=len(generation.prepared.continuation.output_ids))
             self._running[row.id] = running
@@ -639,13 +643,12 @@ class Tasks:
         self._log(f"task {row.id} taken over (from {row.owner}) after its event {len(events)}")
         return True
 
-    async def _prepared_again(self, row: TaskRow, events: list[LoggedEvent], state: dict,
-                              tokens: list[str | None]) -> Generation:
+    async def _prepared_again(self, row: TaskRow, events: list[LoggedEvent], state: dict) -> Generation:
         """The generation of a task taken over: its request prepared again, its logged prompt and
         output to go on from, its response's id, creation time and output item ids as logged."""
         generation = await self._prepare(state["body"], row.principal)
         try:
-            progress = [json.loads(entry) for entry in tokens if entry is not None]
+            progress = [json.loads(event.tokens) for event in events if event.tokens is not None]
             continuation = Continuation(tuple(token for step in progress for token in step["ids"]),
                                         progress[-1]["draws"] if progress else 0)
             prepared = replace(generation.prepared, prompt_ids=state["prompt_ids"], continuation=continuation)

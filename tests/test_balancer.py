@@ -94,19 +94,19 @@ class Load:
         return conn.getresponse()
 
     def _streamed_response(self) -> None:
-        reply = self._post("/lmsp/v1/responses", {"model": self.model, "input": [{"role": "user", "content": "Hello"}],
-                                                  "stream": True,
+        reply = self._post("/lmsp/v1/responses", {"model": self.model,
+                                                  "input": [{"role": "user", "content": "Hello"}], "stream": True,
                                                   "max_output_tokens": 16, "temperature": 0})
         if reply.status != 200:
             self.failures.append(f"stream: {reply.status} {reply.read()[:200]!r}")
             return
         events = read_events(reply)
-        if not events or events[-1][1] != "response.incomplete" and events[-1][1] != "response.completed":
+        if not events or events[-1][1] not in ("response.completed", "response.incomplete"):
             self.failures.append(f"stream ended with {events[-1:]}")
 
     def _task(self) -> None:
-        reply = self._post("/lmsp/v1/tasks", {"model": self.model, "input": [{"role": "user", "content": "Tell a story."}],
-                                             
+        reply = self._post("/lmsp/v1/tasks", {"model": self.model,
+                                              "input": [{"role": "user", "content": "Tell a story."}],
                                               "max_output_tokens": 40, "temperature": 0})
         body = reply.read()
         if reply.status != 202:

@@ -29,6 +29,8 @@ TOKENS = 400  # long enough to be mid-generation when the node dies (each test c
 class Node(Serve):
     """A node whose log is read as it comes (so that it never blocks on a full pipe) and kept."""
 
+    _reader: threading.Thread | None = None  # (none yet while it starts)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.lines: list[str] = []
@@ -50,7 +52,8 @@ class Node(Serve):
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait()
-        self._reader.join(10)
+        if self._reader is not None:
+            self._reader.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +139,12 @@ def test_kill_9_mid_task_the_other_node_continues_it_on_the_followers_stream(clu
     assert replay(b, task_id) == events
 
 
-@pytest.mark.slow  # (~20 s: three tasks, and each again uninterrupted)
+@pytest.mark.slow  # (~40 s: ten tasks, and each again uninterrupted)
 def test_sigterm_hands_running_and_queued_tasks_over_at_once(cluster):
-    a, b = cluster("A", "--queue-depth", "8", "--drain-seconds", "20"), cluster("B")
+    # ten tasks: eight generate together (the engine's batch), two wait for their turn
+    a, b = cluster("A", "--queue-depth", "16", "--drain-seconds", "20"), cluster("B")
     model = model_of(a)
-    bodies = [story(model, n) for n in range(3)]
+    bodies = [story(model, n) for n in range(10)]
     task_ids = [start_task(a, body) for body in bodies]
     conn, reply = follow(b, task_ids[0])
     seen = read_events(reply, stop_after=8)
@@ -157,7 +161,7 @@ def test_sigterm_hands_running_and_queued_tasks_over_at_once(cluster):
     local_rest = read_events(local)
     local_conn.close()
     a.process.wait(30)
-    assert "handing 3 running task(s) over" in a.log()
+    assert "handing 10 running task(s) over" in a.log()
     events = seen + rest
     for n, task_id in enumerate(task_ids):
         expected = uninterrupted_text(b, bodies[n])

@@ -224,9 +224,10 @@ class Store(ABC):
         tasks not `running` (asked after the read: ours runs before its row exists)."""
 
     @abstractmethod
-    async def claim_task(self, task_id: str, owner: str) -> tuple[str | None, list[str | None]] | None:
-        """Make an unfinished task of `owner` (gone) ours: its `resume` and its events' `tokens`, in
-        order; None if another process claimed it first, or it ended. Of processes racing, one wins."""
+    async def claim_task(self, task_id: str, owner: str) -> tuple[str | None, list[LoggedEvent]] | None:
+        """Make an unfinished task of `owner` (gone) ours: its `resume` and its events (their `tokens`
+        too), in order; None if another process claimed it first, or it ended. Of processes racing,
+        one wins."""
 
     @abstractmethod
     async def hand_over_task(self, task_id: str) -> bool:

@@ -300,17 +300,18 @@ class SQLStore(Store):
         except self.damaged as exc:  # (the first read at start: said as for a database that cannot open)
             raise StoreError(f"the database cannot be read: {exc}") from None
 
-    async def claim_task(self, task_id: str, owner: str) -> tuple[str | None, list[str | None]] | None:
-        def claim(conn: Any) -> tuple[str | None, list[str | None]] | None:
+    async def claim_task(self, task_id: str, owner: str) -> tuple[str | None, list[LoggedEvent]] | None:
+        def claim(conn: Any) -> tuple[str | None, list[LoggedEvent]] | None:
             # One UPDATE whose condition is checked again on the row once locked: of nodes racing
             # for the task, the first takes it and the others find it theirs no longer.
             if not conn.execute("UPDATE tasks SET owner = ? WHERE id = ? AND owner = ?"
                                 " AND status IN ('queued', 'in_progress')", (self.owner, task_id, owner)).rowcount:
                 return None
             (resume,) = conn.execute("SELECT resume FROM tasks WHERE id = ?", (task_id,)).fetchone()
-            tokens = conn.execute("SELECT tokens FROM task_events WHERE task_id = ? ORDER BY seq",
+            # (read here, after the claim: none can be appended by the old owner any more)
+            events = conn.execute("SELECT seq, event, data, tokens FROM task_events WHERE task_id = ? ORDER BY seq",
                                   (task_id,)).fetchall()
-            return resume, [row[0] for row in tokens]
+            return resume, [LoggedEvent(*row) for row in events]
 
         return await self._write(claim)
 
