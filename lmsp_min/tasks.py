@@ -62,7 +62,7 @@ from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
 
 # How often a follower of a task another process runs, told of nothing new, checks
-# that the process is still alive (and ends the task `failed` if it is not).
+# that the process is still alive (and takes the task over, or ends it `failed`, if it is not).
 OWNER_CHECK_INTERVAL = 10.0
 # How often tasks look for work a dead process, or a failed write, left unfinished
 # (tasks still `in_progress`, idempotency keys still 'running'); more often when the
