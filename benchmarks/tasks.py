@@ -199,6 +199,7 @@ class ScriptedModel:
         from engine.api import TokenCounts
 
         request.input_tokens = 1
+        request.prompt_ids = [1]  # (what a task's row keeps for a takeover, on PostgreSQL)
         request.counts = TokenCounts(1)
         return request
 

@@ -71,6 +71,16 @@ class ChatRequest:
     json_schema: dict | None = None         # structured output
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """Where a generation goes on from that another process began (a task taken over): the output
+    token ids it had generated, and the random numbers its sampler had drawn for them, so that a
+    greedy or seeded generation goes on as it would have."""
+
+    output_ids: tuple[int, ...]
+    draws: int
+
+
 @dataclass
 class TokenCounts:
     """The tokens of one chat completion so far, which a consumer can read at any time:
@@ -79,10 +89,13 @@ class TokenCounts:
     input_tokens: int
     output_tokens: int = 0
     cached_tokens: int = 0  # input tokens the prefix cache supplied (known at the first output token)
+    output_ids: list[int] = field(default_factory=list)  # the output token ids (a Continuation's first)
+    draws: int = 0  # the random numbers the sampler drew for them
 
     def update(self, generation) -> None:
         """Take the output counts of a `Generation` (engine/generate.py) as they stand."""
         self.output_tokens, self.cached_tokens = generation.n_generated, generation.cached_tokens
+        self.output_ids, self.draws = generation.output_ids, generation.draws
 
 
 @dataclass
@@ -95,6 +108,7 @@ class PreparedChat:
     starts_in_reasoning: bool  # the template's generation prompt opened a <think> block
     constraint: object = None  # engine/constrain/matcher.py GrammarConstraint for tools / json_schema
     tool_calls: bool = False   # split the output into text and tool calls
+    continuation: Continuation | None = None  # the output another process generated, to go on from
     counts: TokenCounts = field(init=False)  # its tokens so far (a PreparedChat is generated once)
 
     def __post_init__(self):

@@ -169,7 +169,8 @@ async def generate_chat(model, prepared: PreparedChat):
     request = prepared.request
     constraint = prepared.constraint
     generation = model.generate(prepared.prompt_ids, max_tokens=prepared.max_tokens, sampling=request.sampling,
-                                stop=() if constraint is not None else request.stop, constraint=constraint)
+                                stop=() if constraint is not None else request.stop, constraint=constraint,
+                                continuation=prepared.continuation)
     splitter = ReasoningSplitter(prepared.starts_in_reasoning) if prepared.reasoning else None
     calls = ToolCallParser(leading=request.json_schema is not None) if prepared.tool_calls else None
     output = OutputSplitter(calls, splitter)

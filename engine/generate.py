@@ -20,6 +20,10 @@ returns a `Generation`: `async for token in generation` yields `Token(id, text)`
 - `finish_reason` is "stop" or "length" once the iteration is over.
 - With `sampling.logprobs`, each generated token's `logprob` is what the sampler
   reported when it picked it (engine/sampling.py `Reported`); else None.
+- A `Continuation` (a generation another process began) is gone through first, its
+  tokens taken as if picked (the constraint advanced by them, the sampler's random
+  generator moved past its draws), then prefilled after the prompt, and generation
+  goes on: `output_ids` and `draws` say where it stands, for another to go on from.
 
 Reading the request path: engine/chat.py's `generate_chat` reads a Generation;
 a Generation reads the steps of its request in engine/scheduler.py.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .api import SamplingParams
+from .api import Continuation, SamplingParams
 from .errors import ContextLengthExceeded
 from .sampling import Constraint, Reported, Sampler
 from .tokenizer import IncrementalDecoder
@@ -78,7 +82,7 @@ class Generation:
 
     def __init__(self, model, prompt_ids: list[int], *, max_tokens: int,
                  sampling: SamplingParams | None = None, stop: tuple[str, ...] = (),
-                 constraint: Constraint | None = None):
+                 constraint: Constraint | None = None, continuation: Continuation | None = None):
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("the prompt has no token")
@@ -89,11 +93,18 @@ class Generation:
         self.model = model
         self.prompt_ids = prompt_ids
         self.max_tokens = min(max_tokens, model.n_ctx - len(prompt_ids))
-        self.sampler = Sampler(sampling or SamplingParams(), constraint)
+        self.continuation = continuation or Continuation((), 0)
+        self.sampler = Sampler(sampling or SamplingParams(), constraint, draws=self.continuation.draws)
         self.stop = tuple(stop)
         self.finish_reason: str | None = None
         self.n_generated = 0
+        self.output_ids: list[int] = []  # the output so far (a continuation's first)
+        self.draws = 0  # the sampler's random numbers drawn for them
+        self._pick_draws: list[int] = []  # the sampler's draws after each pick (appended by the scheduler's thread)
         self.cached_tokens = 0  # prompt tokens reused from the prefix cache, known at the first token
+        self._eos_ids = model.tokenizer.eos_ids
+        self._decoder = IncrementalDecoder(model.tokenizer)
+        self._stops = StopFilter(self.stop)
         self._tokens = self._run()
 
     def __aiter__(self) -> Generation:
@@ -106,47 +117,75 @@ class Generation:
         await self._tokens.aclose()
 
     async def _run(self):
-        model, sampler = self.model, self.sampler
-        eos_ids = model.tokenizer.eos_ids
-        decoder = IncrementalDecoder(model.tokenizer)
-        stops = StopFilter(self.stop)
+        sampler = self.sampler
         complete = sampler.constraint.is_done if sampler.constraint is not None else None
-        with model.scheduler.submit(self.prompt_ids, pick=sampler.pick, max_tokens=self.max_tokens,
-                                    stop_ids=frozenset(eos_ids), stop_when=complete,
-                                    constraint=sampler.constraint) as steps:
+        forced = list(self.continuation.output_ids)
+        for token in forced:  # what another process generated: taken again as if picked here
+            if sampler.constraint is not None:
+                sampler.constraint.advance(token)
+            sampler.output_counts[token] += 1  # (the penalties count it as the first process did)
+            out, last = self._take(token, "stop" if complete is not None and complete() else None)
+            yield out
+            if last:
+                return
+        self.draws = self.continuation.draws
+        # (the prompt and the continuation's output are prefilled together)
+        with self.model.scheduler.submit(self.prompt_ids + forced, pick=self._pick,
+                                         max_tokens=self.max_tokens - len(forced),
+                                         stop_ids=frozenset(self._eos_ids), stop_when=complete,
+                                         constraint=sampler.constraint) as steps:
             async for token, ending in steps:
                 self.cached_tokens = steps.cached_tokens
+                self.draws = self._pick_draws[self.n_generated - len(forced)]
                 # (the worker picks ahead of this reader: its reports are in the steps' order)
                 logprob = sampler.reported.popleft() if sampler.params.logprobs is not None else None
-                if token in eos_ids:
-                    self.finish_reason = "stop"
+                out, last = self._take(token, ending, logprob)
+                if out is None:
                     break
-                self.n_generated += 1
-                text = stops.feed(decoder.feed(token))
-                if stops.stopped:
-                    self.finish_reason = "stop"
-                    yield Token(token, text, logprob)
+                yield out
+                if last:
                     return
-                done = ending == "stop"  # the constraint is complete (judged when the token was picked)
-                if done or self.n_generated >= self.max_tokens:
-                    self.finish_reason = "stop" if done else "length"
-                    if done:  # (at the token limit, a character cut in half is left out, not U+FFFD)
-                        text += stops.feed(decoder.flush())
-                    if stops.stopped:
-                        self.finish_reason = "stop"
-                    else:
-                        text += stops.flush()
-                    yield Token(token, text, logprob)
-                    return
-                yield Token(token, text, logprob)
-        tail = stops.feed(decoder.flush())
-        tail += "" if stops.stopped else stops.flush()
+        tail = self._stops.feed(self._decoder.flush())
+        tail += "" if self._stops.stopped else self._stops.flush()
         if tail:
             yield Token(token, tail)  # the end-of-generation token carries the held-back text
 
+    def _pick(self, logits) -> int:
+        """(In the scheduler's thread) the sampler's pick, noting its draws after it."""
+        token = self.sampler.pick(logits)
+        self._pick_draws.append(self.sampler.draws)
+        return token
+
+    def _take(self, token: int, ending: str | None,
+              logprob: Reported | None = None) -> tuple[Token | None, bool]:
+        """The Token to yield for one picked token (None: an end of generation, not yielded)
+        and whether it is the last. `ending` "stop": the constraint is complete (judged when
+        the token was picked)."""
+        if token in self._eos_ids:
+            self.finish_reason = "stop"
+            return None, True
+        self.n_generated += 1
+        self.output_ids.append(token)
+        stops = self._stops
+        text = stops.feed(self._decoder.feed(token))
+        if stops.stopped:
+            self.finish_reason = "stop"
+            return Token(token, text, logprob), True
+        done = ending == "stop"
+        if not done and self.n_generated < self.max_tokens:
+            return Token(token, text, logprob), False
+        self.finish_reason = "stop" if done else "length"
+        if done:  # (at the token limit, a character cut in half is left out, not U+FFFD)
+            text += stops.feed(self._decoder.flush())
+        if stops.stopped:
+            self.finish_reason = "stop"
+        else:
+            text += stops.flush()
+        return Token(token, text, logprob), True
+
 
 def generate(model, prompt_ids, *, max_tokens: int, sampling: SamplingParams | None = None,
-             stop=(), constraint: Constraint | None = None) -> Generation:
+             stop=(), constraint: Constraint | None = None, continuation: Continuation | None = None) -> Generation:
     return Generation(model, prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                      stop=tuple(stop), constraint=constraint)
+                      stop=tuple(stop), constraint=constraint, continuation=continuation)
 

@@ -176,10 +176,10 @@ class Model:
             self.steps += 1
         return out
 
-    def generate(self, prompt_ids, *, max_tokens, sampling=None, stop=(), constraint=None):
+    def generate(self, prompt_ids, *, max_tokens, sampling=None, stop=(), constraint=None, continuation=None):
         from .generate import generate
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                        stop=stop, constraint=constraint)
+                        stop=stop, constraint=constraint, continuation=continuation)
 
     def prepare_chat(self, request):
         from .chat import prepare_chat

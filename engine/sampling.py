@@ -57,7 +57,7 @@ class Reported(NamedTuple):
 class Sampler:
     """The token picker of one request: its parameters, its random generator, its constraint."""
 
-    def __init__(self, params: SamplingParams, constraint: Constraint | None = None):
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None, draws: int = 0):
         self.params = params
         self.constraint = constraint
         self.rng = np.random.default_rng(params.seed)
@@ -66,6 +66,10 @@ class Sampler:
         self._bias_ids = np.array([i for i, _ in params.logit_bias], dtype=np.int64)
         self._bias_values = np.array([v for _, v in params.logit_bias], dtype=np.float64)
         self._penalized = bool(params.presence_penalty or params.frequency_penalty)
+        # Random numbers drawn so far: a sampler made with `draws` goes on as one that had drawn
+        # them (a generation taken over), each draw one step of the PCG64 generator.
+        self.rng.bit_generator.advance(draws)
+        self.draws = draws
 
     def pick(self, logits: np.ndarray) -> int:
         """The next token id for logits (V,); advances the constraint with it."""
@@ -139,6 +143,7 @@ class Sampler:
             return int(ids[0])
         probs = probs / probs.sum()
         u = self.rng.random()
+        self.draws += 1
         i = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)
         return int(ids[i])
 

@@ -386,7 +386,10 @@ def add_serve_parser(commands) -> None:
                    help="postgresql://USER[:PASS]@HOST[:PORT]/DB: keep them in PostgreSQL, shared by every "
                         "node given the same URL (default: $LMSP_STORE, else SQLite in --data-dir; docs/scale-out.md)")
     p.add_argument("--store-lease", type=_number(float, 0.5), default=10.0, metavar="SECONDS",
-                   help="with --store: a node silent this long is gone, and another fails its tasks (default 10)")
+                   help="with --store: a node silent this long is gone, and another takes its tasks over (default 10)")
+    p.add_argument("--drain-seconds", type=_number(float, 0), default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in progress get to finish (default 30); a node of a "
+                        "--store database hands its tasks over to the others at once")
     p.add_argument("--store-timeout", type=_number(float, 0, above=True), default=STORE_TIMEOUT, metavar="SECONDS",
                    help=f"how long one call to the database may take; past it (a locked table, a frozen server) "
                         f"the request is a 503 with Retry-After (default {STORE_TIMEOUT:g})")
@@ -437,6 +440,7 @@ def cmd_serve(args) -> int:
         store_url=args.store,
         store_lease=args.store_lease,
         store_timeout=args.store_timeout,
+        drain_seconds=args.drain_seconds,
         event_retention=args.event_retention,
         store_retention=args.store_retention,
         limits=Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,

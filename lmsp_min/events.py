@@ -89,10 +89,13 @@ class ResponseRun:
     """One response being generated: its state, and the events that build it."""
 
     def __init__(self, model_id: str, *, response_id: str | None = None, log=None, counts=None,
-                 logprobs: bool = False):
+                 logprobs: bool = False, created_at: int | None = None, item_ids=new_id):
         self.id = response_id or new_id("resp")
         self.model_id = model_id
-        self.created_at = int(time.time())
+        self.created_at = int(time.time()) if created_at is None else created_at
+        # makes the ids of output items and calls from a prefix ("msg"): a continuation's (a task
+        # taken over) gives again those its log holds
+        self._new_id = item_ids
         self.status = "in_progress"
         self.output: list[dict] = []
         self.usage: dict | None = None
@@ -149,9 +152,9 @@ class ResponseRun:
             return []
         events = self._close_open()
         if kind == "message":
-            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "content": []}
+            item = {"id": self._new_id("msg"), "type": "message", "role": "assistant", "content": []}
         else:
-            item = {"id": new_id("rs"), "type": "reasoning", "summary": []}
+            item = {"id": self._new_id("rs"), "type": "reasoning", "summary": []}
         events.append(self._add_item(item))
         self._open = item
         return events
@@ -173,11 +176,11 @@ class ResponseRun:
     def _call(self, name: str, arguments: str) -> list[Event]:
         """A whole function_call item: added (arguments ""), then done."""
         events = self._close_open()
-        call_id = new_id("call")
+        call_id = self._new_id("call")
         while call_id in self._call_ids:  # unique within the response, whatever the clock
-            call_id = new_id("call")
+            call_id = self._new_id("call")
         self._call_ids.add(call_id)
-        item = {"id": new_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
+        item = {"id": self._new_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
                 "arguments": ""}
         events.append(self._add_item(item))
         item["arguments"] = arguments
@@ -189,7 +192,7 @@ class ResponseRun:
         if not self.output:
             # Nothing was generated (an immediate end of turn): the answer is an
             # empty message, so that clients always find one.
-            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "content": []}
+            item = {"id": self._new_id("msg"), "type": "message", "role": "assistant", "content": []}
             events.append(self._add_item(item))
             item["content"].append({"type": "output_text", "text": "", **({"logprobs": []} if self.logprobs else {})})
             events.append(self._done_item(item))

@@ -100,6 +100,7 @@ class Generation:
     admission: Admission  # of this response's model (ModelEntry.admit): its turn, released by `release`
     in_progress: GenerationsInProgress  # the service's, which ends it if the service stops first
     stored_object: Callable[[], dict] | None = None  # what `store` keeps; None: run.response_object()
+    body: dict | None = None  # the LMSP request body it was prepared from (`prepare` again gives it again)
 
     def events(self) -> AsyncIterator[Event]:
         """The LMSP events of this response (start it once): the engine's chat events
@@ -200,7 +201,8 @@ async def prepare(body: dict, principal: str, service, prompt: str | list[int] |
                                    or request.json_schema is not None, prompt=prompt)
     run = ResponseRun(entry.id, log=service.log, counts=prepared.counts, logprobs=request.logprobs is not None)
     admission = entry.admit(principal)  # (the caller owns it from here, through the Generation)
-    return Generation(request, principal, kept_items(items), model, prepared, run, admission, service.generations)
+    return Generation(request, principal, kept_items(items), model, prepared, run, admission, service.generations,
+                      body=body)
 
 
 def _check_capabilities(request: ResponsesRequest, entry) -> None:

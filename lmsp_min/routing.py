@@ -7,7 +7,8 @@ own error format (`Router.mount`): LMSP answers problem documents (lmsp_min/http
 `problem_response`, the default), the OpenAI face at /v1 its error objects. `App`
 is the handler lmsp_min/http.py calls: route, authenticate, check the version,
 dispatch, and answer whatever goes wrong in the format of the path's face; it answers
-CORS preflights and adds the CORS headers of every response (lmsp_min/cors.py). Every
+CORS preflights and adds the CORS headers of every response (lmsp_min/cors.py), and
+GET /healthz itself, for load balancers (`health`: no auth, no face). Every
 handler is `async def handler(request, service) -> Response | StreamingResponse`.
 
 Reading the request path: lmsp_min/http.py calls `App`; the faces' handlers are in
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote
 
 from lmsp_min.cors import is_preflight
-from lmsp_min.http import Request, Response, problem_response
+from lmsp_min.http import Request, Response, json_response, problem_response
 from lmsp_min.problems import Problem, clipped, quoted, shutting_down
 from lmsp_min.validate import parse_json_body
 
@@ -131,6 +132,8 @@ class App:
             return self.router.error_format(request.path)(Problem("internal_error", "an unexpected error occurred"))
 
     async def _dispatch(self, request: Request):
+        if request.path == HEALTH_PATH and request.method in ("GET", "HEAD"):
+            return health(self.service)
         if self.service.http is not None and self.service.http.draining:
             raise shutting_down()
         if self.service.cors.enabled and is_preflight(request):  # (it carries no credentials: before auth)
@@ -142,6 +145,22 @@ class App:
                                                            request.headers.get("host"))
         check_version(request.headers.get("lmsp-version"))
         return await handler(request, self.service)
+
+
+HEALTH_PATH = "/healthz"  # for load balancers: outside both faces' prefixes, without auth
+
+
+def health(service) -> Response:
+    """GET /healthz: 200 while the node serves; 503, with Retry-After, while it drains (a
+    balancer sends new requests elsewhere) or cannot reach its store. A tiny body that
+    says which, and nothing a client without a token should not know."""
+    if service.draining:
+        status = "draining"
+    elif service.store is not None and not service.store.reachable:
+        status = "store_unavailable"
+    else:
+        return json_response({"status": "serving"})
+    return json_response({"status": status}, 503, [("Retry-After", "5")])
 
 
 async def read_json_body(request: Request) -> dict:

@@ -6,10 +6,11 @@ A trio program runs one like this:
         async with trio.open_nursery() as nursery:
             addresses = await nursery.start(lmsp_min.serve, service, "127.0.0.1", 8080)
 
-`lmsp-min serve` does exactly that. On SIGINT or SIGTERM it stops cleanly:
-no new connection, idle ones closed, requests in progress given
-SHUTDOWN_GRACE seconds to finish (`Service.drain`), then those still generating
-ended `failed` (model_unavailable), and everything cancelled.
+`lmsp-min serve` does exactly that. On SIGINT or SIGTERM it stops cleanly
+(`Service.drain`): GET /healthz answers 503 (lmsp_min/routing.py), running tasks are
+handed over to the other nodes of a PostgreSQL store (else they end `failed`), no new
+connection, idle ones closed, requests in progress given --drain-seconds to finish,
+then those still generating ended `failed` (model_unavailable), and everything cancelled.
 
 Every piece has an owner that ends it. `serve` runs the HTTP server and the
 tasks in its nursery, so once it returns no request or task is left; then the
@@ -35,7 +36,7 @@ from lmsp_min import paths, routes
 from lmsp_min.auth import Auth, is_loopback
 from lmsp_min.cors import CorsPolicy
 from lmsp_min.events import compact_json
-from lmsp_min.generation import GenerationsInProgress
+from lmsp_min.generation import GenerationsInProgress, prepare
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem, leaf_exceptions, quoted
 from lmsp_min.openai_dialect import routes as openai_routes
@@ -46,7 +47,7 @@ from lmsp_min.store.open import open_store
 from lmsp_min.tasks import STORE_RETENTION, Tasks
 from lmsp_min.validate import MAX_INPUT_ITEMS
 
-SHUTDOWN_GRACE = 10.0  # seconds requests in progress get to finish after SIGINT / SIGTERM
+SHUTDOWN_GRACE = 30.0  # seconds requests in progress get to finish after SIGINT / SIGTERM (--drain-seconds)
 LAST_WORDS = 2.0  # seconds, after that, for the responses still generating to say they were stopped
 
 
@@ -81,6 +82,7 @@ class ServiceConfig:
     store_url: str | None = None  # postgresql://...: a PostgreSQL store, shared by several nodes
     store_lease: float = 10.0  # seconds a PostgreSQL node's tasks outlive its last sign of life
     store_timeout: float = STORE_TIMEOUT  # seconds a store call may take, then its request is a 503
+    drain_seconds: float = SHUTDOWN_GRACE  # --drain-seconds: what requests in progress get after SIGTERM
     event_retention: float = 3600.0  # seconds a finished task's events are kept (D3)
     store_retention: float = STORE_RETENTION  # seconds stored responses and final tasks are kept (0: for ever)
     limits: Limits = field(default_factory=Limits)
@@ -112,6 +114,7 @@ class Service:
         self.router = faces_router()
         self.log = log
         self.generations = GenerationsInProgress()  # ended `failed` if the service stops first
+        self.draining = False  # `drain` has begun: GET /healthz says 503
 
     @classmethod
     @asynccontextmanager
@@ -127,7 +130,8 @@ class Service:
         store = await open_store(location, lease=config.store_lease, timeout=config.store_timeout, log=log)
         service = cls(registry, auth=auth, store=store, config=config, log=log)
         service.tasks = Tasks(store, event_retention=config.event_retention, store_retention=config.store_retention,
-                              stores_responses=service.stores_responses, log=log)
+                              stores_responses=service.stores_responses, log=log,
+                              prepare=lambda body, principal: prepare(body, principal, service))
         try:
             yield service
         finally:
@@ -137,11 +141,13 @@ class Service:
     async def drain(self, grace: float = SHUTDOWN_GRACE) -> None:
         """Stop taking requests; give those in progress up to `grace` seconds to finish.
 
-        Running tasks end `failed` first (`model_unavailable`), so that the clients
-        following them get their final event before their streams close. Responses
+        Running tasks are handed over first to the other nodes (lmsp_min/tasks.py `stop`),
+        or, where none can take them (SQLite), end `failed` (`model_unavailable`), so that
+        the clients following them get their final event before their streams close. Responses
         still generating after the grace end `failed` too (`model_unavailable`), and
         get LAST_WORDS seconds to send that: a stream its final event, a synchronous
         request a 503."""
+        self.draining = True
         if self.tasks is not None:
             await self.tasks.stop()
         if self.http is not None:
@@ -278,8 +284,10 @@ async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> No
                 addresses = await nursery.start(serve, service, host, port)
                 _banner(service, addresses)
 
+                grace = config.drain_seconds
+
                 async def drain_then_stop() -> None:
-                    await service.drain(SHUTDOWN_GRACE)
+                    await service.drain(grace)
                     nursery.cancel_scope.cancel()
 
                 draining = False
@@ -289,7 +297,7 @@ async def _serve_until_signal(config: ServiceConfig, host: str, port: int) -> No
                         nursery.cancel_scope.cancel()
                         break
                     stderr_log(f"{signal.Signals(signum).name}: finishing the requests in progress "
-                               f"(at most {SHUTDOWN_GRACE + LAST_WORDS:.0f} s; signal again to stop now)")
+                               f"(at most {grace + LAST_WORDS:.0f} s; signal again to stop now)")
                     draining = True
                     nursery.start_soon(drain_then_stop)
     stderr_log("stopped")

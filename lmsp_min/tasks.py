@@ -11,13 +11,22 @@ committed events, and never touch the generation: a follower that stalls or
 disconnects only loses its own place.
 
 How a task ends: with its final event (completed, incomplete, failed, or
-cancelled by POST /cancel). If the service stops while it runs, it ends
-`failed` at once (`model_unavailable`, as a direct response would); if its
+cancelled by POST /cancel). With SQLite, if the service stops while it runs, it
+ends `failed` at once (`model_unavailable`, as a direct response would); if its
 process dies (kill -9), the next start, or another process on the same data
-directory (within RECOVER_INTERVAL), or another node once the dead one's lease has
-expired (a PostgreSQL store), ends it `failed` (`generation_failed`,
+directory (within RECOVER_INTERVAL), ends it `failed` (`generation_failed`,
 usage unknown) from what its log holds; so does this process (`internal_error`)
-if a failing write (a full disk) kept its runner from ending it. A task another
+if a failing write (a full disk) kept its runner from ending it.
+
+Takeover (a PostgreSQL store, whose nodes share it): a node that is gone (its lease
+expired) or drains (`stop`: it hands its tasks over) leaves its unfinished tasks to
+the others; the first to claim one (`Store.claim_task`) continues it from its log.
+The row keeps the request and its prompt's token ids until the task ends, each
+logged event the output token ids it brought and the sampler's draws: the taker
+prepares the request again, prefills the prompt and that output (engine/api.py
+`Continuation`), makes again the events the log holds (checking that they are the
+same, and giving the output items their logged ids), and logs those that follow
+under the next ids. A greedy or seeded task gives the text it would have given. A task another
 process runs (on this machine, or another node of a PostgreSQL store) is followed
 from the database, woken by the store's `watch` when it has new events, and
 cancelled by a request its owner is told of (lmsp_min/store/).
@@ -39,12 +48,13 @@ from __future__ import annotations
 import json
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Awaitable, Callable
 
 import trio
 
-from lmsp_min.events import FINAL_EVENTS, Event, add_text, compact_json, new_id
+from engine.api import Continuation
+from lmsp_min.events import FINAL_EVENTS, Event, ResponseRun, add_text, compact_json, new_id
 from lmsp_min.generation import Generation, pump
 from lmsp_min.http import StreamCut
 from lmsp_min.idempotency import RECORD_TTL
@@ -52,7 +62,7 @@ from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
 from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
 
 # How often a follower of a task another process runs, told of nothing new, checks
-# that the process is still alive (and ends the task `failed` if it is not).
+# that the process is still alive (and takes the task over, or ends it `failed`, if it is not).
 OWNER_CHECK_INTERVAL = 10.0
 # How often tasks look for work a dead process, or a failed write, left unfinished
 # (tasks still `in_progress`, idempotency keys still 'running'); more often when the
@@ -67,17 +77,18 @@ STORE_RETENTION = 30 * 86400.0
 class LiveLog:
     """The event log of one running task, shared by its runner and its followers."""
 
-    def __init__(self, store: Store, task_id: str):
+    def __init__(self, store: Store, task_id: str, logged: list[LoggedEvent] = ()):
         self.store = store
         self.task_id = task_id
-        self.events: list[LoggedEvent] = []  # committed events; events[i].seq == i + 1
-        self.done = False  # the final event is committed (or the task died without one)
+        self.events: list[LoggedEvent] = list(logged)  # committed events (a continuation's first); seq == i + 1
+        self.done = False  # the final event is committed (or the task died without one, or was handed over)
+        self.handed_over = False  # the task goes on on another node: followers go on from the database
         self._published = trio.Event()  # set (and replaced) each time events are published
         self._pending: list[LoggedEvent] = []  # appended, not yet committed
         self._wake_writer = trio.Event()
         self._closing = False
         self._writer_idle = trio.Event()
-        self._next_seq = 1
+        self._next_seq = len(self.events) + 1
 
     # -- the runner's side --------------------------------------------------------
 
@@ -111,12 +122,21 @@ class LiveLog:
         """Commit the final event with the task's final status and response in one
         durable transaction (after every event before it), then publish it."""
         self._check_next(final)
-        self._closing = True
-        self._wake_writer.set()
-        await self._writer_idle.wait()
+        await self._close_writer()
         await self.store.finish_task(self.task_id, status, response, [final], stored)
         self.done = True
         self._publish([final])
+
+    async def hand_over(self) -> None:
+        """Commit what was appended, then close the log here: the task goes on on another node."""
+        await self._close_writer()
+        self.handed_over = self.done = True
+        self._published.set()
+
+    async def _close_writer(self) -> None:
+        self._closing = True
+        self._wake_writer.set()
+        await self._writer_idle.wait()
 
     def end(self, final: LoggedEvent) -> None:
         """Publish the final event of a runner that stopped early (its writer is gone):
@@ -151,6 +171,8 @@ class LiveLog:
                 yield batch
                 continue
             if self.done:
+                if self.handed_over:
+                    return  # (Tasks.events goes on from the database)
                 if not self.events or self.events[-1].event not in FINAL_EVENTS:
                     raise StreamCut(f"task {self.task_id} stopped without a final event its database "
                                     "took; its followers resume once it is recovered")
@@ -171,8 +193,28 @@ class _Running:
     principal: str
     generation: Generation
     event_log: LiveLog
+    logged_tokens: int = 0  # how many of the output token ids the log holds
+    handing_over: bool = False  # stopped to be handed over (the service drains), not to end
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     ended: trio.Event = field(default_factory=trio.Event)
+
+
+class _LoggedIds:
+    """The ids of the output items and calls a task's log holds, given again in the order a
+    `ResponseRun` makes them (a continuation's), then new ones."""
+
+    def __init__(self, events: list[LoggedEvent]):
+        self._ids: list[str] = []
+        for event in events:
+            if event.event == "response.output_item.added":
+                item = json.loads(event.data)["item"]
+                self._ids += [item["call_id"], item["id"]] if item["type"] == "function_call" else [item["id"]]
+        self._ids.reverse()
+
+    def __call__(self, prefix: str) -> str:
+        if self._ids and self._ids[-1].startswith(prefix + "_"):
+            return self._ids.pop()
+        return new_id(prefix)
 
 
 class Tasks:
@@ -186,26 +228,29 @@ class Tasks:
     """
 
     def __init__(self, store: Store, *, event_retention: float = 3600.0,
-                 store_retention: float = STORE_RETENTION, stores_responses: bool = True, log=None):
+                 store_retention: float = STORE_RETENTION, stores_responses: bool = True, log=None,
+                 prepare: Callable[[dict, str], Awaitable[Generation]] | None = None):
         self.store = store
+        self._prepare = prepare  # (body, principal) -> its Generation, as the routes prepare one: a takeover's
         self.event_retention = event_retention
         self.store_retention = store_retention  # 0: stored responses and tasks are kept for ever
         self.clock = time.time  # the wall clock retention is measured by (a test moves it on)
         self.stores_responses = stores_responses
         self._log = log or (lambda line: None)
         self._running: dict[str, _Running] = {}
+        self._taking_over: set[str] = set()  # claimed, being prepared to run here
         self._nursery: trio.Nursery | None = None
-        self._stopping = False  # the service is stopping: running tasks end failed
+        self._stopping = False  # the service is stopping: running tasks are handed over, or end failed
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Recover, then host the task runners, recover and purge periodically, until cancelled."""
-        await self.recover()  # (a damaged database: StoreError, as for one that cannot open)
         retentions = [self.event_retention] + ([self.store_retention] if self.store_retention > 0 else [])
         purge_interval = min(60.0, max(0.5, min(retentions) / 4))
         recover_interval = min(RECOVER_INTERVAL, self.store.liveness_period / 2)
         next_purge = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await self.recover()  # (a damaged database: StoreError, as for one that cannot open)
             if self.store.persistent:  # (another process can share only a database on disk)
                 nursery.start_soon(self._watch_cancel_requests)
             task_status.started()
@@ -213,7 +258,7 @@ class Tasks:
                 if trio.current_time() >= next_purge:
                     next_purge = trio.current_time() + purge_interval
                     await self._attempt(self.purge, "purging what expired")
-                await trio.sleep(min(recover_interval, purge_interval))
+                await self.store.wait_for_handover(min(recover_interval, purge_interval))
                 await self._attempt(self.recover, "recovering tasks")
 
     async def _attempt(self, work, what: str) -> None:
@@ -250,8 +295,11 @@ class Tasks:
         # The row keeps the request's parameters, never its input: the runner has the
         # input in memory, a task whose process died is failed rather than run again, and
         # a stored response keeps its own (docs/protocol.md D3). So a `store: false` task
-        # leaves no prompt behind, and the row's size is not the input's.
+        # leaves no prompt behind, and the row's size is not the input's. Where another
+        # node may take it over, `resume` keeps the input too, until it ends.
         parameters = compact_json({name: value for name, value in body.items() if name != "input"})
+        resume = (compact_json({"body": generation.body, "prompt_ids": generation.prepared.prompt_ids})
+                  if self.store.takes_over and generation.body is not None else None)
         running = _Running(task_id, generation.principal, generation, LiveLog(self.store, task_id))
         self._running[task_id] = running
         # Shielded: once the row exists the task must run, even if the client that
@@ -259,7 +307,7 @@ class Tasks:
         with trio.CancelScope(shield=True):
             try:
                 await self.store.create_task(task_id, generation.principal, run.created_at,
-                                             run.model_id, run.id, parameters)
+                                             run.model_id, run.id, parameters, resume)
             except BaseException:
                 del self._running[task_id]
                 raise
@@ -282,7 +330,12 @@ class Tasks:
                 nursery.start_soon(event_log.write_loop)
                 await self.store.set_task_status(running.task_id, "in_progress")
                 final = await self._generate(running)
-                await event_log.finish(run.status, compact_json(run.response_object()), final, self._stored(running))
+                if final is None:  # (stopped to be handed over: it goes on on another node)
+                    await event_log.hand_over()
+                    await self.store.hand_over_task(running.task_id)
+                else:
+                    await event_log.finish(run.status, compact_json(run.response_object()), final,
+                                           self._stored(running))
         except BaseException as exc:
             # A bug or a failing database: the task fails, the service goes on. What fails
             # as a forced stop cancels the runner comes out of its nursery in one group with
@@ -307,25 +360,46 @@ class Tasks:
                     await self._fail(running, problem)
             self._release(running)
 
-    async def _generate(self, running: _Running) -> LoggedEvent:
+    async def _generate(self, running: _Running) -> LoggedEvent | None:
         """Pump the task's generation into its log up to its final event, which it returns
         for the runner to commit: the generation's own, or the ending of a runner that was
-        cancelled (by POST /cancel, or by a stopping service: `stop`)."""
+        cancelled (by POST /cancel, or by a stopping service: `stop`); None for one stopped
+        to be handed over. A continuation's events that its log holds are made again, and
+        must be the same."""
         run = running.generation.run
+        event_log = running.event_log
+        replayed = len(event_log.events)
         ending: list[Event] = []
 
         async def note(final: Event) -> None:
             ending.append(final)
 
         async def cut() -> None:
-            ending.append(run.failed(_shutting_down()) if self._stopping else run.cancelled())
+            if not running.handing_over:
+                ending.append(run.failed(_shutting_down()) if self._stopping else run.cancelled())
 
         with running.cancel_scope:
             async with aclosing(pump(running.generation, note, cut)) as events:
                 async for event in events:
-                    if not event.is_final:
-                        running.event_log.append(logged(event))
-        return logged(ending[0])
+                    if event.is_final:
+                        continue
+                    entry = logged(event)
+                    if event.id > replayed:
+                        event_log.append(self._with_tokens(running, entry))
+                    elif entry != event_log.events[event.id - 1]:
+                        raise RuntimeError(f"task {running.task_id}: its continuation differs from its log "
+                                           f"at event {event.id}")
+        return logged(ending[0]) if ending else None
+
+    def _with_tokens(self, running: _Running, entry: LoggedEvent) -> LoggedEvent:
+        """The event with the output token ids generated since the last logged one, where another
+        node may take the task over."""
+        counts = running.generation.prepared.counts
+        if not self.store.takes_over or len(counts.output_ids) == running.logged_tokens:
+            return entry
+        ids = counts.output_ids[running.logged_tokens:]
+        running.logged_tokens += len(ids)
+        return LoggedEvent(entry.seq, entry.event, entry.data, compact_json({"ids": ids, "draws": counts.draws}))
 
     def _release(self, running: _Running) -> None:
         """The task has no runner any more: release its followers (if no final event could
@@ -362,6 +436,9 @@ class Tasks:
     def is_running(self, task_id: str) -> bool:
         return task_id in self._running
 
+    def _is_ours(self, task_id: str) -> bool:
+        return task_id in self._running or task_id in self._taking_over
+
     async def get(self, task_id: str, principal: str) -> TaskRow:
         row = await self.store.get_task(task_id, principal)
         if row is None:
@@ -369,11 +446,19 @@ class Tasks:
         return row
 
     async def stop(self) -> None:
-        """The service is stopping: end every running task `failed` now (model_unavailable,
-        as the direct responses it stops), each with its final event (its followers are
-        still connected to receive it)."""
+        """The service is stopping: hand every running task over to the other nodes (a store whose
+        nodes take over), else end it `failed` now (model_unavailable, as the direct responses it
+        stops), each with its final event (its followers are still connected to receive it)."""
         self._stopping = True
         running = list(self._running.values())
+        if self.store.takes_over:
+            for task in running:
+                task.handing_over = True
+            if running:
+                self._log(f"handing {len(running)} running task(s) over to the other nodes")
+        elif running:
+            self._log(f"{len(running)} running task(s) end failed: no other node can take them over "
+                      f"(the store is {self.store.location})")
         for task in running:
             task.cancel_scope.cancel()
         for task in running:
@@ -444,7 +529,7 @@ class Tasks:
             raise _history_expired(task_id)
         running = self._running.get(task_id)
         if running is not None:
-            return running.event_log.follow(after)
+            return self._live(running, after)
         if row.status not in FINAL_STATUSES and row.owner == self.store.owner:
             await self.recover()  # ours, but its runner is gone: it ends failed, with a final event
             row = await self.get(task_id, principal)
@@ -457,6 +542,18 @@ class Tasks:
         if not events and (await self.get(task_id, principal)).events_expired:
             raise _history_expired(task_id)
         return _replay(events)
+
+    async def _live(self, running: _Running, after: int) -> AsyncIterator[list[LoggedEvent]]:
+        """The events of a task this process runs, from its live log; if it is handed over
+        meanwhile, from the database, as the other node continues it."""
+        async with aclosing(running.event_log.follow(after)) as batches:
+            async for batch in batches:
+                yield batch
+                after = batch[-1].seq
+        if running.event_log.handed_over:
+            async with aclosing(self._from_database(running.task_id, after)) as batches:
+                async for batch in batches:
+                    yield batch
 
     async def _from_database(self, task_id: str, after: int,
                              batch: int = 512) -> AsyncIterator[list[LoggedEvent]]:
@@ -488,14 +585,26 @@ class Tasks:
     # -- crash recovery and expiry ------------------------------------------------
 
     async def recover(self) -> list[str]:
-        """End the tasks a process that died left queued or in progress: each
-        becomes `failed` with a problem saying why, and gets a final
-        `response.failed` event, so followers of its (still readable) log close.
-        Its usage is null: the counts went with the runner (or the process) that
-        generated it."""
+        """Take over, or end, the tasks a process that is gone left queued or in progress.
+
+        Where the store's nodes take over, each is claimed (by one process of those that try)
+        and continued here (`_continue`). One that cannot be (ours, whose runner is gone; one
+        whose model or request this node cannot prepare; a SQLite store's) becomes `failed`
+        with a problem saying why, and gets a final `response.failed` event, so followers of
+        its (still readable) log close. Its usage is null: the counts went with the runner (or
+        the process) that generated it. A stopping service takes nothing over."""
+        if self._stopping:
+            return []
         recovered = []
         # (one that ends meanwhile is final in the database, which finish_task checks)
-        for row, events in await self.store.interrupted_tasks(self._running.__contains__):
+        for row, events in await self.store.interrupted_tasks(self._is_ours):
+            if row.owner != self.store.owner and self.store.takes_over:
+                claimed = await self.store.claim_task(row.id, row.owner)
+                if claimed is None:
+                    continue  # (another took it first, or it ended)
+                resume, events = claimed
+                if await self._continue(row, events, resume):
+                    continue
             problem = _process_died() if row.owner != self.store.owner else _runner_lost()
             response, final = _failed_ending(row.response_id, row.created_at, row.model, events, problem)
             # Not kept as a stored response even with `store: true`: the effective
@@ -505,6 +614,50 @@ class Tasks:
                 self._log(f"task {row.id} was left unfinished ({problem.detail}): marked failed")
         await self.store.release_abandoned_keys()
         return recovered
+
+    async def _continue(self, row: TaskRow, events: list[LoggedEvent], resume: str | None) -> bool:
+        """Run here a task claimed from a process that is gone, from its last logged event;
+        False (logged) if this node cannot."""
+        if resume is None:  # (an older lmsp-min's)
+            self._log(f"task {row.id} cannot be taken over: its row holds no request to continue from")
+            return False
+        if self._prepare is None or self._nursery is None:  # (`recover` called outside `run`)
+            return False
+        self._taking_over.add(row.id)
+        try:
+            generation = await self._prepared_again(row, events, json.loads(resume))
+            running = _Running(row.id, row.principal, generation, LiveLog(self.store, row.id, events),
+                               logged_tokens=len(generation.prepared.continuation.output_ids))
+            self._running[row.id] = running
+        except Problem as problem:
+            self._log(f"task {row.id} cannot be taken over here: {problem.detail}")
+            return False
+        finally:
+            self._taking_over.discard(row.id)
+        if self._stopping:  # (the service began to drain meanwhile: it goes on elsewhere)
+            del self._running[row.id]
+            generation.release()
+            await self.store.hand_over_task(row.id)
+            return True
+        self._nursery.start_soon(self._run, running)
+        self._log(f"task {row.id} taken over (from {row.owner}) after its event {len(events)}")
+        return True
+
+    async def _prepared_again(self, row: TaskRow, events: list[LoggedEvent], state: dict) -> Generation:
+        """The generation of a task taken over: its request prepared again, its logged prompt and
+        output to go on from, its response's id, creation time and output item ids as logged."""
+        generation = await self._prepare(state["body"], row.principal)
+        try:
+            progress = [json.loads(event.tokens) for event in events if event.tokens is not None]
+            continuation = Continuation(tuple(token for step in progress for token in step["ids"]),
+                                        progress[-1]["draws"] if progress else 0)
+            prepared = replace(generation.prepared, prompt_ids=state["prompt_ids"], continuation=continuation)
+            run = ResponseRun(row.model, response_id=row.response_id, log=self._log, counts=prepared.counts,
+                              created_at=row.created_at, item_ids=_LoggedIds(events))
+            return replace(generation, prepared=prepared, run=run)
+        except BaseException:
+            generation.release()
+            raise
 
     async def purge(self) -> None:
         """Expire finished tasks' events, idempotency records and (--store-retention)

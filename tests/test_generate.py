@@ -1,6 +1,7 @@
 """Generation and chat on a tiny model: tokens, text, stop sequences, limits, cancellation."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import trio
 
 from engine import (ChatRequest, ContextLengthExceeded, Finished, ReasoningDelta,
                     SamplingParams, TextDelta, ToolCall, load_model)
+from engine.api import Continuation
 from engine.chat import Literals, MessageStop, OutputSplitter, ReasoningSplitter
 from engine.tools import ToolCallParser
 from engine.generate import StopFilter
@@ -48,6 +50,25 @@ async def test_seeded_generation_repeats(model, prompt):
     first = await collect(model.generate(prompt, max_tokens=6, sampling=params))
     second = await collect(model.generate(prompt, max_tokens=6, sampling=params))
     assert first == second
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, top_p=0.9, seed=7)],
+                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("cut", [1, 5, 11])
+async def test_a_continuation_goes_on_as_the_uninterrupted_generation_would(model, prompt, sampling, cut):
+    """A generation taken over from its output token ids and its sampler's draws (what a task's log
+    keeps) gives the tokens and text the uninterrupted one gave, with its stop sequences applied."""
+    whole = model.generate(prompt, max_tokens=12, sampling=sampling)
+    tokens = await collect(whole)
+    first = model.generate(prompt, max_tokens=12, sampling=sampling)
+    begun = [await first.__anext__() for _ in range(cut)]
+    await first.aclose()
+    continued = model.generate(prompt, max_tokens=12, sampling=sampling,
+                               continuation=Continuation(tuple(first.output_ids), first.draws))
+    again = await collect(continued)
+    assert begun == tokens[:cut] and again == tokens
+    assert continued.output_ids == whole.output_ids and continued.draws == whole.draws
+    assert continued.finish_reason == whole.finish_reason == "length"
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-308, 5e-324])
@@ -204,6 +225,25 @@ async def test_chat_events(model):
     assert events[-1] == Finished("length", prepared.input_tokens, 5, 0)
     counts = prepared.counts
     assert (counts.input_tokens, counts.output_tokens, counts.cached_tokens) == (prepared.input_tokens, 5, 0)
+
+
+async def test_a_constrained_chat_continued_from_its_output_ids_gives_the_same_document(model):
+    """The constraint is taken again through the continuation's tokens: its matcher goes on where
+    the first generation's was, and the document is the one the uninterrupted chat gave."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    request = ChatRequest([{"role": "user", "content": "Hi"}], max_tokens=40, sampling=GREEDY, json_schema=schema)
+    whole = [ev async for ev in model.generate_chat(model.prepare_chat(request))]
+    first = model.prepare_chat(request)
+    chat = model.generate_chat(first)
+    begun = [await chat.__anext__() for _ in range(3)]
+    await chat.aclose()
+    counts = first.counts
+    again = replace(model.prepare_chat(request), continuation=Continuation(tuple(counts.output_ids), counts.draws))
+    continued = [ev async for ev in model.generate_chat(again)]
+    text = "".join(ev.text for ev in whole[:-1])
+    assert json.loads(text) and begun == whole[:3]
+    assert "".join(ev.text for ev in continued[:-1]) == text
+    assert (continued[-1].reason, continued[-1].output_tokens) == (whole[-1].reason, whole[-1].output_tokens)
 
 
 async def test_a_chat_stopped_early_has_counted_its_tokens_until_then(model):

@@ -47,6 +47,21 @@ async def test_missing_or_unknown_token_is_401_with_challenge(guarded):
         assert reply.json()["code"] == "unauthorized"
 
 
+async def test_healthz_needs_no_token_and_says_whether_a_balancer_may_send_requests(guarded, monkeypatch):
+    """GET /healthz (outside both faces, without auth): 200 while serving; 503 with Retry-After
+    while the node drains or cannot reach its store, a tiny body saying which."""
+    reply = await guarded.request("GET", "/healthz")
+    assert (reply.status, reply.json()) == (200, {"status": "serving"})
+    assert (await guarded.request("GET", "/lmsp/v1/models")).status == 401  # (the rest needs a token)
+    store = guarded.service.store
+    monkeypatch.setattr(type(store), "reachable", property(lambda self: False))
+    reply = await guarded.request("GET", "/healthz")
+    assert (reply.status, reply.json()) == (503, {"status": "store_unavailable"}) and "retry-after" in reply.headers
+    guarded.service.draining = True  # (as Service.drain does first)
+    reply = await guarded.request("GET", "/healthz")
+    assert (reply.status, reply.json()) == (503, {"status": "draining"}) and "retry-after" in reply.headers
+
+
 async def test_scopes_per_route(guarded):
     body = {"model": TINY_ID, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 1}
     assert (await guarded.request("GET", "/lmsp/v1/models", headers=_bearer(READER))).status == 200

@@ -6,8 +6,9 @@ one machine may share; PostgreSQL (postgres.py), which several machines share (d
 The task, conversation and idempotency logic (tasks.py, idempotency.py, service.py) is written once,
 above it; what differs per backend is said here as operations: how a process knows another is gone
 (`owner`, `interrupted_tasks`, `release_abandoned_keys`: an flock on one machine, a lease across
-machines), and how it learns of a change another made (`watch`, `next_cancel_requests`: polling
-SQLite, LISTEN/NOTIFY in PostgreSQL).
+machines), how it learns of a change another made (`watch`, `next_cancel_requests`: polling
+SQLite, LISTEN/NOTIFY in PostgreSQL), and whether a node takes over what another left
+(`takes_over`, `claim_task`, `hand_over_task`: PostgreSQL's nodes do; SQLite's one node fails it).
 
 Every database call runs in a worker thread: the trio loop never waits on a database. One that
 cannot reach it or outlasts `--store-timeout` raises lmsp_min/problems.py's `unavailable()`, a
@@ -23,7 +24,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import trio
@@ -43,6 +44,10 @@ STORE_TIMEOUT = 5.0
 
 class StoreError(ValueError):
     """The database cannot be opened (a ValueError: `lmsp-min serve` prints it and stops)."""
+
+
+class TaskTakenOver(RuntimeError):
+    """Another node took this task over (this node's lease had expired): what this one writes is refused."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,9 @@ class LoggedEvent:
     seq: int  # the SSE id, from 1
     event: str
     data: str  # the event's JSON text
+    # JSON {"ids": [...], "draws": n}: the output token ids this event brought and the sampler's
+    # draws after them, for a node that takes the task over (written, never read back with it)
+    tokens: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,9 @@ class Store(ABC):
 
     owner: str
     persistent: bool = True
+    # Whether another node takes over the tasks of one that is gone (PostgreSQL), rather than
+    # failing them: then a task's row keeps its request until it ends, and its events their tokens.
+    takes_over: bool = False
     # Seconds within which an owner that is gone is known to be (a lease across machines);
     # infinite where it is known at once (the flock of a process that died).
     liveness_period: float = math.inf
@@ -146,10 +157,15 @@ class Store(ABC):
     async def delete_response(self, response_id: str, principal: str) -> bool:
         """Delete a stored response of `principal`; False if there was none."""
 
+    @property
+    def reachable(self) -> bool:
+        """Whether the database answers (as far as this process knows without asking it)."""
+        return True
+
     @abstractmethod
     async def create_task(self, task_id: str, principal: str, created_at: int, model: str,
-                          response_id: str, request: str) -> None:
-        """A new task, `queued`, owned by this store (durably)."""
+                          response_id: str, request: str, resume: str | None = None) -> None:
+        """A new task, `queued`, owned by this store (durably); `resume` what a taker needs, kept until it ends."""
 
     @abstractmethod
     async def set_task_status(self, task_id: str, status: str) -> None:
@@ -157,14 +173,16 @@ class Store(ABC):
 
     @abstractmethod
     async def append_events(self, task_id: str, events: list[LoggedEvent]) -> None:
-        """Append events to a task's log in one transaction (survives a kill -9); followers are told."""
+        """Append events to a task's log in one transaction (survives a kill -9); followers are told.
+        TaskTakenOver if this store no longer owns the task."""
 
     @abstractmethod
     async def finish_task(self, task_id: str, status: str, response: str, final_events: list[LoggedEvent],
                           stored: tuple[str, list] | None = None) -> bool:
         """End a task in one durable transaction: its last events, final status and response, and
         (`stored` = (principal, input items)) its stored response for `store: true`. False (nothing
-        written) if it had already ended: two processes recovering it end it only once."""
+        written) if it had already ended: two processes recovering it end it only once; False too
+        if another owner, still alive, holds it (it took the task over)."""
 
     @abstractmethod
     async def get_task(self, task_id: str, principal: str | None) -> TaskRow | None:
@@ -204,6 +222,20 @@ class Store(ABC):
                                 ) -> list[tuple[TaskRow, list[LoggedEvent]]]:
         """Tasks left unfinished by an owner that is gone, with their logs, and our own unfinished
         tasks not `running` (asked after the read: ours runs before its row exists)."""
+
+    @abstractmethod
+    async def claim_task(self, task_id: str, owner: str) -> tuple[str | None, list[LoggedEvent]] | None:
+        """Make an unfinished task of `owner` (gone) ours: its `resume` and its events (their `tokens`
+        too), in order; None if another process claimed it first, or it ended. Of processes racing,
+        one wins."""
+
+    @abstractmethod
+    async def hand_over_task(self, task_id: str) -> bool:
+        """Give an unfinished task of ours up, for another process to claim at once (it is told)."""
+
+    async def wait_for_handover(self, timeout: float) -> None:
+        """Wait `timeout` seconds, or less if another process handed tasks over meanwhile."""
+        await trio.sleep(timeout)
 
     @abstractmethod
     async def delete_task(self, task_id: str, principal: str) -> bool:

@@ -9,8 +9,10 @@ trio loop, which wakes that task's `Watch`es or looks for cancels (while it reco
 back, all look again).
 
 Leases: a node's `owners` row says until when it is alive (the database's clock), renewed every
-third of a lease. Once it expired, another node's recovery fails its unfinished tasks; back, the
-node finds them ended (`finish_task` writes nothing, an event it appends collides: `LeaseLost`). An
+third of a lease. Once it expired, another node's recovery claims its unfinished tasks (`claim_task`:
+one UPDATE, one winner) and continues them; back, the node finds them another's (`finish_task` writes
+nothing, an event it appends is refused: `TaskTakenOver`, or `LeaseLost` after another's end). A
+draining node hands its tasks over (`hand_over_task`) and says so on `lmsp_handover`. An
 outage stops every renewal at once, so a node back from one judges no other gone for a lease, while
 the others (retrying every quarter of a lease) renew theirs: leases run out meanwhile are no deaths.
 
@@ -34,8 +36,9 @@ import psycopg
 import trio
 
 from lmsp_min.problems import Problem, unavailable
-from lmsp_min.store import STORE_TIMEOUT, LoggedEvent, StoreError, Watch
-from lmsp_min.store.sql import CANCEL_CHANNEL, EVENTS_CHANNEL, Dialect, SQLStore, schema
+from lmsp_min.store import STORE_TIMEOUT, LoggedEvent, StoreError, TaskTakenOver, Watch
+from lmsp_min.store.sql import CANCEL_CHANNEL, EVENTS_CHANNEL, HANDOVER_CHANNEL, Dialect, SQLStore, schema, \
+    takeover_columns
 
 POOL_SIZE = 4
 # Advisory lock keys ('lmsp' and a number), held for one transaction each.
@@ -48,7 +51,7 @@ CONNECT_OPTIONS = {"tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle":
 
 POSTGRES = Dialect(
     bigint="BIGINT", double="DOUBLE PRECISION", blob="BYTEA", boolean="BOOLEAN", true="TRUE", false="FALSE",
-    without_rowid="", lock_row=" FOR UPDATE", notify="SELECT pg_notify(?, ?)",
+    without_rowid="", lock_row=" FOR UPDATE", share_row=" FOR SHARE", notify="SELECT pg_notify(?, ?)",
     version_setup=(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})",  # (the others wait here)
                    "CREATE TABLE IF NOT EXISTS lmsp_schema (version INTEGER NOT NULL)",
                    "INSERT INTO lmsp_schema SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM lmsp_schema)"),
@@ -61,6 +64,7 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX tasks_by_response ON tasks (response_id)",
         "CREATE TABLE owners (owner TEXT PRIMARY KEY, lease_until TIMESTAMPTZ NOT NULL)",
     ],
+    takeover_columns(),  # version 2: what a node taking over another's task reads
 ]
 
 
@@ -73,7 +77,7 @@ def describe(url: str) -> str:
     return f"postgresql://{info.get('host', 'localhost')}:{info.get('port', 5432)}/{info.get('dbname', '')}"
 
 
-class LeaseLost(RuntimeError):
+class LeaseLost(TaskTakenOver):
     """This node's lease expired while it ran a task, and another node ended the task."""
 
 
@@ -96,6 +100,7 @@ class PostgresStore(SQLStore):
     dialect = POSTGRES
     elsewhere = "another database"
     durable_events = True  # (see "Durability" above)
+    takes_over = True  # (see "Leases" above)
 
     def __init__(self, url: str, lease: float, log: Callable[[str], None] | None = None,
                  token: trio.lowlevel.TrioToken | None = None, timeout: float = STORE_TIMEOUT):
@@ -106,6 +111,7 @@ class PostgresStore(SQLStore):
         self._write_limiter = self._read_limiter = trio.CapacityLimiter(POOL_SIZE)  # (one pool for both)
         self._watches: dict[str, set[Watch]] = {}
         self._cancel_notice = trio.Event()  # (set: a cancel may have been asked, look)
+        self._handover_notice = trio.Event()  # (set: a node handed tasks over, take them)
         self._listening = False
         # (time.monotonic) before it no other node is judged gone: inf while the database is away, then
         # a lease from the listener's return, for the others to renew theirs
@@ -135,7 +141,10 @@ class PostgresStore(SQLStore):
         # --store-timeout: the connect timeout (libpq counts whole seconds, 2 at least), and the server's
         # limits on a statement and on a lock wait (a server that answers nothing: sql.py's `_in_thread`)
         milliseconds = max(1, round(self.timeout * 1000))
-        options = f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
+        # and on a transaction left open: a node frozen mid-transaction (a stopped process, a stalled VM),
+        # which the server's TCP keep-alives cannot tell from a live one, holds a task's row no longer
+        options = (f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
+                   f" -c idle_in_transaction_session_timeout={milliseconds}")
         return _Connection.connect(self.url, autocommit=True, connect_timeout=max(2, math.ceil(self.timeout)),
                                    options=options, **CONNECT_OPTIONS)
 
@@ -231,7 +240,7 @@ class PostgresStore(SQLStore):
             conn = None
             try:
                 conn = self._connect()
-                for channel in (EVENTS_CHANNEL, CANCEL_CHANNEL, self._wake_channel):
+                for channel in (EVENTS_CHANNEL, CANCEL_CHANNEL, HANDOVER_CHANNEL, self._wake_channel):
                     conn.execute(f'LISTEN "{channel}"')
                 self._renew_lease(conn)
                 renew_at = time.monotonic() + self.lease / 3
@@ -275,6 +284,8 @@ class PostgresStore(SQLStore):
                 watch.notify()
         elif channel == CANCEL_CHANNEL:
             self._cancel_notice.set()
+        elif channel == HANDOVER_CHANNEL:
+            self._handover_notice.set()
 
     def _look_again(self) -> None:
         """(in the trio loop) Notices may have been missed: every watch and the cancel check look again."""
@@ -294,6 +305,15 @@ class PostgresStore(SQLStore):
             watches.discard(watch)
             if not watches:
                 del self._watches[task_id]
+
+    @property
+    def reachable(self) -> bool:
+        return self._listening
+
+    async def wait_for_handover(self, timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            await self._handover_notice.wait()
+        self._handover_notice = trio.Event()
 
     async def next_cancel_requests(self, running: Callable[[], bool] = lambda: True) -> list[str]:
         await self._cancel_notice.wait()  # (told by NOTIFY: nothing to poll, idle or not)

@@ -23,12 +23,15 @@ import trio
 
 from lmsp_min.problems import disk_full, too_slow
 from lmsp_min.store import (FINAL_STATUSES, STORE_TIMEOUT, IdempotencyRecord, LoggedEvent, Store, StoredResponse,
-                             StoreError, TaskRow)
+                             StoreError, TaskRow, TaskTakenOver)
 
 _FINAL_LIST = ", ".join(f"'{status}'" for status in sorted(FINAL_STATUSES))  # (for SQL's IN)
 # What a commit tells the other processes of a task (PostgreSQL's NOTIFY channels).
 EVENTS_CHANNEL = "lmsp_events"  # it has new events, or ended
 CANCEL_CHANNEL = "lmsp_cancel"  # a cancel was asked
+HANDOVER_CHANNEL = "lmsp_handover"  # a draining node handed its tasks over: take them now
+# The owner of a task a draining node handed over: no node's, so any other takes it over.
+HANDED_OVER = "handed-over"
 # The keyword that lets trio stop waiting for a worker thread, which goes on alone: trio 0.23
 # renamed it (pyproject allows 0.22).
 _ABANDON = ("abandon_on_cancel" if "abandon_on_cancel" in inspect.signature(trio.to_thread.run_sync).parameters
@@ -47,6 +50,7 @@ class Dialect:
     false: str
     without_rowid: str  # ends a CREATE TABLE whose rows are kept in its primary key's order
     lock_row: str  # ends a SELECT of the row that its transaction then updates
+    share_row: str  # ends a SELECT of a row that must not change until its transaction ends
     notify: str | None  # tells the other processes (channel, task id) at commit; None: they poll
     # The schema's version: read by `version` after `version_setup` (which keeps processes that
     # start together from migrating at once), set by `set_version` (a format string).
@@ -96,6 +100,15 @@ def schema(d: Dialect) -> list[list[str]]:
         ["CREATE INDEX responses_by_age ON responses (created_at)",
          "CREATE INDEX tasks_by_ended ON tasks (ended_at) WHERE ended_at IS NOT NULL"],
     ]
+
+
+def takeover_columns() -> list[str]:
+    """What another node needs to continue a task (a later step than `schema`'s, in both).
+
+    `tasks.resume`: the request (its input too) and the prompt's token ids, while the task is
+    unfinished (cleared when it ends: the row keeps no input after that). `task_events.tokens`:
+    the output token ids an event brought, with the sampler's count of random draws after them."""
+    return ["ALTER TABLE tasks ADD COLUMN resume TEXT", "ALTER TABLE task_events ADD COLUMN tokens TEXT"]
 
 
 class SQLStore(Store):
@@ -207,11 +220,11 @@ class SQLStore(Store):
             "DELETE FROM responses WHERE id = ? AND principal = ?", (response_id, principal)).rowcount == 1)
 
     async def create_task(self, task_id: str, principal: str, created_at: int, model: str,
-                          response_id: str, request: str) -> None:
+                          response_id: str, request: str, resume: str | None = None) -> None:
         await self._write(lambda conn: conn.execute(
-            "INSERT INTO tasks (id, principal, owner, created_at, model, response_id, status, request)"
-            " VALUES (?, ?, ?, ?, ?, ?, 'queued', ?)",
-            (task_id, principal, self.owner, created_at, model, response_id, request)))
+            "INSERT INTO tasks (id, principal, owner, created_at, model, response_id, status, request, resume)"
+            " VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?)",
+            (task_id, principal, self.owner, created_at, model, response_id, request, resume)))
 
     async def set_task_status(self, task_id: str, status: str) -> None:
         await self._write(lambda conn: conn.execute(
@@ -219,6 +232,10 @@ class SQLStore(Store):
 
     async def append_events(self, task_id: str, events: list[LoggedEvent]) -> None:
         def append(conn: Any) -> None:
+            # (the row held until the commit: a takeover waits for these events, or they for it)
+            row = conn.execute(f"SELECT owner FROM tasks WHERE id = ?{self.dialect.share_row}", (task_id,)).fetchone()
+            if row is None or row[0] != self.owner:
+                raise TaskTakenOver(f"task {task_id} was taken over by another node (this node's lease expired)")
             _insert_events(conn, task_id, events, time.time())
             self._notify(conn, EVENTS_CHANNEL, task_id)
 
@@ -230,13 +247,15 @@ class SQLStore(Store):
 
         def finish(conn: Any) -> bool:
             # (the row locked: of two processes ending it together, the second sees it final)
-            (current,) = conn.execute(f"SELECT status FROM tasks WHERE id = ?{self.dialect.lock_row}",
-                                      (task_id,)).fetchone()
-            if current in FINAL_STATUSES:
+            current, owner = conn.execute(f"SELECT status, owner FROM tasks WHERE id = ?{self.dialect.lock_row}",
+                                          (task_id,)).fetchone()
+            # (ended by its owner, or by anyone once its owner is gone: never under a living node that
+            # took it over)
+            if current in FINAL_STATUSES or (owner != self.owner and not self._gone_among(conn, {owner})):
                 return False
             now = time.time()
             _insert_events(conn, task_id, final_events, now)
-            conn.execute("UPDATE tasks SET status = ?, response = ?, ended_at = ? WHERE id = ?",
+            conn.execute("UPDATE tasks SET status = ?, response = ?, ended_at = ?, resume = NULL WHERE id = ?",
                          (status, response, now, task_id))
             if stored is not None:
                 _insert_response(conn, json.loads(response)["id"], *stored, response)
@@ -280,6 +299,31 @@ class SQLStore(Store):
             return await self._read(select)
         except self.damaged as exc:  # (the first read at start: said as for a database that cannot open)
             raise StoreError(f"the database cannot be read: {exc}") from None
+
+    async def claim_task(self, task_id: str, owner: str) -> tuple[str | None, list[LoggedEvent]] | None:
+        def claim(conn: Any) -> tuple[str | None, list[LoggedEvent]] | None:
+            # One UPDATE whose condition is checked again on the row once locked: of nodes racing
+            # for the task, the first takes it and the others find it theirs no longer.
+            if not conn.execute("UPDATE tasks SET owner = ? WHERE id = ? AND owner = ?"
+                                " AND status IN ('queued', 'in_progress')", (self.owner, task_id, owner)).rowcount:
+                return None
+            (resume,) = conn.execute("SELECT resume FROM tasks WHERE id = ?", (task_id,)).fetchone()
+            # (read here, after the claim: none can be appended by the old owner any more)
+            events = conn.execute("SELECT seq, event, data, tokens FROM task_events WHERE task_id = ? ORDER BY seq",
+                                  (task_id,)).fetchall()
+            return resume, [LoggedEvent(*row) for row in events]
+
+        return await self._write(claim)
+
+    async def hand_over_task(self, task_id: str) -> bool:
+        def hand_over(conn: Any) -> bool:
+            handed = conn.execute("UPDATE tasks SET owner = ? WHERE id = ? AND owner = ?"
+                                  " AND status IN ('queued', 'in_progress')",
+                                  (HANDED_OVER, task_id, self.owner)).rowcount == 1
+            self._notify(conn, HANDOVER_CHANNEL, task_id)
+            return handed
+
+        return await self._write(hand_over)
 
     async def delete_task(self, task_id: str, principal: str) -> bool:
         def delete(conn: Any) -> bool:
@@ -376,8 +420,8 @@ def _insert_response(conn: Any, response_id: str, principal: str, input_items: l
 
 
 def _insert_events(conn: Any, task_id: str, events: list[LoggedEvent], now: float) -> None:
-    conn.executemany("INSERT INTO task_events (task_id, seq, event, data, time) VALUES (?, ?, ?, ?, ?)",
-                     [(task_id, e.seq, e.event, e.data, now) for e in events])
+    conn.executemany("INSERT INTO task_events (task_id, seq, event, data, time, tokens) VALUES (?, ?, ?, ?, ?, ?)",
+                     [(task_id, e.seq, e.event, e.data, now, e.tokens) for e in events])
 
 
 def _select_task(conn: Any, value: str, principal: str | None, column: str = "id") -> TaskRow | None:

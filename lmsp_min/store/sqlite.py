@@ -27,7 +27,7 @@ from typing import Any, Callable
 import trio
 
 from lmsp_min.store import STORE_TIMEOUT, StoreError
-from lmsp_min.store.sql import Dialect, SQLStore, schema
+from lmsp_min.store.sql import Dialect, SQLStore, schema, takeover_columns
 
 try:
     import fcntl
@@ -40,12 +40,14 @@ SQLITE_FULL = 13  # "database or disk is full" (sqlite3 names its codes from Pyt
 
 # (No row lock: BEGIN IMMEDIATE gives a writer the database to itself, and the migration too.)
 SQLITE = Dialect(bigint="INTEGER", double="REAL", blob="BLOB", boolean="INTEGER", true="1", false="0",
-                 without_rowid=" WITHOUT ROWID", lock_row="", notify=None,
+                 without_rowid=" WITHOUT ROWID", lock_row="", share_row="", notify=None,
                  version_setup=(), version="PRAGMA user_version", set_version="PRAGMA user_version = {}")
 
-# Versions 1 to 3: the steps sql.py's schema grew by (the first with an index of SQLite's own).
+# Versions 1 to 3: the steps sql.py's schema grew by (the first with an index of SQLite's own); 4: the
+# columns a takeover reads (unused by SQLite's one node, but one schema for both keeps sql.py's statements one).
 _STEPS = schema(SQLITE)
-MIGRATIONS: list[list[str]] = [[*_STEPS[0], "CREATE INDEX tasks_by_status ON tasks (status)"], *_STEPS[1:]]
+MIGRATIONS: list[list[str]] = [[*_STEPS[0], "CREATE INDEX tasks_by_status ON tasks (status)"], *_STEPS[1:],
+                               takeover_columns()]
 
 
 def _connect(path: str, timeout: float) -> sqlite3.Connection:
