@@ -18,8 +18,10 @@ Tools and structured output are enforced while decoding (engine/tools.py,
 engine/constrain/): prepare_chat renders the tools into the prompt and compiles
 the constraint (a schema it cannot enforce raises SchemaError there), and
 generate_chat splits the output into TextDelta and ToolCall events (and the text
-around the calls into ReasoningDelta and TextDelta, for a model that reasons); a
-call cut off by max_tokens is dropped (Finished "length"), never given out half-made.
+around the calls into ReasoningDelta and TextDelta, for a model that reasons). The
+output budget closes a call (or a document) before max_tokens cuts it (Finished
+"length", the call whole); one that only repeats a call before it is dropped instead,
+and the response finished ("stop"). A call is never given out half-made.
 With `json_schema` the message text is one JSON document valid for the schema (and
 no reasoning: a thought the template opens is closed empty in the prompt).
 Stop sequences apply to what is not constrained: without tools they end the raw
@@ -133,6 +135,8 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
     if len(prompt_ids) >= n_ctx or len(prompt_ids) + (request.max_tokens or 0) > n_ctx:
         raise ContextLengthExceeded(len(prompt_ids), request.max_tokens or 0, n_ctx)
     max_tokens = request.max_tokens if request.max_tokens is not None else n_ctx - len(prompt_ids)
+    if plan.constraint is not None:  # (refused here, before any token: OutputBudgetTooSmall)
+        plan.constraint.limit(max_tokens)
     starts_in_reasoning = reasoning and opens_thought
     return PreparedChat(request, prompt, prompt_ids, max_tokens, reasoning, starts_in_reasoning,
                         plan.constraint, plan.tool_calls)
@@ -150,12 +154,17 @@ async def generate_chat(model, prepared: PreparedChat):
     message_stop = MessageStop(request.stop) if prepared.tool_calls and request.stop else None
     counts = prepared.counts
 
+    squeezed_repeat = False  # the budget would close a repeat of a call: it is dropped, the calls done
+
     def stopped() -> bool:  # by a stop sequence of the message text, or a call the model repeated
-        return message_stop is not None and message_stop.stopped or output.repeated_call
+        return message_stop is not None and message_stop.stopped or output.repeated_call or squeezed_repeat
 
     try:
         async for token in generation:
             counts.update(generation)
+            if calls is not None and constraint.squeezed and calls.repeating:  # (judged before this token,
+                squeezed_repeat = True  # which the budget may already have turned away from the repeat)
+                break
             events = output.feed(token.text)
             for event in message_stop.apply(events) if message_stop else events:
                 yield event

@@ -17,6 +17,8 @@ returns a `Generation`: `async for token in generation` yields `Token(id, text)`
 - An end-of-generation token (EOS, end of turn) ends it and is not yielded
   (unless text was held back until then: it comes with that last Token).
   So does a constraint that reports `is_done()`, after its last token.
+  A grammar constraint gets max_tokens as its budget (GrammarConstraint.limit):
+  an output it closed ends "length" however it ended, and is a complete document.
 - `finish_reason` is "stop" or "length" once the iteration is over.
 
 Reading the request path: engine/chat.py's `generate_chat` reads a Generation;
@@ -28,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .api import SamplingParams
+from .constrain import GrammarConstraint
 from .errors import ContextLengthExceeded
 from .sampling import Constraint, Sampler
 from .tokenizer import IncrementalDecoder
@@ -86,6 +89,8 @@ class Generation:
         self.model = model
         self.prompt_ids = prompt_ids
         self.max_tokens = min(max_tokens, model.n_ctx - len(prompt_ids))
+        if isinstance(constraint, GrammarConstraint):  # a document the limit cuts ends whole
+            constraint.limit(self.max_tokens)
         self.sampler = Sampler(sampling or SamplingParams(), constraint)
         self.stop = tuple(stop)
         self.finish_reason: str | None = None
@@ -102,6 +107,12 @@ class Generation:
     async def aclose(self) -> None:
         await self._tokens.aclose()
 
+    def _squeezed(self) -> bool:
+        """The budget closed the constrained output (GrammarConstraint.squeezed): however it
+        ended, it was cut by max_tokens."""
+        constraint = self.sampler.constraint
+        return isinstance(constraint, GrammarConstraint) and constraint.squeezed
+
     async def _run(self):
         model, sampler = self.model, self.sampler
         eos_ids = model.tokenizer.eos_ids
@@ -114,7 +125,7 @@ class Generation:
             async for token, ending in steps:
                 self.cached_tokens = steps.cached_tokens
                 if token in eos_ids:
-                    self.finish_reason = "stop"
+                    self.finish_reason = "length" if self._squeezed() else "stop"
                     break
                 self.n_generated += 1
                 text = stops.feed(decoder.feed(token))
@@ -124,7 +135,7 @@ class Generation:
                     return
                 done = ending == "stop"  # the constraint is complete (judged when the token was picked)
                 if done or self.n_generated >= self.max_tokens:
-                    self.finish_reason = "stop" if done else "length"
+                    self.finish_reason = "stop" if done and not self._squeezed() else "length"
                     if done:  # (at the token limit, a character cut in half is left out, not U+FFFD)
                         text += stops.feed(decoder.flush())
                     if stops.stopped:
