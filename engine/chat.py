@@ -154,16 +154,15 @@ async def generate_chat(model, prepared: PreparedChat):
     message_stop = MessageStop(request.stop) if prepared.tool_calls and request.stop else None
     counts = prepared.counts
 
-    squeezed_repeat = False  # the budget would close a repeat of a call: it is dropped, the calls done
+    budget = BudgetWatch(constraint, calls)
 
     def stopped() -> bool:  # by a stop sequence of the message text, or a call the model repeated
-        return message_stop is not None and message_stop.stopped or output.repeated_call or squeezed_repeat
+        return message_stop is not None and message_stop.stopped or output.repeated_call or budget.closed_repeat
 
     try:
         async for token in generation:
             counts.update(generation)
-            if calls is not None and constraint.squeezed and calls.repeating:  # (judged before this token,
-                squeezed_repeat = True  # which the budget may already have turned away from the repeat)
+            if budget.check(token.id):
                 break
             events = output.feed(token.text)
             for event in message_stop.apply(events) if message_stop else events:
@@ -171,6 +170,7 @@ async def generate_chat(model, prepared: PreparedChat):
             if stopped():
                 break
         else:
+            budget.check()
             events = output.finish(complete=generation.finish_reason == "stop")
             if message_stop:
                 events = message_stop.apply(events) + message_stop.flush()
@@ -185,6 +185,34 @@ async def generate_chat(model, prepared: PreparedChat):
     # (stopped perhaps in the last token allowed: "stop" all the same)
     yield Finished("stop" if stopped() else generation.finish_reason or "stop", counts.input_tokens,
                    counts.output_tokens, cached_tokens=counts.cached_tokens)
+
+
+class BudgetWatch:
+    """Whether the output budget closed only a repeat of a call: then the response ends
+    before it, finished (engine/tools.py `ToolCallParser.repeating`). Judged once, on the
+    text before the first token the budget refused the model (so before the token at
+    that point, or at the end: the budget may have left the model only its end token)."""
+
+    def __init__(self, constraint, calls: ToolCallParser | None):
+        self.constraint = constraint
+        self.calls = calls
+        self.written = 0  # bytes of the tokens the parser has read
+        self.judged: bool | None = None  # None: not yet
+
+    @property
+    def closed_repeat(self) -> bool:
+        return bool(self.judged)
+
+    def check(self, token_id: int | None = None) -> bool:
+        """Has the budget closed only a repeat, judged before `token_id` (None: at the end)?"""
+        if self.calls is None:
+            return False
+        at = self.constraint.squeezed_at
+        if self.judged is None and at is not None and (token_id is None or self.written >= at):
+            self.judged = self.calls.repeating
+        if token_id is not None:
+            self.written += len(self.constraint.grammar.index.token_bytes[token_id])
+        return self.closed_repeat
 
 
 class ReasoningSplitter:

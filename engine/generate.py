@@ -108,10 +108,10 @@ class Generation:
         await self._tokens.aclose()
 
     def _squeezed(self) -> bool:
-        """The budget closed the constrained output (GrammarConstraint.squeezed): however it
-        ended, it was cut by max_tokens."""
+        """The budget closed the constrained output (GrammarConstraint.squeezed_at): however
+        it ended, it was cut by max_tokens."""
         constraint = self.sampler.constraint
-        return isinstance(constraint, GrammarConstraint) and constraint.squeezed
+        return isinstance(constraint, GrammarConstraint) and constraint.squeezed_at is not None
 
     async def _run(self):
         model, sampler = self.model, self.sampler

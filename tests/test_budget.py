@@ -175,3 +175,30 @@ async def test_random_schemas_and_budgets_parse_and_validate_on_gemma3(gemma3_mo
 async def test_greedy_answers_that_fitted_their_budget_are_unchanged_on_both_real_models(smollm2_model, gemma3_model):
     await check_unchanged(smollm2_model, 12, seed=11)
     await check_unchanged(gemma3_model, 6, seed=12)
+
+
+WEATHER = {"name": "get_weather", "description": "Get the current weather for a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.mark.slow
+async def test_smollm2s_call_followed_by_a_cut_repeat_ends_finished_and_a_cut_call_parses(smollm2_model):
+    """Issue 39's case: SmolLM2 calls get_weather for Oslo in about 32 tokens, then starts
+    the same call again. Cut inside the repeat, the answer is that one call, finished;
+    cut inside the call, the call is closed in time: it parses and validates, and is cut."""
+    from engine.api import ToolCall
+
+    async def calls_and_reason(budget):
+        prepared = smollm2_model.prepare_chat(ChatRequest(
+            [{"role": "user", "content": "What is the weather in Oslo?"}], max_tokens=budget, tools=[WEATHER],
+            tool_choice="required", sampling=SamplingParams(temperature=0)))
+        events = [event async for event in smollm2_model.generate_chat(prepared)]
+        return [e for e in events if isinstance(e, ToolCall)], events[-1].reason
+
+    for budget in range(40, 60, 3):
+        calls, reason = await calls_and_reason(budget)
+        assert reason == "stop" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city":"Oslo"}')]
+    for budget in range(24, 31, 3):
+        calls, reason = await calls_and_reason(budget)
+        assert reason == "length" and len(calls) == 1
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])

@@ -92,18 +92,16 @@ class TokenIndex:
         return self._without[byte]
 
     def count_tokens(self, data: bytes) -> float:
-        """Tokens that write `data`, the longest one that fits first at each point: at most
-        one per byte where each byte is a token (both real vocabularies), so a sound bound
-        on what some bytes cost (math.inf: some byte of them is no token's start)."""
-        at = count = 0
-        while at < len(data):
-            for end in range(min(len(data), at + self.longest), at, -1):
-                if data[at:end] in self.token_set:
-                    break
-            else:
-                return math.inf
-            at, count = end, count + 1
-        return count
+        """The fewest tokens that write `data` (math.inf: none do): at most one per byte where
+        each byte is a token (both real vocabularies), so a sound bound on what some bytes
+        cost. (The longest token first is not always the fewest.) A pass from the end, each
+        point trying the tokens that begin there."""
+        fewest = [math.inf] * len(data) + [0]
+        for at in range(len(data) - 1, -1, -1):
+            for end in range(at + 1, min(len(data), at + self.longest) + 1):
+                if fewest[end] + 1 < fewest[at] and data[at:end] in self.token_set:
+                    fewest[at] = fewest[end] + 1
+        return fewest[0]
 
     def ids_of_prefixes(self, data: bytes) -> list[int]:
         """The tokens whose bytes begin `data`."""

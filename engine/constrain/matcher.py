@@ -244,7 +244,7 @@ class GrammarConstraint:
         self.text = bytearray()  # the bytes accepted so far
         self.left: int | None = None  # tokens the output may still take (None: no budget)
         self.plan = b""
-        self.squeezed = False  # a token the model chose was refused for the budget alone
+        self.squeezed_at: int | None = None  # len(text) when the budget first refused the model's token
 
     def limit(self, max_tokens: int) -> None:
         """Let the output take at most `max_tokens` more tokens, and end complete within them;
@@ -256,7 +256,7 @@ class GrammarConstraint:
 
     def allows(self, token_id: int) -> bool:
         """Whether the token may come next (the sampler asks it of the token it drew, so a
-        refusal for the budget alone is the model cut short: `squeezed`)."""
+        refusal for the budget alone is the model cut short: `squeezed_at`)."""
         if self.ended:
             return False
         index = self.grammar.index
@@ -267,7 +267,8 @@ class GrammarConstraint:
         if after is None:
             return False
         if self.left is not None and self._fit(data, after) is None:
-            self.squeezed = True
+            if self.squeezed_at is None:
+                self.squeezed_at = len(self.text)
             return False
         return True
 
