@@ -4,7 +4,13 @@ A node reads one byte at a time from an immutable local state and answers with a
 keep reading (SET), or start a child value (PUSH: the byte goes to the child; ENTER: the
 child starts with the next byte). The matcher (matcher.py) keeps the stacks of frames
 `(node, local)` these actions build. Also here: what a node's documents are made of, and
-how deep they must nest (Node.height), which the matcher and the compiler both read.
+how deep they must nest (Node.height), which the matcher and the compiler both read; and
+how a value can end: the shortest bytes that complete a node from a local (Node.finish)
+and a node's shortest document (`document`), which the matcher's output budget counts.
+A new node gets Node.finish from its actions (a bounded search); it overrides it when
+its locals are many (a number's digits) or costly to step.
+
+Next: matcher.py, which reads these nodes byte by byte.
 """
 
 from __future__ import annotations
@@ -382,6 +388,23 @@ class Array(Node):
         return local[0] == 5
 
     final = accepting
+
+    def finish(self, local):
+        phase = local[0]
+        if phase == 5:
+            return b""
+        if phase == 0:
+            return _join(b"[", self.finish((1,)))
+        item = document(self.items)
+        if phase == 1:
+            return b"]" if self.min_items == 0 else _join(item, self.finish((2, 1)))
+        n = local[1] + (phase == 3)  # (after a comma, an item must come: then the items after it)
+        missing = max(0, self.min_items - n)
+        if not missing:
+            rest = b"]"
+        else:
+            rest = None if item is None else (b"," + item) * missing + b"]"
+        return _join(item, rest) if phase == 3 else rest
 
 
 class Object(Node):
@@ -810,12 +833,16 @@ def _shortest_document(node: Node) -> bytes | None:
 def set_documents(nodes: list[Node]) -> None:
     """The shortest document of each node a root reaches (reachable): a fixpoint, as a
     recursive schema's nodes need each other's. From none, documents only get shorter."""
-    for node in nodes:
+    inner = [node for node in nodes if _parts(node)]
+    for node in inner:
         node.document = None
+    for node in nodes:  # (a leaf's document needs no other: once)
+        if not _parts(node):
+            node.document = _shortest_document(node)
     lowered = True
     while lowered:
         lowered = False
-        for node in reversed(nodes):  # children before parents: a tree settles in one pass
+        for node in reversed(inner):  # children before parents: a tree settles in one pass
             doc = _shortest_document(node)
             if shorter(doc, node.document):
                 node.document, lowered = doc, True

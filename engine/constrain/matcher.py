@@ -8,6 +8,14 @@ and many generations share one Grammar. `GrammarConstraint` is one generation's 
 
 A Grammar is the recognizer masks.py's trie walk reads (`step`, `walk`); it computes its
 masks with that walk, and with the shortcuts of the nodes on top of its stacks.
+
+The output budget: `GrammarConstraint.limit(max_tokens)` makes a constraint keep room to
+end. A state's plan (`Grammar.plan`) is the shortest completion of one of its stacks
+(each frame's Node.finish, top first) and the fewest tokens that write it; a token is
+allowed only if some completion after it fits the tokens left. Near the end, masks are
+exact for the budget (`Grammar.needs`: the plan after each token the state allows).
+
+Next: validation.py, schema.py (the compiler).
 """
 
 from __future__ import annotations
