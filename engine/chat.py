@@ -18,8 +18,10 @@ Tools and structured output are enforced while decoding (engine/tools.py,
 engine/constrain/): prepare_chat renders the tools into the prompt and compiles
 the constraint (a schema it cannot enforce raises SchemaError there), and
 generate_chat splits the output into TextDelta and ToolCall events (and the text
-around the calls into ReasoningDelta and TextDelta, for a model that reasons); a
-call cut off by max_tokens is dropped (Finished "length"), never given out half-made.
+around the calls into ReasoningDelta and TextDelta, for a model that reasons). The
+output budget closes a call (or a document) before max_tokens cuts it (Finished
+"length", the call whole); one that only repeats a call before it is dropped instead,
+and the response finished ("stop"). A call is never given out half-made.
 With `json_schema` the message text is one JSON document valid for the schema (and
 no reasoning: a thought the template opens is closed empty in the prompt).
 Stop sequences apply to what is not constrained: without tools they end the raw
@@ -131,9 +133,12 @@ def prepare_chat(model, request: ChatRequest) -> PreparedChat:
         # opened one is closed empty, as a template's no-thinking mode does (Qwen3)
         prompt += "\n" + THINK_CLOSE + "\n\n"
     prompt_ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True, literal_spans=spans)
+    max_tokens = _max_tokens(model, request, prompt_ids)
+    if plan.constraint is not None:  # (refused here, before any token: OutputBudgetTooSmall)
+        plan.constraint.limit(max_tokens)
     starts_in_reasoning = reasoning and opens_thought
-    return PreparedChat(request, prompt, prompt_ids, _max_tokens(model, request, prompt_ids), reasoning,
-                        starts_in_reasoning, plan.constraint, plan.tool_calls)
+    return PreparedChat(request, prompt, prompt_ids, max_tokens, reasoning, starts_in_reasoning,
+                        plan.constraint, plan.tool_calls)
 
 
 def prepare_text(model, prompt: str | list[int], request: ChatRequest) -> PreparedChat:
@@ -177,12 +182,16 @@ async def generate_chat(model, prepared: PreparedChat):
     message_stop = MessageStop(request.stop) if prepared.tool_calls and request.stop else None
     counts = prepared.counts
 
+    budget = BudgetWatch(constraint, calls)
+
     def stopped() -> bool:  # by a stop sequence of the message text, or a call the model repeated
-        return message_stop is not None and message_stop.stopped or output.repeated_call
+        return message_stop is not None and message_stop.stopped or output.repeated_call or budget.closed_repeat
 
     try:
         async for token in generation:
             counts.update(generation)
+            if budget.check(token.id):
+                break
             if token.logprob is not None:
                 yield _token_logprob(model.tokenizer, token)
             events = output.feed(token.text)
@@ -191,6 +200,7 @@ async def generate_chat(model, prepared: PreparedChat):
             if stopped():
                 break
         else:
+            budget.check()
             events = output.finish(complete=generation.finish_reason == "stop")
             if message_stop:
                 events = message_stop.apply(events) + message_stop.flush()
@@ -210,6 +220,34 @@ async def generate_chat(model, prepared: PreparedChat):
 def _token_logprob(tokenizer, token) -> TokenLogprob:
     top = tuple((i, tokenizer.piece(i), logprob) for i, logprob in token.logprob.top)
     return TokenLogprob(token.id, tokenizer.piece(token.id), token.logprob.logprob, top)
+
+
+class BudgetWatch:
+    """Whether the output budget closed only a repeat of a call: then the response ends
+    before it, finished (engine/tools.py `ToolCallParser.repeating`). Judged once, on the
+    text before the first token the budget refused the model (so before the token at
+    that point, or at the end: the budget may have left the model only its end token)."""
+
+    def __init__(self, constraint, calls: ToolCallParser | None):
+        self.constraint = constraint
+        self.calls = calls
+        self.written = 0  # bytes of the tokens the parser has read
+        self.judged: bool | None = None  # None: not yet
+
+    @property
+    def closed_repeat(self) -> bool:
+        return bool(self.judged)
+
+    def check(self, token_id: int | None = None) -> bool:
+        """Has the budget closed only a repeat, judged before `token_id` (None: at the end)?"""
+        if self.calls is None:
+            return False
+        at = self.constraint.squeezed_at
+        if self.judged is None and at is not None and (token_id is None or self.written >= at):
+            self.judged = self.calls.repeating
+        if token_id is not None:
+            self.written += len(self.constraint.grammar.index.token_bytes[token_id])
+        return self.closed_repeat
 
 
 class ReasoningSplitter:

@@ -77,3 +77,14 @@ class PromptError(EngineError):
 class ChatTemplateError(EngineError):
     """The model's chat template does not compile, or cannot render these messages
     (the template called raise_exception, e.g. "roles must alternate user/assistant")."""
+
+
+class OutputBudgetTooSmall(EngineError):
+    """A constrained output (a JSON schema, tool calls) needs more tokens than the request's
+    limit allows even for its shortest valid answer: refused before any token."""
+
+    def __init__(self, needed: int, max_tokens: int):
+        self.needed = needed
+        self.max_tokens = max_tokens
+        super().__init__(f"the shortest output the schema allows takes {needed} tokens, "
+                         f"but at most {max_tokens} were requested")

@@ -17,6 +17,8 @@ returns a `Generation`: `async for token in generation` yields `Token(id, text)`
 - An end-of-generation token (EOS, end of turn) ends it and is not yielded
   (unless text was held back until then: it comes with that last Token).
   So does a constraint that reports `is_done()`, after its last token.
+  A grammar constraint gets max_tokens as its budget (GrammarConstraint.limit):
+  an output it closed ends "length" however it ended, and is a complete document.
 - `finish_reason` is "stop" or "length" once the iteration is over.
 - With `sampling.logprobs`, each generated token's `logprob` is what the sampler
   reported when it picked it (engine/sampling.py `Reported`); else None.
@@ -34,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .api import Continuation, SamplingParams
+from .constrain import GrammarConstraint
 from .errors import ContextLengthExceeded
 from .sampling import Constraint, Reported, Sampler
 from .tokenizer import IncrementalDecoder
@@ -93,6 +96,8 @@ class Generation:
         self.model = model
         self.prompt_ids = prompt_ids
         self.max_tokens = min(max_tokens, model.n_ctx - len(prompt_ids))
+        if isinstance(constraint, GrammarConstraint):  # a document the limit cuts ends whole
+            constraint.limit(self.max_tokens)
         self.continuation = continuation or Continuation((), 0)
         self.sampler = Sampler(sampling or SamplingParams(), constraint, draws=self.continuation.draws)
         self.stop = tuple(stop)
@@ -115,6 +120,12 @@ class Generation:
 
     async def aclose(self) -> None:
         await self._tokens.aclose()
+
+    def _squeezed(self) -> bool:
+        """The budget closed the constrained output (GrammarConstraint.squeezed_at): however
+        it ended, it was cut by max_tokens."""
+        constraint = self.sampler.constraint
+        return isinstance(constraint, GrammarConstraint) and constraint.squeezed_at is not None
 
     async def _run(self):
         sampler = self.sampler
@@ -162,7 +173,7 @@ class Generation:
         and whether it is the last. `ending` "stop": the constraint is complete (judged when
         the token was picked)."""
         if token in self._eos_ids:
-            self.finish_reason = "stop"
+            self.finish_reason = "length" if self._squeezed() else "stop"
             return None, True
         self.n_generated += 1
         self.output_ids.append(token)
@@ -174,7 +185,7 @@ class Generation:
         done = ending == "stop"
         if not done and self.n_generated < self.max_tokens:
             return Token(token, text, logprob), False
-        self.finish_reason = "stop" if done else "length"
+        self.finish_reason = "stop" if done and not self._squeezed() else "length"
         if done:  # (at the token limit, a character cut in half is left out, not U+FFFD)
             text += stops.feed(self._decoder.flush())
         if stops.stopped:

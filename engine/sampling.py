@@ -27,6 +27,10 @@ likely tokens' (`reported`, one entry per pick, in order): the log-softmax of th
 as the model gave them, before bias, penalties and temperature, as llama-server reports
 `n_probs` (its `post_sampling_probs` off) and OpenAI its logprobs. That costs a pass over
 the vocabulary, made only when asked; so is the adjustment.
+
+A mask may allow a few tokens more than `allows` does (a constraint's output
+budget, far from its end): a token drawn from it that `allows` refuses is taken
+out and the draw made again, which is still a draw from the same restriction.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from .errors import EngineError
 
 class Constraint(Protocol):
     def allows(self, token_id: int) -> bool: ...
-    def mask(self) -> np.ndarray: ...          # bool (V,), True = allowed
+    def mask(self) -> np.ndarray: ...          # bool (V,), True = allowed (a few more at most: allows decides)
     def advance(self, token_id: int) -> None: ...
     def is_done(self) -> bool: ...
 
@@ -100,17 +104,24 @@ class Sampler:
         if self.constraint is not None:
             if not self.constraint.allows(token):
                 allowed = self.constraint.mask()                   # (V,) bool
-                if not allowed.any():
-                    raise EngineError("the output constraint allows no token at this point")
-                keep = allowed[ids]                                # (C,) the candidates allowed
-                kept = probs[keep]
-                if kept.sum() > 0:
-                    token = self._draw(ids[keep], kept)
-                else:  # no allowed candidate can be drawn (none is left: always when greedy; or all
-                    # underflowed to 0 at a tiny temperature): the filters over the allowed tokens
-                    token = self._draw(*self._candidates(np.where(allowed, logits, -np.inf)))
+                token = self._restricted(logits, ids, probs, allowed)
+                while not self.constraint.allows(token):  # (a mask may hold a few more: Constraint.mask)
+                    allowed[token] = False
+                    token = self._restricted(logits, ids, probs, allowed)
             self.constraint.advance(token)
         return token
+
+    def _restricted(self, logits: np.ndarray, ids: np.ndarray, probs: np.ndarray, allowed: np.ndarray) -> int:
+        """A token drawn from the candidates (ids, probs) restricted to the allowed ones."""
+        if not allowed.any():
+            raise EngineError("the output constraint allows no token at this point")
+        keep = allowed[ids]                                # (C,) the candidates allowed
+        kept = probs[keep]
+        if kept.sum() > 0:
+            return self._draw(ids[keep], kept)
+        # no allowed candidate can be drawn (none is left: always when greedy; or all
+        # underflowed to 0 at a tiny temperature): the filters over the allowed tokens
+        return self._draw(*self._candidates(np.where(allowed, logits, -np.inf)))
 
     def _candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The token ids that may be drawn, and their probabilities (to be renormalized),

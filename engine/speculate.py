@@ -149,6 +149,7 @@ class Drafter:
         constraint = self.constraint
         if constraint is not None:
             forced = forced_tokens(constraint, self.tokenizer)[:limit]
+            forced = forced[: constraint.allowed_prefix(forced)]  # (its guessed spaces may not fit a budget)
             if forced:
                 return forced, self.forced
         draft, n = self.lookup.propose(limit)

@@ -40,7 +40,10 @@ only, the schema never applies; under "none" the document only.
 
 `ToolCallParser` turns the generated text into message text and complete calls; a call that
 max_tokens cut off is not given out, and one that repeats an earlier one of the response
-ends it (a small model repeats its call until the token limit).
+ends it (a small model repeats its call until the token limit). The output budget
+(engine/constrain/matcher.py) closes a call before the limit; when it would close a repeat,
+still word for word one of the calls before it (`repeating`), the response ends there as
+finished (engine/chat.py): every call of it is the model's own and whole.
 """
 
 from __future__ import annotations
@@ -281,6 +284,7 @@ class ToolCallParser:
         self.seen_call = False
         self.n_calls = 0
         self.calls: set[tuple[str, str]] = set()  # (name, arguments) given out so far
+        self.texts: list[str] = []  # their text after the opener, as written
         self.repeated = False  # a call came again: the model is looping
 
     def feed(self, text: str) -> list:
@@ -303,6 +307,7 @@ class ToolCallParser:
                     self.repeated = True
                 else:
                     self.calls.add((call.name, call.arguments))
+                    self.texts.append(self.pending[:end].lstrip())
                     out.append(call)
                     self.n_calls += 1
                 self.pending = self.pending[end:]
@@ -320,6 +325,15 @@ class ToolCallParser:
                 out.append(self.pending[: len(self.pending) - keep])
             self.pending = self.pending[len(self.pending) - keep:] if keep else ""
             return out
+
+    @property
+    def repeating(self) -> bool:
+        """Calls were given out, and what follows them is so far one of them again (or the
+        beginning of any call): a repeat, which the response may end before."""
+        if not self.n_calls:
+            return False
+        written = self.pending.lstrip()
+        return not self.in_call or any(text.startswith(written) for text in self.texts)
 
     def _partial_opener(self) -> int:
         """Length of the longest end of `pending` that begins the opener."""

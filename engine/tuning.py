@@ -64,6 +64,11 @@ FORCED_RUNS = 1024             # forced runs cached per grammar (a few bytes eac
 # --- constrained decoding and the tokenizer (engine/constrain/matcher.py, engine/tokenizer.py)
 MAX_MASKS = 64                 # token masks cached per grammar, bit-packed (n_vocab / 8 bytes each)
 MAX_TRANSITIONS = 200_000      # byte transitions cached per grammar (cleared when full)
+# tokens before the end of its budget from which a constrained output's masks are exact for
+# the budget (matcher.py GrammarConstraint.mask): an exact mask walks the whole trie, 0.1 s
+# for 49k tokens; before it, only a token that commits the output to this many more tokens
+# at once (an optional property with a long required value) is refused, and by `allows`
+BUDGET_HORIZON = 32
 WORD_CACHE = 100_000           # words whose token ids a tokenizer keeps (cleared when full) ...
 WORD_CACHE_MAX_CHARS = 64      # ... of at most this many characters: long words seldom repeat
 

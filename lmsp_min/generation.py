@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import trio
 
 from engine.api import ChatRequest, SamplingParams
-from engine.errors import ChatTemplateError, ContextLengthExceeded, PromptError, SchemaError
+from engine.errors import ChatTemplateError, ContextLengthExceeded, OutputBudgetTooSmall, PromptError, SchemaError
 from lmsp_min.admission import Admission
 from lmsp_min.events import Event, ResponseRun, ServiceStopping, compact_json
 from lmsp_min.http import Request
@@ -262,6 +262,9 @@ async def _prepare_chat(model, chat_request: ChatRequest, constrained: bool,
         raise _schema_problem(exc) from None
     except PromptError as exc:
         raise Problem("invalid_request", str(exc), param="prompt") from None
+    except OutputBudgetTooSmall as exc:  # (the face names its own limit: max_tokens, max_completion_tokens)
+        raise Problem("invalid_request", f"{exc}: a constrained output is always complete, so the limit "
+                      f"must be at least {exc.needed}", param="max_output_tokens") from None
     except ChatTemplateError as exc:
         raise Problem("invalid_request", f"the model's chat template cannot render this input: {exc}",
                       param="input") from None

@@ -9,7 +9,7 @@ from engine.api import TextDelta, ToolCall
 from engine.chat_template import ChatTemplate
 from engine.constrain import TokenIndex
 from engine.constrain.schema import MAX_SUBSCHEMAS
-from engine.errors import SchemaError
+from engine.errors import OutputBudgetTooSmall, SchemaError
 from tiny import load_tokenizer_meta
 from engine.tokenizer import Tokenizer
 from engine.tools import (CLOSER, MAX_CALLS, OPENER, ToolCallParser, either_constraint, render_generic,
@@ -405,9 +405,14 @@ async def test_chat_tool_calls(tiny):
         check_calls(calls, TINY_TOOLS)
         assert not [e for e in events if isinstance(e, TextDelta)]
         assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
-    # cut off by max_tokens: no half-made call, and the response is incomplete
-    events = await chat_events(tiny, ChatRequest(messages, max_tokens=4, tools=TINY_TOOLS, tool_choice="required"))
-    assert events[-1].reason == "length" and not [e for e in events if isinstance(e, ToolCall)]
+    # a limit below the shortest call is refused at once; at that limit, the call is whole
+    with pytest.raises(OutputBudgetTooSmall) as refused:
+        tiny.prepare_chat(ChatRequest(messages, max_tokens=4, tools=TINY_TOOLS, tool_choice="required"))
+    events = await chat_events(tiny, ChatRequest(messages, max_tokens=refused.value.needed, tools=TINY_TOOLS,
+                                                 tool_choice="required"))
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    assert len(calls) == 1 and events[-1].reason in ("stop", "length")
+    check_calls(calls, TINY_TOOLS)
     # "none": the prompt does not list the tools and no call comes
     request = ChatRequest(messages, max_tokens=20, tools=TINY_TOOLS, tool_choice="none")
     assert "set_light" not in tiny.prepare_chat(request).prompt

@@ -20,15 +20,21 @@ read in this order (each imports only those before it):
    calls). A node reads one byte at a time from an immutable local state and answers with
    actions: keep reading, or start a child value (the byte goes to the child, or the child
    starts with the next byte). Completed children are popped from the stack and their
-   parent resumes. Also there: how deep a node's documents must nest (Node.height), and
-   the nodes' mask shortcuts, from the vocabulary's precomputed masks (Node.fast).
+   parent resumes. Also there: how deep a node's documents must nest (Node.height), the
+   nodes' mask shortcuts, from the vocabulary's precomputed masks (Node.fast), and the
+   shortest bytes that complete a node from a local state (Node.finish, a search over
+   its actions by default), which the output budget counts.
 
 3. matcher.py, the matcher. A configuration is a stack (tuple) of frames `(node, local)`;
    a matcher state is a frozenset of configurations, so alternatives (`anyOf`, type lists,
    a number that could end or go on) are followed side by side like an NFA. States are
    immutable and hashable: transitions and masks are cached by state (`Grammar`, shared by
    every generation of one schema, the recognizer of masks.py); `GrammarConstraint` is
-   one generation's position.
+   one generation's position, and its budget: with `limit(max_tokens)` a token is
+   allowed only if the shortest completion after it (Grammar.plan: its frames' finishes,
+   in the fewest tokens that write them) fits the tokens left, so that a document the
+   limit cuts is whole all the same; a limit below the shortest document is refused
+   (OutputBudgetTooSmall).
 
 4. validation.py, `validate`: a parsed document against the supported subset, with JSON
    Schema's meaning (the compiler keeps with it the values of an enum that the keywords
@@ -46,8 +52,8 @@ any string keys; a required key not in `properties` comes after those, its value
 fraction digits (more when the bounds are finer), and 15 digits in all when there is a
 fraction (so that the float a reader parses compares with the bounds as the decimal
 did), values inside at most 63 arrays and objects (MAX_DEPTH). Strings are as long as the
-model makes them unless `maxLength` says otherwise: a cut-off document is reported as such
-(finish reason "length"), never silently shortened.
+model makes them unless `maxLength` says otherwise, or the budget closes them: a document
+the budget closed is reported as cut (finish reason "length"), and it is whole.
 
 Supported keywords: type (also lists), properties, required, additionalProperties, items,
 enum, const, anyOf, minItems/maxItems, minLength/maxLength, minimum/maximum and

@@ -4,13 +4,21 @@ A node reads one byte at a time from an immutable local state and answers with a
 keep reading (SET), or start a child value (PUSH: the byte goes to the child; ENTER: the
 child starts with the next byte). The matcher (matcher.py) keeps the stacks of frames
 `(node, local)` these actions build. Also here: what a node's documents are made of, and
-how deep they must nest (Node.height), which the matcher and the compiler both read.
+how deep they must nest (Node.height), which the matcher and the compiler both read; and
+how a value can end: the shortest bytes that complete a node from a local (Node.finish)
+and a node's shortest document (`document`), which the matcher's output budget counts.
+A new node gets Node.finish from its actions (a bounded search); it overrides it when
+its locals are many (a number's digits) or costly to step.
+
+Next: matcher.py, which reads these nodes byte by byte.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import heapq
+import itertools
 import json
 import math
 from fractions import Fraction
@@ -70,6 +78,13 @@ class Node:
         """Optional shortcut for masks: (bool (n_vocab,) surely allowed, ids to check) or None."""
         return None
 
+    def finish(self, local) -> bytes | None:
+        """The shortest bytes that complete a value of this node from `local` (b"" when it is
+        accepting; None: no finite completion), which the output budget reads (matcher.py).
+        Default: a search over the node's own actions, a child costing its shortest
+        document (`document`); nodes whose locals are many or costly to step override it."""
+        return search_finish(self, local)
+
 
 class Literal(Node):
     """One of a fixed set of byte strings: const, enum, true/false/null, tags of tool calls.
@@ -103,6 +118,10 @@ class Literal(Node):
     def final(self, local):
         lo, hi, n = local
         return hi - lo == 1 and len(self.sorted[lo]) == n
+
+    def finish(self, local):
+        lo, hi, n = local
+        return min(self.sorted[lo:hi], key=_shortest_first)[n:]
 
 
 def _utf8_lead(b: int):
@@ -186,6 +205,23 @@ class String(Node):
 
     def final(self, local):
         return local[0] == 5
+
+    def finish(self, local):
+        phase = local[0]
+        if phase == 5:
+            return b""
+        if phase == 0:
+            return b'"' + b" " * self.min_len + b'"'
+        n = local[1]
+        rest = b" " * max(0, self.min_len - n) + b'"'  # (a space: the smallest byte a string may hold)
+        if phase == 2:
+            return b'"' + rest  # the escape \" (its character is counted)
+        if phase == 3:
+            return b"0" * (4 - local[2]) + rest
+        if phase == 4:
+            _, _, need, lo, _ = local
+            return bytes((lo,)) + b"\x80" * (need - 1) + rest
+        return rest
 
     def fast(self, local, index):
         if local[0] != 1:
@@ -303,6 +339,19 @@ class Number(Node):
             self._final[local] = done
         return done
 
+    def finish(self, local):
+        """Not the shortest always, but short and sound: a byte at a time, one that ends the
+        number if there is one, else the first the bounds allow (no prefix the step accepts
+        is a dead end, see the class docstring). A search would try 10^k prefixes for k digits."""
+        out = bytearray()
+        while not self.accepting(local):
+            nexts = [(b, actions[0][1]) for b in b"0123456789.-" if (actions := self.step(local, b))]
+            if not nexts:
+                return None
+            b, local = next(((b, at) for b, at in nexts if self.accepting(at)), nexts[0])
+            out.append(b)
+        return bytes(out)
+
 
 class Array(Node):
     """`[item, item, ...]` with minItems/maxItems. Locals: (0,) (1,) first item or ']',
@@ -339,6 +388,23 @@ class Array(Node):
         return local[0] == 5
 
     final = accepting
+
+    def finish(self, local):
+        phase = local[0]
+        if phase == 5:
+            return b""
+        if phase == 0:
+            return _join(b"[", self.finish((1,)))
+        item = document(self.items)
+        if phase == 1:
+            return b"]" if self.min_items == 0 else _join(item, self.finish((2, 1)))
+        n = local[1] + (phase == 3)  # (after a comma, an item must come: then the items after it)
+        missing = max(0, self.min_items - n)
+        if not missing:
+            rest = b"]"
+        else:
+            rest = None if item is None else (b"," + item) * missing + b"]"
+        return _join(item, rest) if phase == 3 else rest
 
 
 class Object(Node):
@@ -405,6 +471,45 @@ class Object(Node):
         return local[0] == 5
 
     final = accepting
+
+    def finish(self, local):
+        phase = local[0]
+        if phase == 5:
+            return b""
+        if phase == 0:
+            return _join(b"{", self._keys_from(0, b"", True))
+        if phase == 1:
+            _, i, prefix, _, first = local
+            return self._keys_from(i, prefix, first)
+        j = local[1]
+        after = self._tails()[j]
+        if phase == 4:
+            return after
+        value = _join(document(self.values[j]), after)
+        return _join(b":", value) if phase == 2 else value
+
+    def _keys_from(self, i: int, prefix: bytes, first: bool) -> bytes | None:
+        """The shortest rest of an object whose next key, from property i on, begins with prefix."""
+        if not prefix and first and self.can_close[i]:
+            return b"}"
+        tails = self._tails()
+        options = (_join(self.keys[j][len(prefix):] + b":", _join(document(self.values[j]), tails[j]))
+                   for j in range(i, self.last[i] + 1) if self.keys[j].startswith(prefix))
+        return min((o for o in options if o is not None), key=_shortest_first, default=None)
+
+    def _tails(self) -> list:
+        """tails[j]: the shortest rest after value j (from the last property back: a chain of
+        required properties, called recursively, would be as deep as it is long)."""
+        tails = [None] * self.n
+        for j in range(self.n - 1, -1, -1):
+            if self.can_close[j + 1]:
+                tails[j] = b"}"
+                continue
+            options = (_join(self.keys[k] + b":", _join(document(self.values[k]), tails[k]))
+                       for k in range(j + 1, self.last[j + 1] + 1))
+            best = min((o for o in options if o is not None), key=_shortest_first, default=None)
+            tails[j] = _join(b",", best)
+        return tails
 
 
 class FreeObject(Node):
@@ -680,3 +785,98 @@ def set_heights(nodes: list[Node]) -> None:
             if height < node.height:
                 node.height, lowered = height, True
 
+
+
+# ---------------------------------------------------------------------------------------------
+# How a value can end: the shortest completions the output budget counts
+# ---------------------------------------------------------------------------------------------
+
+# Locals the default search (search_finish) visits before it gives up on a node: its nodes
+# have a few locals per byte of their documents; past it, "no completion" is sound (the
+# budget then lets the node be begun only while nothing else is possible), never wrong.
+MAX_SEARCH = 4096
+
+
+def _shortest_first(data: bytes):
+    return len(data), data
+
+
+def _join(a: bytes | None, b: bytes | None) -> bytes | None:
+    return None if a is None or b is None else a + b
+
+
+def shorter(a: bytes | None, b: bytes | None) -> bool:
+    """Is completion a shorter than b (None: none at all, longer than any)?"""
+    return a is not None and (b is None or _shortest_first(a) < _shortest_first(b))
+
+
+def document(node: Node) -> bytes | None:
+    """The shortest document of a node (None: none is finite): set for the nodes a grammar
+    reaches (set_documents), computed when first asked for those made while decoding (the
+    values inside schema-less values)."""
+    doc = node.__dict__.get("document", search_finish)  # (a sentinel: None is an answer)
+    if doc is search_finish:
+        node.document = None  # asked for again while computing: no finite document that way
+        node.document = doc = _shortest_document(node)
+    return doc
+
+
+def _shortest_document(node: Node) -> bytes | None:
+    best = None
+    for frame_node, local in node.expand():
+        doc = frame_node.finish(local)
+        if shorter(doc, best):
+            best = doc
+    return best
+
+
+def set_documents(nodes: list[Node]) -> None:
+    """The shortest document of each node a root reaches (reachable): a fixpoint, as a
+    recursive schema's nodes need each other's. From none, documents only get shorter."""
+    inner = [node for node in nodes if _parts(node)]
+    for node in inner:
+        node.document = None
+    for node in nodes:  # (a leaf's document needs no other: once)
+        if not _parts(node):
+            node.document = _shortest_document(node)
+    lowered = True
+    while lowered:
+        lowered = False
+        for node in reversed(inner):  # children before parents: a tree settles in one pass
+            doc = _shortest_document(node)
+            if shorter(doc, node.document):
+                node.document, lowered = doc, True
+
+
+def search_finish(node: Node, local) -> bytes | None:
+    """Node.finish by default: the shortest path of bytes from `local` to an accepting local
+    (Dijkstra over the node's actions; a child it starts costs the child's document)."""
+    tie = itertools.count()  # (locals need not compare)
+    heap, seen = [(0, b"", next(tie), local)], set()
+    while heap:
+        _, out, _, at = heapq.heappop(heap)
+        if at in seen:
+            continue
+        if node.accepting(at):
+            return out
+        seen.add(at)
+        if len(seen) > MAX_SEARCH:
+            return None
+        for b in range(256):
+            for action in node.step(at, b):
+                edge = _edge(action, b)
+                if edge is not None and action[1] not in seen:
+                    heapq.heappush(heap, (len(out) + len(edge), out + edge, next(tie), action[1]))
+    return None
+
+
+def _edge(action: tuple, b: int) -> bytes | None:
+    """The bytes an action read with byte b takes to reach its local (None: it cannot)."""
+    if action[0] == SET:
+        return bytes((b,))
+    doc = document(action[2])
+    if doc is None:
+        return None
+    if action[0] == ENTER:
+        return bytes((b,)) + doc
+    return doc if not doc or doc[0] == b else None  # PUSH: the byte is the child's first

@@ -17,6 +17,7 @@ Next: grammar.py, the nodes; matcher.py's `Grammar` is the recognizer.
 from __future__ import annotations
 
 import bisect
+import math
 import re
 import threading
 import weakref
@@ -75,6 +76,9 @@ class TokenIndex:
         self.nchars[self.sorted_ids] = [_plain_chars(data) for data in self.sorted_bytes]
         self.plain = self.nchars >= 0                            # (n_vocab,)
         self.string_specials = np.flatnonzero(self.normal & ~self.plain)
+        # for the output budget: how many tokens some bytes take (count_tokens)
+        self.token_set = frozenset(self.sorted_bytes)
+        self.longest = max(map(len, self.sorted_bytes), default=0)
         self._without: dict = {}
         self.grammars: dict = {}  # schema key -> its grammar over this vocabulary, bounded
         self._lock = threading.Lock()
@@ -87,8 +91,31 @@ class TokenIndex:
             self._without[byte] = (self.normal & ~has, np.flatnonzero(has))
         return self._without[byte]
 
-    def trie_walk(self, recognizer: Recognizer, state) -> np.ndarray:
-        """The ids of the tokens whose bytes `recognizer` reads whole from `state`."""
+    def count_tokens(self, data: bytes) -> float:
+        """The fewest tokens that write `data` (math.inf: none do): at most one per byte where
+        each byte is a token (both real vocabularies), so a sound bound on what some bytes
+        cost. (The longest token first is not always the fewest.) A pass from the end, each
+        point trying the tokens that begin there."""
+        fewest = [math.inf] * len(data) + [0]
+        for at in range(len(data) - 1, -1, -1):
+            for end in range(at + 1, min(len(data), at + self.longest) + 1):
+                if fewest[end] + 1 < fewest[at] and data[at:end] in self.token_set:
+                    fewest[at] = fewest[end] + 1
+        return fewest[0]
+
+    def ids_of_prefixes(self, data: bytes) -> list[int]:
+        """The tokens whose bytes begin `data`."""
+        ids = []
+        for end in range(1, min(len(data), self.longest) + 1):
+            at = bisect.bisect_left(self.sorted_bytes, data[:end])
+            while at < len(self.sorted_bytes) and self.sorted_bytes[at] == data[:end]:
+                ids.append(int(self.sorted_ids[at]))
+                at += 1
+        return ids
+
+    def trie_walk(self, recognizer: Recognizer, state, states: list | None = None) -> np.ndarray:
+        """The ids of the tokens whose bytes `recognizer` reads whole from `state` (and, into
+        `states` when given, the state after each, in the same order)."""
         tb = self.sorted_bytes
         hits = []
         todo = []
@@ -100,10 +127,15 @@ class TokenIndex:
             lo, hi, depth, s = todo.pop()
             while lo < hi and len(tb[lo]) == depth:  # tokens that end here
                 hits.append(lo)
+                if states is not None:
+                    states.append(s)
                 lo += 1
             if hi - lo == 1:  # a single token left below: finish it directly
-                if recognizer.walk(s, tb[lo][depth:]) is not None:
+                end = recognizer.walk(s, tb[lo][depth:])
+                if end is not None:
                     hits.append(lo)
+                    if states is not None:
+                        states.append(end)
                 continue
             while lo < hi:
                 token = tb[lo]

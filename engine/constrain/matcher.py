@@ -8,6 +8,14 @@ and many generations share one Grammar. `GrammarConstraint` is one generation's 
 
 A Grammar is the recognizer masks.py's trie walk reads (`step`, `walk`); it computes its
 masks with that walk, and with the shortcuts of the nodes on top of its stacks.
+
+The output budget: `GrammarConstraint.limit(max_tokens)` makes a constraint keep room to
+end. A state's plan (`Grammar.plan`) is the shortest completion of one of its stacks
+(each frame's Node.finish, top first) and the fewest tokens that write it; a token is
+allowed only if some completion after it fits the tokens left. Near the end, masks are
+exact for the budget (`Grammar.needs`: the plan after each token the state allows).
+
+Next: validation.py, schema.py (the compiler).
 """
 
 from __future__ import annotations
@@ -17,8 +25,8 @@ import threading
 import numpy as np
 
 from .. import tuning
-from ..errors import EngineError, SchemaError
-from .grammar import PUSH, SET, Node, reachable, set_heights
+from ..errors import EngineError, OutputBudgetTooSmall, SchemaError
+from .grammar import PUSH, SET, Node, reachable, set_documents, set_heights
 from .masks import TokenIndex
 
 # Frames on one stack: a value inside at most 63 arrays and objects (a few less in a tool
@@ -76,7 +84,9 @@ class Grammar:
 
     def __init__(self, root: Node, index: TokenIndex):
         self.index = index
-        set_heights(reachable(root))
+        nodes = reachable(root)
+        set_heights(nodes)
+        set_documents(nodes)
         frames = [f for f in root.expand() if f[0].height <= MAX_DEPTH]
         if not frames:
             raise SchemaError(f"every document of the schema nests more than {MAX_DEPTH} values deep")
@@ -87,6 +97,9 @@ class Grammar:
         self._steps: dict = {}
         self._masks: dict = {}  # state -> uint8 (n_vocab / 8,) packed mask
         self.forced: dict = {}  # state -> the bytes it forces, the state after (engine/jump_forward.py)
+        self._finishes: dict = {}  # (node, local) -> its shortest completion (Node.finish)
+        self._plans: dict = {}     # state -> (tokens, bytes) of its cheapest completion found
+        self._needs: dict = {}     # state -> (ids it allows, the tokens needed after each)
         self._lock = threading.Lock()
 
     @classmethod
@@ -138,6 +151,51 @@ class Grammar:
             self._masks[state] = np.packbits(mask)
         return mask
 
+    def plan(self, state: frozenset) -> tuple[float, bytes]:
+        """(tokens, bytes): a completion of `state`, the shortest bytes that complete one of
+        its stacks (each frame's Node.finish, top first), and the tokens that write them
+        (TokenIndex.count_tokens: an upper bound, math.inf when no completion is known)."""
+        plan = self._plans.get(state)
+        if plan is None:
+            plan = (np.inf, b"")
+            for stack in state:
+                data = self._stack_finish(stack)
+                if data is not None:
+                    plan = min(plan, (self.index.count_tokens(data), data))
+            if len(self._plans) >= tuning.MAX_TRANSITIONS:
+                self._plans.clear()
+            self._plans[state] = plan
+        return plan
+
+    def _stack_finish(self, stack: tuple) -> bytes | None:
+        out = b""
+        for frame in reversed(stack):
+            data = self._finishes.get(frame, self)  # (self: not known yet; None is an answer)
+            if data is self:
+                data = frame[0].finish(frame[1])
+                if len(self._finishes) >= tuning.MAX_TRANSITIONS:
+                    self._finishes.clear()
+                self._finishes[frame] = data
+            if data is None:
+                return None
+            out += data
+        return out
+
+    def needs(self, state: frozenset) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, tokens): the tokens `state` allows but end-of-sequence, and how many tokens
+        the output needs after each at least (Grammar.plan), cached like masks. One walk of
+        the trie without the nodes' shortcuts: paid only where the budget is near."""
+        needs = self._needs.get(state)
+        if needs is None:
+            after: list = []
+            ids = self.index.trie_walk(self, state, after)
+            needs = (ids, np.array([self.plan(s)[0] for s in after], dtype=np.float64))
+            with self._lock:
+                if len(self._needs) >= tuning.MAX_MASKS:
+                    self._needs.pop(next(iter(self._needs)))
+                self._needs[state] = needs
+        return needs
+
     def _allowed(self, state: frozenset) -> np.ndarray:
         """bool (n_vocab,): the tokens this grammar reads in `state`.
 
@@ -178,28 +236,79 @@ class Grammar:
 
 
 class GrammarConstraint:
-    """One generation's position in a grammar: the Constraint protocol of engine/generate.py."""
+    """One generation's position in a grammar: the Constraint protocol of engine/generate.py.
+
+    With a budget (`limit`: the tokens the output may still take), a token is allowed only
+    if after it the output can still be completed within the tokens left: a document cut
+    by the limit is whole all the same. `plan` is a completion known to fit (the tokens
+    that write it, at most `left`): its first token always does, so the budget never
+    leaves the model without a token.
+    """
 
     def __init__(self, grammar: Grammar):
         self.grammar = grammar
         self.state = grammar.initial
         self.ended = False  # an end-of-sequence token was accepted
         self.text = bytearray()  # the bytes accepted so far
+        self.left: int | None = None  # tokens the output may still take (None: no budget)
+        self.plan = b""
+        self.squeezed_at: int | None = None  # len(text) when the budget first refused the model's token
+
+    def limit(self, max_tokens: int) -> None:
+        """Let the output take at most `max_tokens` more tokens, and end complete within them;
+        OutputBudgetTooSmall when even the shortest completion needs more."""
+        needed, plan = self.grammar.plan(self.state)
+        if needed > max_tokens:
+            raise OutputBudgetTooSmall(int(needed) if needed < np.inf else -1, max_tokens)
+        self.left, self.plan = max_tokens, plan
 
     def allows(self, token_id: int) -> bool:
+        """Whether the token may come next (the sampler asks it of the token it drew, so a
+        refusal for the budget alone is the model cut short: `squeezed_at`)."""
         if self.ended:
             return False
         index = self.grammar.index
         if token_id in index.eos_ids:
             return self.grammar.complete(self.state)
         data = index.token_bytes[token_id]
-        return bool(data) and self.grammar.walk(self.state, data) is not None
+        after = self.grammar.walk(self.state, data) if data else None
+        if after is None:
+            return False
+        if self.left is not None and self._fit(data, after) is None:
+            if self.squeezed_at is None:
+                self.squeezed_at = len(self.text)
+            return False
+        return True
+
+    def _fit(self, data: bytes, after: frozenset) -> bytes | None:
+        """A completion of `after` (the state after the token `data`) that fits the tokens
+        left after it, or None. The grammar's plan for it first, then the rest of ours."""
+        needed, plan = self.grammar.plan(after)
+        if needed <= self.left - 1:
+            return plan
+        if self.plan.startswith(data):
+            rest = self.plan[len(data):]
+            if self.grammar.index.count_tokens(rest) <= self.left - 1:
+                return rest
+        return None
 
     def mask(self) -> np.ndarray:
-        """bool (n_vocab,), True = allowed; end-of-sequence only when the value is complete."""
+        """bool (n_vocab,), True = allowed; end-of-sequence only when the value is complete.
+        Far from the budget's end (tuning.BUDGET_HORIZON) it may hold a token that the
+        budget refuses, one that commits the output to that many more tokens at once: the
+        sampler draws again when `allows` says no."""
+        grammar = self.grammar
         if self.ended:
-            return np.zeros(self.grammar.index.n_vocab, dtype=np.bool_)
-        return self.grammar.mask(self.state)
+            return np.zeros(grammar.index.n_vocab, dtype=np.bool_)
+        mask = grammar.mask(self.state)
+        if self.left is None or self.left - 1 >= grammar.plan(self.state)[0] + tuning.BUDGET_HORIZON:
+            return mask
+        ids, needed = grammar.needs(self.state)
+        mask[ids[needed > self.left - 1]] = False
+        for token_id in grammar.index.ids_of_prefixes(self.plan):  # (the plan's first token at least)
+            data = grammar.index.token_bytes[token_id]
+            mask[token_id] = self._fit(data, grammar.walk(self.state, data)) is not None
+        return mask
 
     def advance(self, token_id: int) -> None:
         if not self.allows(token_id):
@@ -209,26 +318,31 @@ class GrammarConstraint:
             self.ended = True
             return
         data = index.token_bytes[token_id]
-        self.state = self.grammar.walk(self.state, data)
+        after = self.grammar.walk(self.state, data)
+        if self.left is not None:
+            self.plan = self._fit(data, after)
+            self.left -= 1
+        self.state = after
         self.text += data
 
     def complete(self) -> bool:
         return self.ended or self.grammar.complete(self.state)
 
     def allowed_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens`, in order from here, the constraint allows (nothing advances)."""
+        """How many of `tokens`, in order from here, the constraint allows (nothing advances;
+        with a budget, those that leave it room to end)."""
         if self.ended:
             return 0
-        index, grammar, state = self.grammar.index, self.grammar, self.state
+        index, grammar = self.grammar.index, self.grammar
+        state, left = self.state, self.left
         for n, token_id in enumerate(tokens):
             if token_id in index.eos_ids:
                 return n + 1 if grammar.complete(state) else n
             data = index.token_bytes[token_id]
             state = grammar.walk(state, data) if data else None
-            if state is None:
+            if state is None or left is not None and grammar.plan(state)[0] > left - 1 - n:
                 return n
         return len(tokens)
 
     def is_done(self) -> bool:
         return self.ended or self.grammar.done(self.state)
-
