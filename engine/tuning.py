@@ -64,6 +64,10 @@ FORCED_RUNS = 1024             # forced runs cached per grammar (a few bytes eac
 # --- constrained decoding and the tokenizer (engine/constrain/matcher.py, engine/tokenizer.py)
 MAX_MASKS = 64                 # token masks cached per grammar, bit-packed (n_vocab / 8 bytes each)
 MAX_TRANSITIONS = 200_000      # byte transitions cached per grammar (cleared when full)
+# where each plain token leads from a pattern's DFA state, for masks inside a pattern or a
+# format (engine/constrain/regex.py): 2 bytes a plain token, 90 kB each for SmolLM2's
+# vocabulary, 0.5 MB for Gemma 3's; all patterns of all grammars together
+MAX_PATTERN_WALKS = 128
 WORD_CACHE = 100_000           # words whose token ids a tokenizer keeps (cleared when full) ...
 WORD_CACHE_MAX_CHARS = 64      # ... of at most this many characters: long words seldom repeat
 

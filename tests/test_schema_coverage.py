@@ -221,13 +221,17 @@ def test_a_pattern_and_length_bounds_together_never_lead_to_a_dead_end(smollm2):
 
 
 def test_a_mask_inside_a_pattern_agrees_with_allows(smollm2):
-    """Inside an unanchored pattern's free tail the mask takes the string shortcut; inside
-    a date-time the trie walk; both decide as allows() does."""
+    """Where many bytes may come (an unanchored pattern's tail, an e-mail address) a mask
+    reads every plain token at once; where few may (a date-time's digits) it walks the trie;
+    both decide as allows() does, within the length bounds too."""
     sample = np.random.default_rng(3).choice(smollm2.n_vocab, 4000, replace=False).tolist()
     specials = [i for i, data in enumerate(smollm2.token_bytes) if b'"' in data or b"\\" in data]
     for schema, prefix in (({"type": "string", "pattern": "ab"}, '"xxab'),
                            ({"type": "string", "pattern": "ab", "maxLength": 6}, '"xxab'),
-                           ({"type": "string", "format": "date-time"}, '"2024-02-2')):
+                           ({"type": "string", "format": "date-time"}, '"2024-02-2'),
+                           ({"type": "string", "pattern": "^[a-z ]+$", "minLength": 4, "maxLength": 8}, '"ab'),
+                           ({"type": "string", "pattern": "^[a-z ]+$", "minLength": 5}, '"ab'),
+                           ({"type": "string", "format": "email"}, '"ada.')):
         c = json_constraint(schema, smollm2)
         for t in _encode_exact(smollm2, prefix):
             c.advance(t)

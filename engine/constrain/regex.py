@@ -25,8 +25,12 @@ import bisect
 import functools
 import json
 import unicodedata
+import weakref
 from collections import deque
 
+import numpy as np
+
+from .. import tuning
 from .grammar import QUOTE, SET, Node
 from .masks import TokenIndex
 
@@ -437,7 +441,7 @@ class DFA:
 
     `next[s][classes[b]]`: the state after byte b (-1: refused); `accepting[s]`; `between[s]`:
     s is between two characters (not inside one's bytes); `dist[s]`: the fewest characters
-    still to begin before an end; `free(s)`: every character written raw leads back to s.
+    still to begin before an end; `plain_dists`: where the plain tokens lead, for masks.
     `empty`: no string matches (then there are no states)."""
 
     def __init__(self, nfa: _NFA, start: int, end: int):
@@ -508,52 +512,83 @@ class DFA:
         self.accepting = [accepting[s] for s in keep]
         self.between = [between[s] for s in keep]
         self.dist = [dist[s] for s in keep]
-        self._free: dict = {}
+        self._table = None  # numpy's copies, made by the first plain_dists
+        self._narrow: dict = {}
 
     def step(self, s: int, b: int) -> int:
         return self.next[s][self.classes[b]]
 
-    def free(self, s: int) -> bool:
-        """Does every character written raw (UTF-8, no quote, backslash or control) lead from s
-        back to s? (asked by masks, of the states they meet: cached)"""
-        found = self._free.get(s)
+    def narrow(self, s: int) -> bool:
+        """Do few bytes begin a character from s (at most NARROW)? Then a trie walk, which only
+        descends into those, is quicker than reading every plain token (cached)."""
+        found = self._narrow.get(s)
         if found is None:
-            found = self._free[s] = self._loops_back(s)
+            row, classes = self.next[s], self.classes
+            found = self._narrow[s] = sum(row[classes[b]] >= 0 for b in range(0x20, 0xF5)) <= NARROW
         return found
 
-    def _loops_back(self, s: int) -> bool:
-        if not self.between[s]:
-            return False
-        todo = {(s, 0x20, 0x7F, 0)}  # (state, byte range, continuation bytes still to read after it)
-        for lead in range(0xC2, 0xF5):
-            need = 1 if lead < 0xE0 else 2 if lead < 0xF0 else 3
-            todo.add((s, lead, lead, need))
-        seen = set()
-        while todo:
-            at, lo, hi, need = todo.pop()
-            for b in range(lo, hi + 1):
-                if b in (0x22, 0x5C):
-                    continue
-                t = self.step(at, b)
-                if t < 0:
-                    return False
-                if need == 0:
-                    if t != s:
-                        return False
-                    continue
-                lo2, hi2 = _continuation(b)
-                key = (t, lo2, hi2, need - 1)
-                if key not in seen:
-                    seen.add(key)
-                    todo.add(key)
-        return True
+    def plain_dists(self, s: int, plain: _PlainTokens) -> np.ndarray:
+        """int16 (n_plain,): for each of an index's plain tokens, the dist of the state it
+        leads to from state s (UNREACHABLE: it is refused). Every token read at once, a
+        byte position at a time (cached: the masks of a state at any count share it)."""
+        key = (self, plain, s)
+        found = _WALKS.get(key)
+        if found is None:
+            if self._table is None:  # (numpy's copy of the table: the dead state last, its own way out)
+                dead = len(self.next)
+                self._table = np.array([[dead if t < 0 else t for t in row] for row in self.next]
+                                       + [[dead] * len(self.next[0])], dtype=np.int16)
+                self._dists = np.array(self.dist + [UNREACHABLE], dtype=np.int16)
+                self._classes = np.frombuffer(self.classes, dtype=np.uint8)
+            dead = len(self.next)
+            state = np.full(len(plain.ids), s, dtype=np.int16)
+            rows = np.arange(len(plain.ids))  # those still reading, alive: fewer at each byte
+            for column in plain.columns:  # the tokens with a k-th byte come first
+                rows = rows[rows < len(column)]
+                state[rows] = self._table[state[rows], self._classes[column[rows]]]
+                rows = rows[state[rows] != dead]
+                if not len(rows):
+                    break
+            found = self._dists[state]
+            if len(_WALKS) >= tuning.MAX_PATTERN_WALKS:
+                _WALKS.pop(next(iter(_WALKS)), None)
+            _WALKS[key] = found
+        return found
 
 
-def _continuation(b: int) -> tuple[int, int]:
-    """The bytes that may follow byte b of a UTF-8 character (its lead, or a continuation byte)."""
-    if b >= 0xC0:
-        return {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}.get(b, (0x80, 0xBF))
-    return 0x80, 0xBF
+# bytes that may begin a character, at most, for a mask to walk the trie (digits, signs, hex
+# digits: 1-2 ms a mask for SmolLM2), not read every plain token (2-4 ms; an e-mail
+# address's local part took 20 ms by the trie)
+NARROW = 24
+UNREACHABLE = np.iinfo(np.int16).max  # the dist of the dead state (DFA states are far fewer)
+_WALKS: dict = {}  # (DFA, plain tokens, state) -> DFA.plain_dists, the oldest evicted first
+
+
+class _PlainTokens:
+    """An index's plain tokens (TokenIndex.plain: what may be written raw inside a string),
+    longest first, and their bytes by position: columns[k] holds the k-th byte of each
+    token that has one (they are a prefix of the tokens, so a walk shortens as it goes)."""
+
+    def __init__(self, index: TokenIndex):
+        ids = np.flatnonzero(index.plain)
+        lengths = np.array([len(index.token_bytes[i]) for i in ids.tolist()], dtype=np.int64)
+        order = np.argsort(-lengths, kind="stable")
+        self.ids, lengths = ids[order], lengths[order]
+        self.nchars = index.nchars[self.ids]
+        data = [index.token_bytes[i] for i in self.ids.tolist()]
+        width = int(lengths[0]) if len(data) else 0
+        self.columns = [np.frombuffer(bytes(token[k] for token in data[:int(np.count_nonzero(lengths > k))]),
+                                      dtype=np.uint8) for k in range(width)]
+
+
+_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TokenIndex -> its _PlainTokens
+
+
+def _plain_tokens(index: TokenIndex) -> _PlainTokens:
+    found = _PLAIN.get(index)
+    if found is None:
+        found = _PLAIN[index] = _PlainTokens(index)
+    return found
 
 
 @functools.lru_cache(maxsize=64)  # formats, and a client's patterns, recur in request after request
@@ -648,13 +683,25 @@ class Pattern(Node):
         return local[0] == 5
 
     def fast(self, local, index: TokenIndex):
-        # in a state every raw character loops back to (the tail of an unanchored pattern),
-        # as in a plain string: every plain token that fits, the others checked byte by byte
-        if local[0] != 1 or not self.dfa.free(local[1]) or not self.dfa.accepting[local[1]]:
+        """Between characters, where many bytes may come (not DFA.narrow): the plain tokens
+        the DFA reads to a state an end is reachable from within the bounds are surely
+        allowed (those _live would have to search for, and the other tokens, checked byte by byte)."""
+        if local[0] != 1 or not self.dfa.between[local[1]] or self.dfa.narrow(local[1]):
             return None
+        _, s, n = local
+        plain = _plain_tokens(index)
+        dists = self.dfa.plain_dists(s, plain)
+        begun = n + plain.nchars  # (n_plain,) characters begun after each token
         if self.max_len is None:
-            return index.plain, index.string_specials
-        return index.plain & (index.nchars <= self.max_len - local[2]), index.string_specials
+            begun = np.minimum(begun, self.min_len)
+        ends = begun + dists      # the fewest characters at an end after each token
+        alive = dists != UNREACHABLE
+        if self.max_len is not None:
+            alive &= ends <= self.max_len
+        sure = alive & (ends >= self.min_len)
+        mask = np.zeros(index.n_vocab, dtype=np.bool_)
+        mask[plain.ids[sure]] = True
+        return mask, np.concatenate([index.string_specials, plain.ids[alive & ~sure]])
 
 
 def matches(dfa: DFA, text: str) -> bool:
