@@ -1,13 +1,15 @@
 """What constrained decoding costs: token masks per step, and constrained vs free decoding.
 
 1. Mask cost, both vocabularies (SmolLM2 49,152 tokens, Gemma 3 262,144), no model needed:
-   a "model" of random logits writes documents for a few schemas under the sampler's rule
+   a "model" of random logits writes documents for a few schemas (and, apart, for
+   FORMATS_SCHEMA) under the sampler's rule
    (draw, `allows()`, else mask and draw again). Reported per step: how often a mask was
    needed, the time of a freshly computed mask, and the whole constraint time per step
    (allows + mask + advance, caches warm as in a real run); and the same with a budget of
    40 tokens, which the documents need more than: the masks near its end are exact for it.
 2. Slowdown with the real SmolLM2 (from the model store): greedy decoding of the same prompt
-   free, with a JSON schema and with a required tool call (masks and transitions cold); time
+   free, with a JSON schema, with a 20-field schema of formats and patterns (FORMATS_SCHEMA)
+   and with a required tool call (masks and transitions cold); time
    per generated token each way (best of 2, interleaved: the machine is shared), and the
    time spent inside the constraint per token, which is the slowdown free of the noise of
    other processes.
@@ -42,6 +44,34 @@ SCHEMA = {
     },
     "required": ["name", "age", "city", "member"],
 }
+# 20 fields, half of them formats and patterns (engine/constrain/regex.py's DFAs), all required
+FORMATS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "format": "uuid"},
+        "created": {"type": "string", "format": "date-time"},
+        "birthday": {"type": "string", "format": "date"},
+        "alarm": {"type": "string", "format": "time"},
+        "timeout": {"type": "string", "format": "duration"},
+        "email": {"type": "string", "format": "email", "maxLength": 40},
+        "homepage": {"type": "string", "format": "uri", "maxLength": 60},
+        "ipv4": {"type": "string", "format": "ipv4"},
+        "ipv6": {"type": "string", "format": "ipv6"},
+        "host": {"type": "string", "format": "hostname", "maxLength": 40},
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-\\d{4}$"},
+        "phone": {"type": "string", "pattern": "^\\+?\\d{1,3}[ -]?\\d{3}[ -]?\\d{4}$"},
+        "zip": {"type": "string", "pattern": "^\\d{5}(-\\d{4})?$"},
+        "color": {"type": "string", "pattern": "^#[0-9a-fA-F]{6}$"},
+        "slug": {"type": "string", "pattern": "^[a-z0-9]+(-[a-z0-9]+)*$", "maxLength": 30},
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "status": {"enum": ["active", "inactive", "banned"]},
+        "verified": {"type": "boolean"},
+    },
+    "additionalProperties": False,
+}
+FORMATS_SCHEMA["required"] = list(FORMATS_SCHEMA["properties"])
 TOOLS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -52,9 +82,11 @@ TOOLS = [
 ]
 
 
-def mask_cost(vocab: str, runs: int = 6, max_tokens: int = 120, budget: int | None = None) -> dict:
-    """Constraint time per step over random-logit decodes (see the module docstring); with a
-    `budget`, each decode may take that many tokens and must close its document within them."""
+def mask_cost(vocab: str, runs: int = 6, max_tokens: int = 120, budget: int | None = None,
+              schema: dict | None = None) -> dict:
+    """Constraint time per step over random-logit decodes (see the module docstring): the
+    schema and the tools by turns, or `schema` alone; with a `budget`, each decode may take
+    that many tokens and must close its document within them."""
     tok = Tokenizer.from_metadata(load_tokenizer_meta(DATA / f"tokenizer-meta.{vocab}.json.gz"))
     start = time.perf_counter()
     index = TokenIndex.of(tok)
@@ -64,7 +96,10 @@ def mask_cost(vocab: str, runs: int = 6, max_tokens: int = 120, budget: int | No
     constraint_seconds = 0.0
     for run in range(runs):
         rng = np.random.default_rng(run)
-        c = json_constraint(SCHEMA, index) if run % 2 == 0 else tool_constraint(TOOLS, "required", index)
+        if schema is not None:
+            c = json_constraint(schema, index)
+        else:
+            c = json_constraint(SCHEMA, index) if run % 2 == 0 else tool_constraint(TOOLS, "required", index)
         c.grammar._masks.clear()  # cold masks: measure computing them, not the cache
         c.grammar._needs.clear()
         if budget is not None:
@@ -90,7 +125,8 @@ def mask_cost(vocab: str, runs: int = 6, max_tokens: int = 120, budget: int | No
             constraint_seconds += time.perf_counter() - t0
             steps += 1
     return {
-        "vocab": vocab, "n_vocab": index.n_vocab, "budget": budget, "index_build_s": round(build, 2), "steps": steps,
+        "vocab": vocab, "schema": "formats" if schema is not None else "schema+tools", "n_vocab": index.n_vocab,
+        "budget": budget, "index_build_s": round(build, 2), "steps": steps,
         "mask_fraction": round(masks / steps, 2),
         "mask_ms_median": round(1000 * float(np.median(mask_seconds)), 2),
         "mask_ms_mean": round(1000 * float(np.mean(mask_seconds)), 2),
@@ -150,6 +186,7 @@ def slowdown(path, max_tokens: int = 48, repeats: int = 2) -> dict:
 
     trio.run(run, None)  # warm up
     kinds = {"json": lambda: json_constraint(SCHEMA, index),
+             "json_formats": lambda: json_constraint(FORMATS_SCHEMA, index),
              # the model would rather answer in words: the first tokens need masks
              "tool_call": lambda: tool_constraint(TOOLS, "required", index)}
     for make in kinds.values():
@@ -184,6 +221,7 @@ def main(argv=None):
     for vocab in ("smollm2", "gemma3"):
         print(mask_cost(vocab))
         print(mask_cost(vocab, budget=40))  # documents cut by their budget: the exact masks near its end
+        print(mask_cost(vocab, max_tokens=400, schema=FORMATS_SCHEMA))
     if not args.masks:
         from lmsp_min import fetch
         print(slowdown(fetch.pull("smollm2:135m-instruct-q4_1")))

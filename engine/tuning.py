@@ -69,6 +69,10 @@ MAX_TRANSITIONS = 200_000      # byte transitions cached per grammar (cleared wh
 # for 49k tokens; before it, only a token that commits the output to this many more tokens
 # at once (an optional property with a long required value) is refused, and by `allows`
 BUDGET_HORIZON = 32
+# where each plain token leads from a pattern's DFA state, for masks inside a pattern or a
+# format (engine/constrain/regex.py): 2 bytes a plain token, 90 kB each for SmolLM2's
+# vocabulary, 0.5 MB for Gemma 3's; all patterns of all grammars together
+MAX_PATTERN_WALKS = 128
 WORD_CACHE = 100_000           # words whose token ids a tokenizer keeps (cleared when full) ...
 WORD_CACHE_MAX_CHARS = 64      # ... of at most this many characters: long words seldom repeat
 

@@ -54,12 +54,35 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
             "required": [name for name in names if rng.random() < 0.6]}
 
 
-def cases(n: int, seed: int):
+# Leaves of the keywords the compiler gained beside the budget (formats, patterns, multiples,
+# oneOf, prefixItems): a budget must close them too.
+RICH_LEAVES = [
+    {"type": "string", "format": "date-time"}, {"type": "string", "format": "email"},
+    {"type": "string", "format": "uuid"}, {"type": "string", "format": "ipv4"},
+    {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3,6}$"}, {"type": "string", "pattern": "^(ab|cd)+x?$"},
+    {"type": "integer", "multipleOf": 7, "minimum": 10}, {"type": "integer", "multipleOf": 5},
+    {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 4}]},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"type": "string", "format": "date"}], "items": False},
+]
+
+
+def random_rich_schema(rng: random.Random, depth: int = 0) -> dict:
+    """random_schema's objects and arrays, with RICH_LEAVES among their leaves."""
+    if depth >= 3 or rng.random() < 0.4:
+        return dict(rng.choice(RICH_LEAVES))
+    if rng.random() < 0.3:
+        return {"type": "array", "items": random_rich_schema(rng, depth + 1), "maxItems": rng.randint(1, 3)}
+    names = rng.sample(["when", "who", "id", "code", "count", "either"], rng.randint(1, 4))
+    return {"type": "object", "properties": {name: random_rich_schema(rng, depth + 1) for name in names},
+            "required": [name for name in names if rng.random() < 0.6]}
+
+
+def cases(n: int, seed: int, schemas=random_schema):
     """n (schema, extra tokens over its shortest answer, sampling) triples, seeded."""
     rng = random.Random(seed)
     for i in range(n):
         sampling = SamplingParams(temperature=0) if i % 2 else SamplingParams(temperature=1.0, seed=i)
-        yield random_schema(rng, depth=rng.choice([0, 2])), rng.choice([0, 1, 2, 3, 5, 8, 13, 24, 40]), sampling
+        yield schemas(rng, depth=rng.choice([0, 2])), rng.choice([0, 1, 2, 3, 5, 8, 13, 24, 40]), sampling
 
 
 def shortest_answer(model, schema) -> int:
@@ -81,9 +104,10 @@ async def answer(model, schema, max_tokens, sampling) -> tuple[str, str, int]:
     return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1].reason, events[-1].output_tokens
 
 
-async def check_answers(model, n: int, seed: int, at_once: int = 8) -> list:
-    """Every answer of n random (schema, budget) pairs parses, validates and keeps the budget."""
-    triples = list(cases(n, seed))
+async def check_answers(model, n: int, seed: int, at_once: int = 8, schemas=random_schema) -> list:
+    """Every answer of n random (schema, budget) pairs parses, validates (formats checked too)
+    and keeps the budget."""
+    triples = list(cases(n, seed, schemas))
 
     async def run(i):
         schema, extra, sampling = triples[i]
@@ -94,13 +118,18 @@ async def check_answers(model, n: int, seed: int, at_once: int = 8) -> list:
     for i, (budget, (text, reason, used)) in sorted(results.items()):
         schema = triples[i][0]
         assert used <= budget and reason in ("stop", "length"), (schema, budget, text)
-        jsonschema.validate(json.loads(text), schema)
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     return [results[i] for i in range(n)]
 
 
 async def test_every_answer_of_random_schemas_and_budgets_parses_and_validates_on_a_tiny_model(tiny):
     results = await check_answers(tiny, 24, seed=39)
     assert any(reason == "length" for _, (_, reason, _) in results)  # some were cut, and whole all the same
+
+
+async def test_answers_with_formats_patterns_and_multiples_close_within_their_budgets_too(tiny):
+    results = await check_answers(tiny, 24, seed=43, schemas=random_rich_schema)
+    assert any(reason == "length" for _, (_, reason, _) in results)
 
 
 def test_a_budget_below_the_shortest_answer_is_refused_before_any_token_and_that_many_is_enough(tiny):

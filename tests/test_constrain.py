@@ -206,11 +206,11 @@ def test_number_prefixes_never_dead_end():
 
 
 @pytest.mark.parametrize("schema, keyword, path", [
-    ({"type": "string", "pattern": "^a+$"}, "pattern", "/pattern"),
-    ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}, "format", "/properties/d/format"),
-    ({"oneOf": [{"type": "string"}]}, "oneOf", "/oneOf"),
-    ({"allOf": [{"type": "string"}]}, "allOf", "/allOf"),
-    ({"type": "array", "items": {"type": "integer", "multipleOf": 3}}, "multipleOf", "/items/multipleOf"),
+    ({"type": "string", "pattern": "^(?=a)a+$"}, "pattern", "/pattern"),           # a lookahead
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "iri"}}}, "format", "/properties/d/format"),
+    ({"oneOf": [{"type": "string"}, {"maxLength": 3}]}, "oneOf", "/oneOf"),         # may overlap
+    ({"allOf": [{"pattern": "^a"}, {"pattern": "b$"}]}, "allOf", "/allOf"),       # two patterns
+    ({"type": "array", "items": {"type": "number", "multipleOf": 0.1}}, "multipleOf", "/items/multipleOf"),
     ({"type": "object", "patternProperties": {}}, "patternProperties", "/patternProperties"),
     ({"type": "array", "uniqueItems": True}, "uniqueItems", "/uniqueItems"),
     ({"type": "object", "minProperties": 1}, "minProperties", "/minProperties"),
@@ -482,7 +482,7 @@ async def test_chat_json_schema(tiny):
     assert events[-1].reason in ("stop", "length")  # (its last token may close the document)
     jsonschema.validate(json.loads("".join(e.text for e in events if isinstance(e, TextDelta))), SCHEMAS[0])
     with pytest.raises(SchemaError):
-        tiny.prepare_chat(ChatRequest(messages, json_schema={"type": "string", "pattern": "a"}))
+        tiny.prepare_chat(ChatRequest(messages, json_schema={"type": "string", "pattern": "(?=a)"}))
 
 
 # -- the real SmolLM2-135M-Instruct (slow) ------------------------------------------------------

@@ -8,8 +8,11 @@ the SDK's anyio needs a newer trio than the server's), bounded by the SDK's time
 """
 
 import asyncio
+import datetime
 import json
+import uuid
 from contextlib import aclosing
+from typing import Annotated, Literal, Optional
 
 import jsonschema
 import openai
@@ -848,3 +851,61 @@ async def test_expired_events_are_named_by_the_response(nursery, tiny_path, tmp_
     created, error = await async_sdk(server, work)
     assert error.status_code == 410 and error.code == "event_history_expired"
     assert created.id in error.message and "task_" not in error.message
+
+
+# -- pydantic models of the types clients use, on the real SmolLM2 (slow) ------------------------
+
+Tag = Annotated[str, pydantic.Field(max_length=8)]
+
+
+class LineItem(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    quantity: int = pydantic.Field(ge=1, le=9)
+    tags: list[Tag] = pydantic.Field(max_length=2)
+
+
+class Order(pydantic.BaseModel):
+    """Formats, a pattern, Literal, Optional and a nested list, as pydantic writes them (the
+    strings bounded: a 135M model has no reason to end one). `contact` has EmailStr's schema
+    (EmailStr itself needs the email-validator package, not installed here)."""
+    id: uuid.UUID
+    placed: datetime.datetime
+    ship_by: datetime.date
+    contact: Annotated[str, pydantic.Field(max_length=40, json_schema_extra={"format": "email"})]
+    status: Literal["new", "paid", "shipped"]
+    note: Optional[str] = pydantic.Field(default=None, max_length=20)
+    items: list[LineItem] = pydantic.Field(max_length=2)
+    code: str = pydantic.Field(pattern=r"^[A-Z]{2}-\d{4}$")
+
+
+async def test_parse_with_pydantic_models_of_formats_literals_and_nested_lists(server):
+    async def work(client):
+        return await client.chat.completions.parse(model=TINY_ID, messages=[{"role": "user", "content": ASK}],
+                                                   response_format=Order, seed=1, temperature=1.0, max_tokens=470)
+
+    message = (await async_sdk(server, work)).choices[0].message
+    assert isinstance(message.parsed, Order)
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    jsonschema.Draft202012Validator(Order.model_json_schema(), format_checker=checker).validate(json.loads(message.content))
+
+
+@pytest.mark.slow
+async def test_parse_with_pydantic_models_of_formats_literals_and_nested_lists_on_smollm2(nursery, smollm2_path):
+    server = await start_server(nursery, await make_service([smollm2_path]))
+    model_id = "smollm2:135m-instruct-q4_1"
+    ask = "Write an order of two line items, paid, for ada@example.com."
+
+    def work(client):
+        chat = client.chat.completions.parse(model=model_id, messages=[{"role": "user", "content": ask}],
+                                             response_format=Order, temperature=0, max_tokens=500)
+        response = client.responses.parse(model=model_id, input=ask, text_format=Order, temperature=0.7,
+                                          max_output_tokens=500)
+        return chat, response
+
+    chat, response = await sync_sdk(server, work)
+    message = chat.choices[0].message
+    assert chat.choices[0].finish_reason == "stop" and isinstance(message.parsed, Order)
+    assert response.status == "completed" and isinstance(response.output_parsed, Order)
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for text in (message.content, response.output_text):
+        jsonschema.Draft202012Validator(Order.model_json_schema(), format_checker=checker).validate(json.loads(text))

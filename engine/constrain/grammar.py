@@ -254,8 +254,10 @@ class Number(Node):
     start = (False, "", None)
 
     def __init__(self, integer: bool, lo: Fraction | None = None, hi: Fraction | None = None,
-                 frac_digits: int = MAX_FRAC_DIGITS):
+                 frac_digits: int = MAX_FRAC_DIGITS, multiple: int = 1):
         self.integer, self.lo, self.hi = integer, lo, hi
+        self.multiple = multiple  # an integer's multipleOf (the integers of a range hold one if
+        # ceil(a / m) * m <= b: the same test as for a unit)
         self.frac_digits = 0 if integer else frac_digits
         self.int_digits = MAX_INT_DIGITS
         if lo is not None and hi is not None:  # fewer when the bounds are closer to 0, never more
@@ -288,8 +290,8 @@ class Number(Node):
             yield base, base + width, units[n]
 
     def _feasible(self, neg: bool, ip: str, fp: str | None) -> bool:
-        """Does some completion of this prefix lie within [lo, hi]?"""
-        if self.lo is None and self.hi is None:
+        """Does some completion of this prefix lie within [lo, hi] (a multiple, for an integer)?"""
+        if self.lo is None and self.hi is None and self.multiple == 1:
             return True
         for a, b, unit in self._ranges(ip, fp):
             if neg:
@@ -300,6 +302,8 @@ class Number(Node):
                 a = max(a, self.lo)
             if self.hi is not None:
                 b = min(b, self.hi)
+            if self.integer:
+                unit = self.multiple
             if math.ceil(a / unit) * unit <= b:
                 return True
         return False
@@ -330,7 +334,8 @@ class Number(Node):
             return False
         value = int(ip) + (Fraction(int(fp), 10 ** len(fp)) if fp else 0)
         value = -value if neg else value
-        return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+        return ((self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+                and (self.multiple == 1 or value % self.multiple == 0))
 
     def final(self, local):
         done = self._final.get(local)

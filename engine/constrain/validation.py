@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from urllib.parse import unquote
 
+from .formats import FORMATS
+from .regex import compile_regex, matches
+
 
 def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -41,14 +44,14 @@ def _type_ok(value, t) -> bool:
     return False
 
 
-def _equal(a, b) -> bool:
+def equal(a, b) -> bool:
     """JSON equality: 1 == 1.0, but true != 1."""
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     return type(a) in (int, float) and type(b) in (int, float) and a == b or (
         type(a) is type(b) and a == b)
 
@@ -57,7 +60,9 @@ def validate(value, schema, root=None, path: str = "") -> str | None:
     """None if `value` (parsed JSON) is valid for `schema`, else a message naming where it is not.
 
     Covers the keywords compile_schema accepts, with JSON Schema's meaning (not only the
-    compact subset the matcher writes), so it can check any client-supplied document too.
+    compact subset the matcher writes), so it can check any client-supplied document too;
+    but a format as the compiler writes it (formats.py: a subset of each) and OpenAPI's
+    `nullable` not at all (as a JSON Schema validator reads it: an unknown keyword).
     """
     root = schema if root is None else root
     if schema is True:
@@ -74,9 +79,15 @@ def validate(value, schema, root=None, path: str = "") -> str | None:
             return err
     if "anyOf" in schema and all(validate(value, s, root, path) for s in schema["anyOf"]):
         return f"{at}: matches none of anyOf"
-    if "const" in schema and not _equal(value, schema["const"]):
+    if "oneOf" in schema and sum(validate(value, s, root, path) is None for s in schema["oneOf"]) != 1:
+        return f"{at}: does not match exactly one of oneOf"
+    for part in schema.get("allOf", []):
+        err = validate(value, part, root, path)
+        if err:
+            return err
+    if "const" in schema and not equal(value, schema["const"]):
         return f"{at}: is not the const value"
-    if "enum" in schema and not any(_equal(value, v) for v in schema["enum"]):
+    if "enum" in schema and not any(equal(value, v) for v in schema["enum"]):
         return f"{at}: is not one of the enum values"
     types = schema.get("type")
     if types is not None:
@@ -87,6 +98,10 @@ def validate(value, schema, root=None, path: str = "") -> str | None:
         n = len(value)
         if n < schema.get("minLength", 0) or n > schema.get("maxLength", n):
             return f"{at}: length {n} is out of bounds"
+        if "pattern" in schema and not matches(compile_regex(schema["pattern"]), value):
+            return f"{at}: does not match the pattern"
+        if "format" in schema and not matches(compile_regex(FORMATS[schema["format"]][0], search=False), value):
+            return f"{at}: is not a {schema['format']} as the compiler writes one"
     if is_number(value):
         if "minimum" in schema and value < schema["minimum"]:
             return f"{at}: below minimum"
@@ -96,16 +111,22 @@ def validate(value, schema, root=None, path: str = "") -> str | None:
             return f"{at}: not above exclusiveMinimum"
         if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
             return f"{at}: not below exclusiveMaximum"
+        if "multipleOf" in schema and not (value / schema["multipleOf"]).is_integer():
+            return f"{at}: not a multiple of multipleOf"
     if isinstance(value, list):
         n = len(value)
         if n < schema.get("minItems", 0) or n > schema.get("maxItems", n):
             return f"{at}: {n} items is out of bounds"
-        if "items" in schema:
-            for i, item in enumerate(value):
-                err = validate(item, schema["items"], root, f"{path}/{i}")
-                if err:
-                    return err
+        prefix = schema.get("prefixItems", [])
+        for i, item in enumerate(value):
+            sub = prefix[i] if i < len(prefix) else schema.get("items", True)
+            err = validate(item, sub, root, f"{path}/{i}")
+            if err:
+                return err
     if isinstance(value, dict):
+        n = len(value)
+        if n < schema.get("minProperties", 0) or n > schema.get("maxProperties", n):
+            return f"{at}: {n} properties is out of bounds"
         props = schema.get("properties", {})
         for name in schema.get("required", []):
             if name not in value:
