@@ -9,6 +9,10 @@ hands it to `model.prepare_chat`, which answers with a `PreparedChat` whose `cou
     ToolCall(index, name, arguments)   a whole tool call
     Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
 
+Embeddings: `model.embed(token_lists, pooling, dimensions)` answers float32 vectors as
+bytes (engine/embed.py), over the groups of inputs `embedding_groups` makes; `POOLINGS`
+names the poolings, `model.pooling` is a model's default.
+
 These are dataclasses of the standard library only, so that the protocol package,
 which never imports numpy, imports them at the top of its modules. The errors the
 engine raises on purpose are the other half of the contract: engine/errors.py, also
@@ -21,6 +25,24 @@ events); engine/sampling.py applies `SamplingParams`, engine/tools.py makes `Too
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine import tuning
+
+POOLINGS = ("mean", "cls", "last")  # of an embedding's hidden states (engine/embed.py)
+
+
+def embedding_groups(lengths: list[int], budget: int = tuning.EMBED_BATCH_TOKENS) -> list[range]:
+    """Inputs to embed (their token counts), by index, in consecutive groups of at most
+    `budget` tokens together, one forward step each; an input longer is a group of its own."""
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and total + n > budget:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(lengths):
+        groups.append(range(start, len(lengths)))
+    return groups
 
 
 @dataclass(frozen=True)
