@@ -14,6 +14,7 @@
     POST   /v1/responses/{id}/cancel         tasks:write      stop a background response
     POST   /v1/responses/input_tokens        responses:write  the input tokens a request would have
     POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`
+    POST   /v1/embeddings                    responses:write  embeddings of texts or token ids (embeddings.py)
 
 Every request is translated (requests.py) into the LMSP request it asks for and runs
 through lmsp_min/generation.py exactly as `/lmsp/v1/responses` does (`prepare`, then
@@ -38,7 +39,7 @@ from lmsp_min import generation, sse
 from lmsp_min.events import FINAL_EVENTS
 from lmsp_min.generation import Generation
 from lmsp_min.http import Request, Response, json_response
-from lmsp_min.openai_dialect import chat, errors, requests, responses
+from lmsp_min.openai_dialect import chat, embeddings, errors, requests, responses
 from lmsp_min.problems import Problem, quoted
 from lmsp_min.routing import Router, read_json_body
 from lmsp_min.store import FINAL_STATUSES, TaskRow
@@ -60,6 +61,7 @@ def add_routes(router: Router) -> None:
         ("GET", RESPONSES + "/{response_id}/input_items", "responses:read", list_input_items),
         ("POST", RESPONSES + "/{response_id}/cancel", "tasks:write", cancel_response),
         ("POST", "/v1/chat/completions", "responses:write", create_chat_completion),
+        ("POST", "/v1/embeddings", "responses:write", embeddings.create_embeddings),
     ):
         router.add(method, path, scope, handler)
 
