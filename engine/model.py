@@ -159,7 +159,7 @@ class Model:
                 states = architectures.bert_hidden_states(self.hp, self.weights, batch)  # (n, d)
                 self.steps += 1
             return [states[span] for span in batch.spans]
-        sequences = [self.new_sequence(ids) for ids in token_lists]
+        sequences = [self.new_sequence(ids, capacity=len(ids)) for ids in token_lists]  # (never longer)
         rows: list[list[np.ndarray]] = [[] for _ in sequences]
         while pending := [i for i, seq in enumerate(sequences) if seq.n_pending]:
             batch = architectures.make_batch([sequences[i] for i in pending], chunk)
