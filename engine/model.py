@@ -208,6 +208,7 @@ class Model:
         fed tokens (k, V) with `logit_rows` (k per sequence: a draft to verify), or
         of all fed tokens (T, V) with `all_logits`.
         """
+        self._require_generating()
         batch = architectures.make_batch(sequences, chunk, logit_rows)
         with self._forward_lock:
             out = architectures.forward(self.hp, self.weights, batch, all_logits)
@@ -215,11 +216,13 @@ class Model:
         return out
 
     def generate(self, prompt_ids, *, max_tokens, sampling=None, stop=(), constraint=None):
+        self._require_generating()
         from .generate import generate
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling,
                         stop=stop, constraint=constraint)
 
     def prepare_chat(self, request):
+        self._require_generating()
         from .chat import prepare_chat
         return prepare_chat(self, request)
 
@@ -228,6 +231,12 @@ class Model:
         return generate_chat(self, prepared)
 
     # --- helpers ------------------------------------------------------------------------
+
+    def _require_generating(self) -> None:
+        """An encoder (bert) has no LM head: asked to generate, it says so."""
+        if not self.hp.causal:
+            raise UnsupportedModelError(f"{self.info.name} is an embedding model ({self.hp.architecture}): "
+                                        "it embeds text and does not generate it")
 
     def _make_info(self) -> ModelInfo:
         """The model's description, by the rules the model listing uses too (engine/describe.py);

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from engine import load_model
-from engine.api import embedding_groups
-from engine.errors import ContextLengthExceeded
+from engine.api import ChatRequest, embedding_groups
+from engine.errors import ContextLengthExceeded, UnsupportedModelError
 from engine.reference import reference_hidden_states
 from tiny import ARCHITECTURES, bert_vocabulary, write_tiny_bert, write_tiny_model
 
@@ -121,3 +121,10 @@ def test_a_word_with_an_unspellable_part_is_one_unknown_token(bert):
     # "é" is "e" + U+0301 after NFD: no piece holds the accent, so the whole word is [UNK]
     assert pieces(bert, "the café dog")[1:-1] == ["▁the", "[UNK]", "▁dog"]
     assert pieces(bert, "a\u200bb")[1:-1] == ["▁a", "b"]  # (a format character is dropped, not a cut)
+
+
+def test_an_encoder_asked_to_generate_says_it_only_embeds(bert):
+    with pytest.raises(UnsupportedModelError, match="embedding model"):
+        bert.prepare_chat(ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+    with pytest.raises(UnsupportedModelError, match="embedding model"):
+        bert.step([bert.new_sequence([2, 3])])
