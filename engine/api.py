@@ -11,6 +11,10 @@ hands it to `model.prepare_chat`, which answers with a `PreparedChat` whose `cou
                                  (SamplingParams.logprobs), before the text of its token
     Finished(reason, input_tokens, output_tokens, cached_tokens)   always last
 
+Embeddings: `model.embed(token_lists, pooling, dimensions)` answers float32 vectors as
+bytes (engine/embed.py), over the groups of inputs `embedding_groups` makes; `POOLINGS`
+names the poolings, `model.pooling` is a model's default.
+
 These are dataclasses of the standard library only, so that the protocol package,
 which never imports numpy, imports them at the top of its modules. The errors the
 engine raises on purpose are the other half of the contract: engine/errors.py, also
@@ -24,7 +28,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine import tuning
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (llama-server's n_probs has none)
+POOLINGS = ("mean", "cls", "last")  # of an embedding's hidden states (engine/embed.py)
+
+
+def embedding_groups(lengths: list[int], budget: int = tuning.EMBED_BATCH_TOKENS) -> list[range]:
+    """Inputs to embed (their token counts), by index, in consecutive groups of at most
+    `budget` tokens together, one forward step each; an input longer is a group of its own."""
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and total + n > budget:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(lengths):
+        groups.append(range(start, len(lengths)))
+    return groups
 
 
 @dataclass(frozen=True)

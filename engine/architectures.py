@@ -19,6 +19,13 @@ The architectures differ in small, named ways (see `Hyperparameters`):
   gemma's 1 + w, so they are plain RMSNorms); QK-norm; GELU-tanh gated
   feed-forward; five sliding-window layers with RoPE base 10k then one global
   layer; attention scale 1/sqrt(key_length); output tied to the embeddings.
+
+One encoder, which has no LM head and only embeds (engine/embed.py):
+- bert (bge, all-MiniLM, ...): token + learned position (+ token type 0)
+  embeddings, LayerNorm (with bias); post-norm blocks (each sub-layer's sum with
+  its input is normalized), biases everywhere, a GELU feed-forward; attention
+  over all of a sequence's tokens, no causal mask, so no KV cache: every sequence
+  of a batch runs whole (`bert_hidden_states`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ class Hyperparameters:
     attention_scale: float
     embedding_scale: float
     logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) when > 0
+    causal: bool = True         # False: an encoder (bert), which attends both ways and only embeds
+    pooling: str | None = None  # `<arch>.pooling_type` as engine/embed.py names it ("mean", "cls", "last"), if any
 
 
 @dataclass
@@ -83,6 +92,31 @@ class Weights:
     blocks: list[Block]
     output_norm: np.ndarray          # (d,)
     output: Any                      # Weight (V, d), token_embd itself when tied
+
+
+@dataclass
+class BertBlock:
+    """The weights of one BERT block. LayerNorms are (weight, bias) pairs of (d,) each."""
+
+    qkv: Any                         # Weight (3d, d): Q, K, V merged
+    qkv_bias: np.ndarray             # (3d,)
+    attn_output: Any                 # Weight (d, d)
+    attn_output_bias: np.ndarray     # (d,)
+    attn_output_norm: tuple[np.ndarray, np.ndarray]
+    ffn_up: Any                      # Weight (n_ff, d)
+    ffn_up_bias: np.ndarray          # (n_ff,)
+    ffn_down: Any                    # Weight (d, n_ff)
+    ffn_down_bias: np.ndarray        # (d,)
+    layer_output_norm: tuple[np.ndarray, np.ndarray]
+
+
+@dataclass
+class BertWeights:
+    token_embd: Any                  # Weight (V, d)
+    position_embd: np.ndarray        # (trained context, d) float32
+    token_type: np.ndarray | None    # (d,) the embedding of token type 0, which every token is
+    token_embd_norm: tuple[np.ndarray, np.ndarray]
+    blocks: list[BertBlock]
 
 
 @dataclass
@@ -149,6 +183,25 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
     `all_logits`, else (k, V) of its last k new tokens (`batch.wanted`; by default
     k = 1, what sampling needs; a speculative draft's verification wants them all).
     """
+    x = hidden_states(hp, w, batch, all_rows=all_logits)       # (n or m, d)
+    logits = w.output.matmul(x)                                # (n or m, V)
+    if hp.logit_softcap:
+        logits = np.tanh(logits / np.float32(hp.logit_softcap)) * np.float32(hp.logit_softcap)
+    if all_logits:
+        return [logits[span] for span in batch.spans]
+    out, row = [], 0
+    for span in batch.output_spans:
+        out.append(logits[row: row + span.stop - span.start])
+        row += span.stop - span.start
+    return out
+
+
+def hidden_states(hp: Hyperparameters, w: Weights, batch: Batch, all_rows: bool = True) -> np.ndarray:
+    """The batch's final hidden states, after the output norm (what the LM head reads and
+    what embeddings pool, llama.cpp's `t_embd`), and every sequence's cache advanced.
+
+    (n, d): a row per token with `all_rows`, else (m, d) the rows of `batch.output_rows`.
+    """
     for seq, span, start in zip(batch.sequences, batch.spans, batch.starts):
         seq.cache.reserve(start + span.stop - span.start)
     block = BLOCKS[hp.architecture]
@@ -160,20 +213,10 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
     # Of the last block's output only the rows of the wanted logits are read, so (as in
     # llama.cpp) it computes every token's keys and values, which the cache keeps, and
     # the rest for those rows only: one block's attention and feed-forward less, bar a row.
-    x = block(x, w.blocks[-1], hp, batch, hp.n_layer - 1, all_rows=all_logits)  # (n or m, d)
-    x = rms_norm(x, w.output_norm, hp.norm_eps)                # (n or m, d)
-    logits = w.output.matmul(x)                                # (n or m, V)
-    if hp.logit_softcap:
-        logits = np.tanh(logits / np.float32(hp.logit_softcap)) * np.float32(hp.logit_softcap)
+    x = block(x, w.blocks[-1], hp, batch, hp.n_layer - 1, all_rows=all_rows)  # (n or m, d)
     for seq, span in zip(batch.sequences, batch.spans):
         seq.cache.length += span.stop - span.start
-    if all_logits:
-        return [logits[span] for span in batch.spans]
-    out, row = [], 0
-    for span in batch.output_spans:
-        out.append(logits[row: row + span.stop - span.start])
-        row += span.stop - span.start
-    return out
+    return rms_norm(x, w.output_norm, hp.norm_eps)             # (n or m, d)
 
 
 def llama_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int,
@@ -211,6 +254,60 @@ def gemma3_block(x: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, l
 
 
 BLOCKS = {"llama": llama_block, "qwen2": llama_block, "qwen3": llama_block, "gemma3": gemma3_block}
+
+
+def whole_sequences(token_lists: list[list[int]]) -> Batch:
+    """A batch of whole sequences from position 0, with no cache (an encoder's)."""
+    spans, row = [], 0
+    for ids in token_lists:
+        spans.append(slice(row, row + len(ids)))
+        row += len(ids)
+    return Batch([], [0] * len(token_lists), spans, np.asarray([i for ids in token_lists for i in ids], np.int64),
+                 np.asarray([p for ids in token_lists for p in range(len(ids))], np.int64))
+
+
+def bert_hidden_states(hp: Hyperparameters, w: BertWeights, batch: Batch) -> np.ndarray:
+    """BERT's final hidden states (n, d) of a `whole_sequences` batch (llama.cpp's
+    build_bert): the last block's output, which its own LayerNorm ends."""
+    x = w.token_embd.rows(batch.tokens) + w.position_embd[batch.positions]  # (n, d)
+    if w.token_type is not None:
+        x += w.token_type
+    x = layer_norm(x, *w.token_embd_norm, hp.norm_eps)         # (n, d)
+    for blk in w.blocks:
+        x = bert_block(x, blk, hp, batch)                      # (n, d)
+    return x
+
+
+def bert_block(x: np.ndarray, blk: BertBlock, hp: Hyperparameters, batch: Batch) -> np.ndarray:
+    """Attention, added to the input and normalized; then a GELU feed-forward, the same."""
+    n, d, hd = x.shape[0], hp.n_embd, hp.head_dim
+    qkv = blk.qkv.matmul(x)                                    # (n, 3d)
+    qkv += blk.qkv_bias
+    q, k, v = (qkv[:, i * d: (i + 1) * d].reshape(n, hp.n_head, hd) for i in range(3))  # (n, n_head, hd) each
+    out = np.concatenate([attend_both_ways(q[span], k[span], v[span], hp.attention_scale)
+                          for span in batch.spans])            # (n, d)
+    h = blk.attn_output.matmul(out)                            # (n, d)
+    h += blk.attn_output_bias
+    h += x
+    x = layer_norm(h, *blk.attn_output_norm, hp.norm_eps)      # (n, d)
+    h = blk.ffn_up.matmul(x)                                   # (n, n_ff)
+    h += blk.ffn_up_bias
+    h = blk.ffn_down.matmul(gelu(h))                           # (n, d)
+    h += blk.ffn_down_bias
+    h += x
+    return layer_norm(h, *blk.layer_output_norm, hp.norm_eps)  # (n, d)
+
+
+def attend_both_ways(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Softmax attention of one sequence's queries over all of its keys (no mask):
+    q, k, v (T, n_head, hd) -> (T, n_head*hd)."""
+    T, n_head, hd = q.shape
+    q = (q * np.float32(scale)).transpose(1, 0, 2)             # (n_head, T, hd)
+    scores = q @ k.transpose(1, 2, 0)                          # (n_head, T, T)
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores, out=scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return (weights @ v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(T, n_head * hd)  # (T, n_head*hd)
 
 
 def attention(h: np.ndarray, blk: Block, hp: Hyperparameters, batch: Batch, layer: int,
@@ -410,6 +507,19 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | No
     return out
 
 
+@position_wise()
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float,
+               out: np.ndarray | None) -> np.ndarray:
+    """(x - mean(x)) / sqrt(var(x) + eps) * weight + bias over the last axis (ggml_norm, then
+    the weight and bias). x: (..., k), weight and bias: (k,)."""
+    out = np.subtract(x, x.mean(axis=-1, keepdims=True), out=out)  # (..., k)
+    var = np.einsum("...i,...i->...", out, out)[..., None] / np.float32(x.shape[-1])  # (..., 1)
+    out *= np.float32(1.0) / np.sqrt(var + np.float32(eps))
+    out *= weight
+    out += bias
+    return out
+
+
 def rope_angles(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0,
                 freq_factors: tuple[float, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (n, rope_dim/2) float32 of scale * position * base^(-2i/rope_dim) / factor_i
@@ -475,22 +585,29 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None) -> np.ndarr
 
 @position_wise(n_row_args=1)
 def geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """gelu(gate) * up, the gemma feed-forward's gating, in one buffer.
+    """gelu(gate) * up, the gemma feed-forward's gating, in one buffer (see `gelu`)."""
+    t = _gelu(gate, out)
+    t *= up
+    return t
 
-    GELU in its tanh approximation (what gemma and ggml_gelu use),
+
+def _gelu(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """GELU in its tanh approximation (what gemma, BERT's GGUFs and ggml_gelu use),
     0.5 x (1 + tanh(z)) with z = sqrt(2/pi) (x + 0.044715 x^3), computed as the same
     function x / (1 + exp(-2 z)): two passes fewer, an exp instead of a tanh (numpy's
     float32 exp is the faster), and no cancellation in 1 + tanh(z) for negative x
     (relative error 1e-6 against float64, where the tanh form reached 3e-4). Where
     exp overflows to inf, the quotient is the right -0.
     """
-    t = np.multiply(gate, gate, out=out)
+    t = np.multiply(x, x, out=out)
     t *= np.float32(-2 * 0.7978845608028654 * 0.044715)
     t += np.float32(-2 * 0.7978845608028654)
-    t *= gate                                                  # -2 z
+    t *= x                                                     # -2 z
     with np.errstate(over="ignore"):
         np.exp(t, out=t)
     t += 1
-    np.divide(gate, t, out=t)                                  # gelu(gate)
-    t *= up
+    np.divide(x, t, out=t)                                     # gelu(x)
     return t
+
+
+gelu = position_wise()(_gelu)

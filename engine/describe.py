@@ -44,6 +44,14 @@ THINK_OPEN = "<think>"
 # a token of its own (see can_constrain). The tokenizers that have them: byte-level
 # BPE ("gpt2") and SentencePiece with byte fallback ("llama").
 BYTE_COMPLETE_TOKENIZERS = ("gpt2", "llama")
+# Architectures that embed and do not generate: encoders, which have no LM head
+# (engine/architectures.py's bert; engine/embed.py)
+ENCODERS = ("bert",)
+
+
+def generates(architecture: str) -> bool:
+    """Whether a model of this architecture generates text (every one we run embeds)."""
+    return architecture not in ENCODERS
 
 
 def quantization(header: GGUFHeader) -> str:

@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 from gguf.quants import dequantize
 
-from . import accel, architectures, describe, tuning
-from .architectures import Block, Hyperparameters, Weights
+from . import accel, architectures, describe, embed, tuning
+from .architectures import BertBlock, BertWeights, Block, Hyperparameters, Weights
 from .chat_template import ChatTemplate
 from .constrain import can_constrain
-from .errors import ModelFileError, UnsupportedModelError
+from .errors import ContextLengthExceeded, ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, Sequence
 from .quants import concat_weights, load_weight, reorder_rows
@@ -143,6 +143,44 @@ class Model:
             out[start: start + len(chunk)] = chunk
         return out
 
+    def final_states(self, token_lists: list[list[int]], chunk: int = tuning.PREFILL_CHUNK) -> list[np.ndarray]:
+        """The final hidden states (len(ids), d) float32 of each token list, each in a fresh
+        context, all of them stepped together (blocking): what engine/embed.py pools.
+
+        A decoder runs them as a prefill, up to `chunk` tokens of each per step; an
+        encoder (bert) in one step, each sequence whole.
+        """
+        too_long = [len(ids) for ids in token_lists if len(ids) > self.n_ctx]
+        if too_long:
+            raise ContextLengthExceeded(too_long[0], 0, self.n_ctx)
+        if not self.hp.causal:
+            batch = architectures.whole_sequences(token_lists)
+            with self._forward_lock:
+                states = architectures.bert_hidden_states(self.hp, self.weights, batch)  # (n, d)
+                self.steps += 1
+            return [states[span] for span in batch.spans]
+        sequences = [self.new_sequence(ids, capacity=len(ids)) for ids in token_lists]  # (never longer)
+        rows: list[list[np.ndarray]] = [[] for _ in sequences]
+        while pending := [i for i, seq in enumerate(sequences) if seq.n_pending]:
+            batch = architectures.make_batch([sequences[i] for i in pending], chunk)
+            with self._forward_lock:
+                states = architectures.hidden_states(self.hp, self.weights, batch)  # (n, d)
+                self.steps += 1
+            for i, span in zip(pending, batch.spans):
+                rows[i].append(states[span])
+        return [np.concatenate(parts) for parts in rows]
+
+    @property
+    def pooling(self) -> str:
+        """How `embed` pools by default: the file's pooling type, else mean (engine/embed.py)."""
+        return embed.default_pooling(self)
+
+    def embed(self, token_lists: list[list[int]], pooling: str | None = None,
+              dimensions: int | None = None) -> list[bytes]:
+        """Unit-length float32 embeddings of the token lists, pooled by `pooling` (default:
+        `self.pooling`), as little-endian bytes; blocking (engine/embed.py)."""
+        return embed.embed(self, token_lists, pooling or self.pooling, dimensions)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
@@ -170,6 +208,7 @@ class Model:
         fed tokens (k, V) with `logit_rows` (k per sequence: a draft to verify), or
         of all fed tokens (T, V) with `all_logits`.
         """
+        self._require_generating()
         batch = architectures.make_batch(sequences, chunk, logit_rows)
         with self._forward_lock:
             out = architectures.forward(self.hp, self.weights, batch, all_logits)
@@ -177,15 +216,18 @@ class Model:
         return out
 
     def generate(self, prompt_ids, *, max_tokens, sampling=None, stop=(), constraint=None, continuation=None):
+        self._require_generating()
         from .generate import generate
         return generate(self, prompt_ids, max_tokens=max_tokens, sampling=sampling,
                         stop=stop, constraint=constraint, continuation=continuation)
 
     def prepare_chat(self, request):
+        self._require_generating()
         from .chat import prepare_chat
         return prepare_chat(self, request)
 
     def prepare_text(self, prompt, request):
+        self._require_generating()
         from .chat import prepare_text
         return prepare_text(self, prompt, request)
 
@@ -194,6 +236,12 @@ class Model:
         return generate_chat(self, prepared)
 
     # --- helpers ------------------------------------------------------------------------
+
+    def _require_generating(self) -> None:
+        """An encoder (bert) has no LM head: asked to generate, it says so."""
+        if not self.hp.causal:
+            raise UnsupportedModelError(f"{self.info.name} is an embedding model ({self.hp.architecture}): "
+                                        "it embeds text and does not generate it")
 
     def _make_info(self) -> ModelInfo:
         """The model's description, by the rules the model listing uses too (engine/describe.py);
@@ -225,10 +273,10 @@ def _token_text(vocab, token_id: int | None) -> str:
 def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
     """The architecture's hyperparameters from the GGUF metadata (llama.cpp's keys and defaults)."""
     arch = file.architecture
-    if arch not in architectures.BLOCKS:
+    if arch not in architectures.BLOCKS and arch != "bert":
         raise UnsupportedModelError(
             f"{file.path}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(sorted(architectures.BLOCKS))})")
+            f"(supported: {', '.join(sorted([*architectures.BLOCKS, 'bert']))})")
 
     def key(name: str, default: Any = ...) -> Any:
         value = file.get(f"{arch}.{name}", default)
@@ -236,6 +284,8 @@ def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
             raise ModelFileError(f"{file.path}: metadata key '{arch}.{name}' is missing")
         return value
 
+    if arch == "bert":
+        return bert_hyperparameters(file, key)
     n_embd = int(key("embedding_length"))
     n_layer = int(key("block_count"))
     n_head = int(key("attention.head_count"))
@@ -282,11 +332,44 @@ def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
         attention_scale=1.0 / math.sqrt(head_dim),
         embedding_scale=math.sqrt(n_embd) if gemma else 1.0,
         logit_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
+        pooling=POOLING_TYPES.get(key("pooling_type", None)),
     )
 
 
-def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights:
+# llama.cpp's llama_pooling_type, the `<arch>.pooling_type` key, by the names engine/embed.py
+# pools by; none (per-token vectors) and rank (a reranker's classifier head) are not among them
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
+
+def bert_hyperparameters(file: GGUFFile, key) -> Hyperparameters:
+    """BERT's: multi-head attention without RoPE, LayerNorm's epsilon, both-ways attention."""
+    n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+    embd = file.tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelFileError(f"{file.path}: tensor 'token_embd.weight' is missing")
+    n_layer = int(key("block_count"))
+    return Hyperparameters(
+        architecture="bert", n_vocab=embd.shape[0], n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        n_head_kv=n_head, head_dim=n_embd // n_head, head_dim_v=n_embd // n_head,
+        n_ff=int(key("feed_forward_length")), norm_eps=float(key("attention.layer_norm_epsilon", 1e-12)),
+        context_length=int(key("context_length")),
+        rope_dim=0, rope_base=0.0, rope_base_local=0.0, rope_neox=False, rope_scale=1.0, rope_freq_factors=None,
+        sliding_window=0, local_layers=(False,) * n_layer, attention_scale=1.0 / math.sqrt(n_embd // n_head),
+        embedding_scale=1.0, causal=False, pooling=POOLING_TYPES.get(key("pooling_type", None)),
+    )
+
+
+def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights | BertWeights:
     """Wrap every tensor the architecture needs; merge Q/K/V and gate/up into one matrix each."""
+    tensor, matrix, vector = _tensor_readers(file)
+    if hp.architecture == "bert":
+        return load_bert_weights(file, hp, matrix, vector)
+    return _decoder_weights(file, hp, tensor, matrix, vector)
+
+
+def _tensor_readers(file: GGUFFile):
+    """Three readers of the file's tensors by name: any tensor (None if missing and not
+    `required`), a matrix of a given shape (a quantized Weight), a vector (float32)."""
 
     def tensor(name: str, required: bool = True):
         t = file.tensors.get(name)
@@ -308,6 +391,10 @@ def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights:
             raise ModelFileError(f"{file.path}: tensor {name!r} has shape {t.shape}, expected ({size},)")
         return np.asarray(dequantize(t.data, t.type), np.float32).reshape(size)
 
+    return tensor, matrix, vector
+
+
+def _decoder_weights(file: GGUFFile, hp: Hyperparameters, tensor, matrix, vector) -> Weights:
     d, hd, hd_v = hp.n_embd, hp.head_dim, hp.head_dim_v
     n_q, n_k, n_v = hp.n_head * hd, hp.n_head_kv * hd, hp.n_head_kv * hd_v
     # A NEOX model's Q and K dimensions, head by head, in the order that makes its rotated
@@ -353,4 +440,37 @@ def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights:
         blocks=blocks,
         output_norm=vector("output_norm.weight", d),
         output=matrix("output.weight", (hp.n_vocab, d)) if output is not None else token_embd,
+    )
+
+
+def load_bert_weights(file: GGUFFile, hp: Hyperparameters, matrix, vector) -> BertWeights:
+    """BERT's tensors (llama.cpp's names); Q, K, V merged into one matrix, as their biases."""
+    d, n_ff = hp.n_embd, hp.n_ff
+
+    def norm(name: str) -> tuple[np.ndarray, np.ndarray]:
+        return vector(name + ".weight", d), vector(name + ".bias", d)
+
+    blocks = []
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        blocks.append(BertBlock(
+            qkv=concat_weights([matrix(b + f"attn_{x}.weight", (d, d)) for x in "qkv"]),
+            qkv_bias=np.concatenate([vector(b + f"attn_{x}.bias", d) for x in "qkv"]),
+            attn_output=matrix(b + "attn_output.weight", (d, d)),
+            attn_output_bias=vector(b + "attn_output.bias", d),
+            attn_output_norm=norm(b + "attn_output_norm"),
+            ffn_up=matrix(b + "ffn_up.weight", (n_ff, d)),
+            ffn_up_bias=vector(b + "ffn_up.bias", n_ff),
+            ffn_down=matrix(b + "ffn_down.weight", (d, n_ff)),
+            ffn_down_bias=vector(b + "ffn_down.bias", d),
+            layer_output_norm=norm(b + "layer_output_norm"),
+        ))
+    positions = matrix("position_embd.weight", (hp.context_length, d))
+    types = file.tensors.get("token_types.weight")
+    return BertWeights(
+        token_embd=matrix("token_embd.weight", (hp.n_vocab, d)),
+        position_embd=positions.dequantize(),
+        token_type=None if types is None else load_weight(types).rows([0])[0],
+        token_embd_norm=norm("token_embd_norm"),
+        blocks=blocks,
     )

@@ -9,6 +9,7 @@ so it is slow and memory-hungry, and obviously right: the tests hold the fast
 path to it, and it settles who is off when the engine and llama.cpp disagree.
 
     reference_logits(model, ids) -> (len(ids), n_vocab) float64
+    reference_hidden_states(model, ids) -> (len(ids), n_embd) float64: what embeddings pool
 
 Shapes in comments: n = tokens, d = n_embd, hd = head dimension (of queries and
 keys; hd_v of values), V = vocabulary. The architectures differ in small ways:
@@ -23,6 +24,10 @@ keys; hd_v of values), V = vocabulary. The architectures differ in small ways:
   five sliding-window layers (RoPE base 10k) then one global one; output tied to
   the embeddings. Gemma's norms compute x * (1 + w), and the GGUF stores 1 + w,
   so here they are plain RMSNorms.
+- bert (an encoder: no LM head, its hidden states are the output): token,
+  position and token-type-0 embeddings added and LayerNorm-ed; each block adds
+  attention to its input and LayerNorms the sum, then the same with a GELU
+  feed-forward; attention sees the whole sequence, both ways.
 """
 
 from __future__ import annotations
@@ -42,21 +47,30 @@ def reference_logits(model, ids) -> np.ndarray:
     would take 2 GB).
     """
     hp, tensors = model.hp, Tensors(model.file)
-    if hp.architecture not in BLOCKS:
-        raise ValueError(f"no reference forward for architecture {hp.architecture!r}")
-    ids = np.asarray(ids, np.int64)                            # (n,)
+    x = reference_hidden_states(model, ids)                    # (n, d)
     embeddings = tensors("token_embd.weight")                  # (V, d)
-    x = embeddings[ids]                                        # (n, d)
-    if hp.architecture == "gemma3":
-        x = x * math.sqrt(hp.n_embd)
-    for layer in range(hp.n_layer):
-        x = BLOCKS[hp.architecture](x, Tensors(model.file, f"blk.{layer}."), hp, layer)  # (n, d)
-    x = rms_norm(x, tensors("output_norm.weight"), hp.norm_eps)  # (n, d)
     output = tensors("output.weight") if "output.weight" in tensors else embeddings  # (V, d): tied
     logits = x @ output.T                                      # (n, V)
     if hp.logit_softcap:
         logits = hp.logit_softcap * np.tanh(logits / hp.logit_softcap)
     return logits
+
+
+def reference_hidden_states(model, ids) -> np.ndarray:
+    """The final hidden states (len(ids), n_embd) float64 of `ids` in a fresh context: a
+    decoder's after its output norm (what its LM head reads), BERT's last block's output."""
+    hp, tensors = model.hp, Tensors(model.file)
+    if hp.architecture == "bert":
+        return bert_hidden_states(np.asarray(ids, np.int64), tensors, hp)
+    if hp.architecture not in BLOCKS:
+        raise ValueError(f"no reference forward for architecture {hp.architecture!r}")
+    ids = np.asarray(ids, np.int64)                            # (n,)
+    x = tensors("token_embd.weight")[ids]                      # (n, d)
+    if hp.architecture == "gemma3":
+        x = x * math.sqrt(hp.n_embd)
+    for layer in range(hp.n_layer):
+        x = BLOCKS[hp.architecture](x, Tensors(model.file, f"blk.{layer}."), hp, layer)  # (n, d)
+    return rms_norm(x, tensors("output_norm.weight"), hp.norm_eps)  # (n, d)
 
 
 class Tensors:
@@ -92,6 +106,30 @@ def gemma3_block(x: np.ndarray, w: Tensors, hp, layer: int) -> np.ndarray:
 
 
 BLOCKS = {"llama": llama_block, "qwen2": llama_block, "qwen3": llama_block, "gemma3": gemma3_block}
+
+
+def bert_hidden_states(ids: np.ndarray, tensors: Tensors, hp) -> np.ndarray:
+    """BERT's output (n, d) for token ids (n,) from position 0, every token of type 0."""
+    x = tensors("token_embd.weight")[ids] + tensors("position_embd.weight")[np.arange(len(ids))]  # (n, d)
+    if "token_types.weight" in tensors:
+        x = x + tensors("token_types.weight")[0]
+    x = layer_norm(x, tensors("token_embd_norm.weight"), tensors("token_embd_norm.bias"), hp.norm_eps)
+    for layer in range(hp.n_layer):
+        w = Tensors(tensors.file, f"blk.{layer}.")
+        x = layer_norm(x + bert_attention(x, w, hp), w("attn_output_norm.weight"), w("attn_output_norm.bias"),
+                       hp.norm_eps)                            # (n, d)
+        h = gelu_tanh(x @ w("ffn_up.weight").T + w("ffn_up.bias")) @ w("ffn_down.weight").T + w("ffn_down.bias")
+        x = layer_norm(x + h, w("layer_output_norm.weight"), w("layer_output_norm.bias"), hp.norm_eps)
+    return x
+
+
+def bert_attention(h: np.ndarray, w: Tensors, hp) -> np.ndarray:
+    """Multi-head self-attention of the whole sequence, every query seeing every key; with biases."""
+    n, hd = h.shape[0], hp.n_embd // hp.n_head
+    q, k, v = ((h @ w(f"attn_{x}.weight").T + w(f"attn_{x}.bias")).reshape(n, hp.n_head, hd) for x in "qkv")
+    scores = np.einsum("ihc,jhc->hij", q, k) / math.sqrt(hd)   # (n_head, n, n): query i, key j
+    out = np.einsum("hij,jhc->ihc", softmax(scores), v)        # (n, n_head, hd)
+    return out.reshape(n, -1) @ w("attn_output.weight").T + w("attn_output.bias")  # (n, d)
 
 
 def attention(h: np.ndarray, w: Tensors, hp, layer: int) -> np.ndarray:
@@ -168,6 +206,12 @@ def rope(x: np.ndarray, hp, local: bool) -> np.ndarray:
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis; x (..., k), weight (k,)."""
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * weight
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean(x)) / sqrt(var(x) + eps) * weight + bias over the last axis."""
+    centered = x - x.mean(axis=-1, keepdims=True)
+    return centered / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps) * weight + bias
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

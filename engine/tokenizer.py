@@ -1,6 +1,6 @@
 """Tokenizers built from a GGUF file's `tokenizer.*` metadata, as llama.cpp builds them.
 
-Two tokenizer models are supported, chosen by `tokenizer.ggml.model`:
+Three tokenizer models are supported, chosen by `tokenizer.ggml.model`:
 
 - ``gpt2``: byte-level BPE. The text is first cut into words by the pre-tokenizer
   regexes that `tokenizer.ggml.pre` names (applied one after another, each one
@@ -12,6 +12,14 @@ Two tokenizer models are supported, chosen by `tokenizer.ggml.model`:
   merged while the merged text is a token, highest `tokenizer.ggml.scores` first,
   leftmost on a tie. A character that ends up in no token is written as its UTF-8
   bytes with the `<0xXX>` byte tokens.
+- ``bert``: WordPiece, as llama.cpp's WPM tokenizer. The text is NFD-normalized,
+  lowercased (unless the vocabulary has upper-case tokens: a cased model, which
+  llama.cpp lowercases too), cut into words at whitespace, each punctuation
+  character, ASCII symbol and CJK character a word of its own, control characters
+  dropped; each word, behind U+2581 (llama.cpp's converter writes a word-initial
+  piece "x" as "▁x" and a "##x" continuation as "x"), is matched greedily, longest
+  piece first; a word with a part no piece matches is the unknown token. The ids
+  are framed as [CLS] ... [SEP].
 
 Before either runs, the text is partitioned around special tokens (llama.cpp's
 `tokenizer_st_partition`): every token that is not a normal token, longest first,
@@ -47,7 +55,7 @@ cut (see `SpmTokenizer._words`), so the result is the same and words are cached 
 
 Not implemented (llama.cpp sets them from the model name, which the tokenizer
 metadata does not carry): the per-token lstrip/rstrip attributes of a few models
-(phi-3, jina). Other tokenizer models (bert, t5, rwkv, ...) raise
+(phi-3, jina). Other tokenizer models (t5, rwkv, ...) raise
 UnsupportedModelError.
 
 Known difference: the pre-tokenizer regexes know the characters of the `regex`
@@ -63,6 +71,7 @@ import abc
 import codecs
 import heapq
 import re
+import unicodedata
 from typing import Sequence
 
 import regex
@@ -363,9 +372,11 @@ class Tokenizer(abc.ABC):
             return BpeTokenizer(meta)
         if model == "llama":
             return SpmTokenizer(meta)
+        if model == "bert":
+            return WpmTokenizer(meta)
         if model is None:
             raise ModelFileError("the file has no tokenizer (tokenizer.ggml.model is missing)")
-        raise UnsupportedModelError(f"tokenizer model {model!r} is not supported (only 'gpt2' and 'llama')")
+        raise UnsupportedModelError(f"tokenizer model {model!r} is not supported (only 'gpt2', 'llama' and 'bert')")
 
     def _all_pieces(self) -> list[bytes]:
         """llama.cpp's token_to_piece(special=True) of every token: special tokens write
@@ -676,6 +687,101 @@ class SpmTokenizer(Tokenizer):
             for byte in s.encode():   # byte fallback: <0xXX> tokens
                 tid = self._byte_ids[byte]
                 ids.append(tid if tid is not None else self.unk_id)
+        return tuple(ids)
+
+
+# llama.cpp's whitespace (unicode.cpp's is_whitespace): what cuts a WordPiece text into words
+_WPM_SPACES = frozenset("\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | \
+    frozenset(map(chr, range(0x2000, 0x200B)))
+# BERT's "Chinese characters" (the CJK ideograph blocks): each one is a word of its own
+_CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+        (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+def _stands_alone(ch: str) -> bool:
+    """Whether a character is a WordPiece word by itself: punctuation, an ASCII symbol, CJK."""
+    category, cp = unicodedata.category(ch), ord(ch)
+    return category[0] == "P" or (category[0] == "S" and cp < 0x7F) or any(a <= cp <= b for a, b in _CJK)
+
+
+class WpmTokenizer(Tokenizer):
+    """WordPiece (`tokenizer.ggml.model` = "bert"), as llama.cpp's WPM tokenizer."""
+
+    def __init__(self, meta: dict):
+        # the converter writes [CLS] as the BOS token and [SEP] as the EOS and separator tokens
+        super().__init__(meta, default_bos=101, default_eos=102, default_unk=100, add_bos=True,
+                         add_space_prefix=True, clean_spaces=True)
+        sep = meta.get("tokenizer.ggml.seperator_token_id", 102)  # (sic: the GGUF key's spelling)
+        self.sep_id = int(sep) if 0 <= int(sep) < self.n_vocab else None
+        self.add_sep = bool(meta.get("tokenizer.ggml.add_sep_token", True)) and self.sep_id is not None
+        if self.unk_id is None:
+            raise ModelFileError("a bert tokenizer needs an unknown token")
+        pieces = [t for t, a in zip(self.tokens, self.attrs) if a & Attr.NORMAL]
+        cased = sum(t != t.lower() for t in pieces)
+        # an uncased vocabulary still holds a few pieces with capitals (U+2160 "Ⅰ"), a cased
+        # one thousands ("The", "New", ...): a twentieth of them tells the two apart
+        self._lowercase = cased < len(pieces) / 20
+        self._longest = max(map(len, pieces), default=1)
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def _normal_piece(self, text: str) -> bytes:
+        return text.replace(_SPACE, " ").encode()
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False,
+               literal_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
+        ids = super().encode(text, add_special, parse_special, literal_spans)
+        if add_special and self.add_sep:
+            ids.append(self.sep_id)
+        return ids
+
+    def _encode_fragments(self, fragments, ids):
+        for frag in fragments:
+            if isinstance(frag, int):
+                ids.append(frag)
+                continue
+            for word in self.words(frag):
+                got = self._cache.get(word)
+                if got is None:
+                    got = self._wordpiece(_SPACE + word)
+                    _remember(self._cache, word, got)
+                ids.extend(got)
+
+    def words(self, text: str) -> list[str]:
+        """llama.cpp's WPM preprocess: normalized, (lowercased,) cut into words."""
+        words, word = [], []
+        for ch in unicodedata.normalize("NFD", text):
+            if ch in _WPM_SPACES:
+                if word:
+                    words.append("".join(word))
+                    word = []
+            elif ch in "\0\ufffd" or unicodedata.category(ch) in ("Cc", "Cf", "Co", "Cs"):
+                continue
+            else:
+                low = ch.lower() if self._lowercase else ch
+                ch = low if len(low) == 1 else ch  # (one code point to one, as unicode_tolower)
+                if _stands_alone(ch):
+                    if word:
+                        words.append("".join(word))
+                        word = []
+                    words.append(ch)
+                else:
+                    word.append(ch)
+        if word:
+            words.append("".join(word))
+        return words
+
+    def _wordpiece(self, word: str) -> tuple[int, ...]:
+        """The longest pieces that spell `word` from its start; the unknown token if a part has none."""
+        vocab, ids, i = self.token_to_id, [], 0
+        while i < len(word):
+            for j in range(min(len(word), i + self._longest), i, -1):
+                tid = vocab.get(word[i:j])
+                if tid is not None:
+                    ids.append(tid)
+                    i = j
+                    break
+            else:
+                return (self.unk_id,)
         return tuple(ids)
 
 

@@ -45,6 +45,8 @@ PREFIX_CACHE_BYTES = 256 << 20  # finished sequences' caches kept per model for 
 MAX_BATCH = 8                  # requests stepped together: a step reads the weights once for all its rows
 PREFILL_CHUNK = 512            # prompt tokens per forward step while prompts outnumber the running streams
                                # (Model.step's default too; perf: "Prefill", a full prompt chunk)
+EMBED_BATCH_TOKENS = 512       # input tokens an embedding request's forward step takes at most: a prefill
+                               # chunk's worth, so the scheduler's decode steps wait no longer for one of them
 INTERLEAVE_CHUNK = 64          # prompt tokens per step while more streams run than wait: a long prompt does not
                                # freeze the streams already running
 

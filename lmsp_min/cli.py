@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import engine
-from engine.api import ChatRequest, Finished, ReasoningDelta, SamplingParams, TextDelta, ToolCall
+from engine.api import POOLINGS, ChatRequest, Finished, ReasoningDelta, SamplingParams, TextDelta, ToolCall
 from engine.errors import ContextLengthExceeded, EngineError
 from lmsp_min import __version__, fetch
 from lmsp_min.auth import host_name
@@ -416,6 +416,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--no-speculate", action="store_true",
                    help="decode one token per step: no drafts from the context or forced text (they never "
                         "change the output, and back off where they do not pay)")
+    p.add_argument("--pooling", choices=POOLINGS, default=None,
+                   help="how /v1/embeddings pools a model's final hidden states into one vector: the mean of "
+                        "its tokens', the first's, or the last's (default: the model's own, else mean)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -449,6 +452,7 @@ def cmd_serve(args) -> int:
         kv_cache_bytes=args.kv_cache_mib << 20,
         queue_depth=args.queue_depth,
         speculate=not args.no_speculate,
+        pooling=args.pooling,
     )
     try:
         run(config, args.host, args.port)

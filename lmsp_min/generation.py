@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import trio
 
+from engine import describe
 from engine.api import ChatRequest, SamplingParams
 from engine.errors import ChatTemplateError, ContextLengthExceeded, OutputBudgetTooSmall, PromptError, SchemaError
 from lmsp_min.admission import Admission
@@ -187,6 +188,9 @@ async def prepare(body: dict, principal: str, service, prompt: str | list[int] |
     """
     request = validate_responses_request(body)
     entry = await service.registry.find(request.model, param="model")
+    if not describe.generates(entry.architecture):
+        raise Problem("unsupported_capability", f"model '{entry.id}' is an embedding model ({entry.architecture}): "
+                      "it does not generate text; ask POST /v1/embeddings", param="model")
     if request.previous_response_id is not None:  # (refused before a model is loaded for it;
         _require_conversations(service)           # effective_input, below, asks for others too)
     model = await entry.load(service.log)

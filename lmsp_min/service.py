@@ -92,6 +92,7 @@ class ServiceConfig:
                                              # together (None: no bound)
     queue_depth: int = DEFAULT_QUEUE_DEPTH  # --queue-depth: requests each model admits at once (D9)
     speculate: bool = True  # --no-speculate: no drafts from the context or forced text (never changes output)
+    pooling: str | None = None  # --pooling: how every model's embeddings pool (None: each model's own)
 
 
 class Service:

@@ -5,6 +5,8 @@ of its architecture but a few layers of width 64, so a test can load it, run
 prefill and decode, and compare code paths in milliseconds. Its weights are
 stored in several formats (F32, F16, Q8_0, Q4_0) so the kernels are exercised
 along the way. Text it generates is noise, but deterministic noise.
+`write_tiny_bert` writes an encoder the same way (BERT's layout, a small WordPiece
+vocabulary), which embeds and does not generate.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, LlamaFileType, RopeScalingType
+from gguf import GGUFWriter, LlamaFileType, PoolingType, RopeScalingType
 from gguf.quants import quantize
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -160,6 +162,91 @@ def _write(path, architecture, tokenizer_meta, seed, n_layer, n_embd, n_head, n_
 def write_tiny_chat_model(path: str | Path, seed: int = 0) -> Path:
     """A tiny llama with SmolLM2's tokenizer and ChatML template: a fast stand-in for a chat model."""
     return write_tiny_model(path, "llama", seed=seed)
+
+
+# A small WordPiece vocabulary in llama.cpp's GGUF spelling: a word-initial piece behind
+# U+2581, a "##" continuation bare. Every letter both ways, so any lowercase ASCII word
+# is spelled; a few whole words and suffixes, so that greedy longest-match matters.
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+BERT_WORDS = ("the", "cat", "sat", "on", "mat", "hello", "world", "embed", "dog", "run")
+BERT_SUFFIXES = ("ing", "ed", "dings", "ding")
+
+
+def bert_vocabulary() -> list[str]:
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789")
+    return [*BERT_SPECIALS, *("\u2581" + c for c in letters + list(".,!?'-")), *letters,
+            *("\u2581" + w for w in BERT_WORDS), *BERT_SUFFIXES]
+
+
+def write_tiny_bert(path: str | Path, seed: int = 0, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
+                    n_ff: int = 128, context_length: int = 64, pooling: int | None = 1) -> Path:
+    """A tiny random-weight BERT (llama.cpp's "bert" layout, a WordPiece vocabulary of
+    `bert_vocabulary`) at `path`; `pooling` is its `bert.pooling_type` (1 mean, 2 cls, 3
+    last; None: the key left out)."""
+    tokens = bert_vocabulary()
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "bert")
+    w.add_name("tiny-bert")
+    w.add_file_type(LlamaFileType.MOSTLY_Q8_0)
+    w.add_context_length(context_length)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    if pooling is not None:
+        w.add_pooling_type(PoolingType(pooling))
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in BERT_SPECIALS else 1 for t in tokens])
+    w.add_token_type_count(2)
+    w.add_unk_token_id(tokens.index("[UNK]"))
+    w.add_bos_token_id(tokens.index("[CLS]"))  # (as llama.cpp's converter writes them)
+    w.add_eos_token_id(tokens.index("[SEP]"))
+    w.add_sep_token_id(tokens.index("[SEP]"))
+    w.add_add_bos_token(True)
+    w.add_add_sep_token(True)
+    w.add_pad_token_id(tokens.index("[PAD]"))
+    w.add_mask_token_id(tokens.index("[MASK]"))
+
+    def add(name: str, array: np.ndarray, qtype: Q = Q.F32) -> None:
+        if qtype == Q.F32:
+            w.add_tensor(name, np.asarray(array, np.float32))
+        elif qtype == Q.F16:
+            w.add_tensor(name, array.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
+
+    def matrix(n_out: int, n_in: int) -> np.ndarray:
+        return rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)
+
+    def norm(name: str, n: int) -> None:
+        add(name + ".weight", 1.0 + 0.1 * rng.standard_normal(n))
+        add(name + ".bias", 0.1 * rng.standard_normal(n))
+
+    add("token_embd.weight", rng.standard_normal((len(tokens), n_embd), dtype=np.float32), Q.Q8_0)
+    add("position_embd.weight", 0.5 * rng.standard_normal((context_length, n_embd)), Q.F16)
+    add("token_types.weight", 0.5 * rng.standard_normal((2, n_embd)))
+    norm("token_embd_norm", n_embd)
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        for x, qtype in (("q", Q.Q8_0), ("k", Q.Q4_0), ("v", Q.Q8_0)):
+            add(b + f"attn_{x}.weight", matrix(n_embd, n_embd), qtype)
+            add(b + f"attn_{x}.bias", 0.1 * rng.standard_normal(n_embd))
+        add(b + "attn_output.weight", matrix(n_embd, n_embd), Q.F16)
+        add(b + "attn_output.bias", 0.1 * rng.standard_normal(n_embd))
+        norm(b + "attn_output_norm", n_embd)
+        add(b + "ffn_up.weight", matrix(n_ff, n_embd), Q.Q8_0)
+        add(b + "ffn_up.bias", 0.1 * rng.standard_normal(n_ff))
+        add(b + "ffn_down.weight", matrix(n_embd, n_ff), Q.Q4_0)
+        add(b + "ffn_down.bias", 0.1 * rng.standard_normal(n_embd))
+        norm(b + "layer_output_norm", n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
 
 
 def _add_tokenizer_meta(w: GGUFWriter, meta: dict) -> None:

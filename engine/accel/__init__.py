@@ -22,7 +22,7 @@ the threads; the model keeps working, on its calling thread.
 from __future__ import annotations
 
 from engine import architectures
-from engine.architectures import Weights
+from engine.architectures import BertWeights, Weights
 from engine.quants import DenseWeight, QuantWeight, StackedWeight, Weight
 
 from . import helper as _helper
@@ -77,7 +77,7 @@ class Accelerator:
         return f"Accelerator(n_threads={self.n_threads}, helper={'yes' if self.helper else 'no'})"
 
 
-def install(weights: Weights, n_threads: int) -> Accelerator | None:
+def install(weights: Weights | BertWeights, n_threads: int) -> Accelerator | None:
     """Share the matmuls of a model's weights out over n_threads threads (and a helper
     process, for big models: see helper.start): every matrix of `weights` is replaced, in
     place, by its wrapper, and the forward's other work goes to the threads too. None (and
@@ -93,20 +93,19 @@ def install(weights: Weights, n_threads: int) -> Accelerator | None:
             wrapped[id(weight)] = accelerator.wrap(weight)
         return wrapped[id(weight)]
 
-    weights.token_embd, weights.output = wrap(weights.token_embd), wrap(weights.output)
-    for blk in weights.blocks:
-        blk.qkv, blk.attn_output = wrap(blk.qkv), wrap(blk.attn_output)
-        blk.gate_up, blk.ffn_down = wrap(blk.gate_up), wrap(blk.ffn_down)
+    for holder in (weights, *weights.blocks):
+        for name, value in list(vars(holder).items()):
+            if isinstance(value, Weight):
+                setattr(holder, name, wrap(value))
     return accelerator
 
 
-def quantized_matrices(weights: Weights) -> list[QuantWeight]:
+def quantized_matrices(weights: Weights | BertWeights) -> list[QuantWeight]:
     """Every quantized matrix of a model's weights, once each (the output matrix may be the
     embeddings), the plain ones behind wrappers included."""
     found: dict[int, QuantWeight] = {}
-    matrices = [weights.token_embd, weights.output]
-    for blk in weights.blocks:
-        matrices += [blk.qkv, blk.attn_output, blk.gate_up, blk.ffn_down]
+    matrices = [value for holder in (weights, *weights.blocks) for value in vars(holder).values()
+                if isinstance(value, Weight)]
     for m in matrices:
         for part in (m.parts if isinstance(m, StackedWeight) else [m]):
             part = part.plain if isinstance(part, Accelerated) else part

@@ -15,6 +15,7 @@
     POST   /v1/responses/input_tokens        responses:write  the input tokens a request would have
     POST   /v1/chat/completions              responses:write  a chat completion: sync or `stream`, `n` choices
     POST   /v1/completions                   responses:write  a plain completion of raw prompts (completions.py)
+    POST   /v1/embeddings                    responses:write  embeddings of texts or token ids (embeddings.py)
 
 Every request is translated (requests.py) into the LMSP request it asks for and runs
 through lmsp_min/generation.py exactly as `/lmsp/v1/responses` does (`prepare`, then
@@ -39,7 +40,7 @@ from lmsp_min import generation, sse
 from lmsp_min.events import FINAL_EVENTS
 from lmsp_min.generation import Generation
 from lmsp_min.http import Request, Response, json_response
-from lmsp_min.openai_dialect import chat, choices, completions, errors, requests, responses
+from lmsp_min.openai_dialect import chat, choices, completions, embeddings, errors, requests, responses
 from lmsp_min.problems import Problem, quoted
 from lmsp_min.routing import Router, read_json_body
 from lmsp_min.store import FINAL_STATUSES, TaskRow
@@ -62,6 +63,7 @@ def add_routes(router: Router) -> None:
         ("POST", RESPONSES + "/{response_id}/cancel", "tasks:write", cancel_response),
         ("POST", "/v1/chat/completions", "responses:write", create_chat_completion),
         ("POST", "/v1/completions", "responses:write", completions.create_completion),
+        ("POST", "/v1/embeddings", "responses:write", embeddings.create_embeddings),
     ):
         router.add(method, path, scope, handler)
 
