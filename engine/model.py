@@ -56,11 +56,12 @@ class ModelInfo:
 
 
 def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int | None = None,
-               speculate: bool = True) -> Model:
+               speculate: bool = True, max_batch: int = tuning.MAX_BATCH) -> Model:
     """Open a GGUF model. `n_ctx` caps the context window (default: the trained length);
     `kv_cache_bytes` bounds the KV caches of its scheduler's running requests together
     (see engine.scheduler; default: no bound); `speculate` False turns off drafts from
-    the context and forced text (engine/speculate.py), which never change the output."""
+    the context and forced text (engine/speculate.py), which never change the output;
+    `max_batch` is how many requests its scheduler steps together."""
     file = GGUFFile(path)
     hp = read_hyperparameters(file)
     weights = load_weights(file, hp)
@@ -75,6 +76,9 @@ def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int |
         raise
     model.scheduler.kv_budget.max_bytes = kv_cache_bytes
     model.scheduler.speculate = speculate
+    model.scheduler.max_batch = max_batch
+    # (its queue holds at least a batch: requests the KV budget keeps waiting, or preempted ones)
+    model.scheduler.max_queue = max(model.scheduler.max_queue, max_batch)
     model.accel = accelerator
     accel.release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd
     return model

@@ -168,6 +168,42 @@ async def test_kv_budget_preempts_the_newest_and_changes_no_output(model, schedu
     assert [g.cached_tokens for g in generations] == [0, 0]  # its own tokens are not "cached" prompt
 
 
+async def test_32_running_requests_stay_within_the_kv_budget_and_give_their_lone_tokens(model, schedulers,
+                                                                                       monkeypatch):
+    """`max_batch` 32: all of them step together, and when their caches outgrow the budget the
+    newest leave, wait and resume; the tokens are those each gives alone."""
+    prompts = [prompt(200, 100 + i) for i in range(32)]
+    # 24 join at 512 positions each (their first growth counted), 8 more once the first hold
+    # 256 each; all 32 do not fit once they grow past 256
+    budget = 32 * 384 * model.kv_bytes_per_position
+    scheduler = schedulers(max_batch=32, kv_cache_bytes=budget, prefix_cache_bytes=0, speculate=False)
+    running, held = [], []
+    step = scheduler._step
+
+    def step_and_count(active):
+        running.append(len(active))
+        held.append(sum(r.seq.cache.nbytes for r in active))
+        step(active)
+
+    monkeypatch.setattr(scheduler, "_step", step_and_count)
+    generations, got = [None] * 32, [None] * 32
+
+    async def run(i: int) -> None:
+        with scheduler.submit(prompts[i], pick=greedy, max_tokens=100) as generation:
+            generations[i] = generation
+            got[i] = [step.token async for step in generation]
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for i in range(32):
+                nursery.start_soon(run, i)
+    assert max(running) == 32 and max(held) <= budget
+    assert sum(g.preempted for g in generations) > 0
+    monkeypatch.undo()
+    for i in (0, 31):  # the oldest, and the newest, preempted first
+        assert_same_greedy(model, prompts[i], (await generate(alone(model), prompts[i], 100))[0], got[i])
+
+
 async def test_a_preempted_request_cancelled_while_it_waits_is_gone(model, schedulers):
     scheduler = schedulers(kv_cache_bytes=900 * model.kv_bytes_per_position, speculate=False)
     first = scheduler.submit(prompt(100, 25), pick=greedy, max_tokens=300)
