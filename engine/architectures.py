@@ -142,12 +142,20 @@ def make_batch(sequences: list[Sequence], max_tokens_each: int, wanted: list[int
                  wanted)
 
 
-def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = False) -> list[np.ndarray]:
+class StepAbandoned(Exception):
+    """A forward step stopped between two layers: nobody wants its logits any more."""
+
+
+def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = False,
+            abandon: Callable[[], bool] | None = None) -> list[np.ndarray]:
     """Run the batch through the model and advance every sequence's cache.
 
     Returns, per sequence, the logits (T, V) of all its new tokens when
     `all_logits`, else (k, V) of its last k new tokens (`batch.wanted`; by default
     k = 1, what sampling needs; a speculative draft's verification wants them all).
+    `abandon()`, asked before each layer after the first, true: the step raises
+    StepAbandoned there, every cache as it was (the keys and values the layers run
+    so far stored lie past its length, which only a finished step advances).
     """
     for seq, span, start in zip(batch.sequences, batch.spans, batch.starts):
         seq.cache.reserve(start + span.stop - span.start)
@@ -157,6 +165,8 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
         x = x * np.float32(hp.embedding_scale)                 # (n, d)
     for layer, blk in enumerate(w.blocks[:-1]):
         x = block(x, blk, hp, batch, layer)                    # (n, d)
+        if abandon is not None and abandon():
+            raise StepAbandoned()
     # Of the last block's output only the rows of the wanted logits are read, so (as in
     # llama.cpp) it computes every token's keys and values, which the cache keeps, and
     # the rest for those rows only: one block's attention and feed-forward less, bar a row.

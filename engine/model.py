@@ -22,7 +22,7 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from gguf.quants import dequantize
@@ -167,16 +167,18 @@ class Model:
         return hp.n_layer * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 4
 
     def step(self, sequences: list[Sequence], all_logits: bool = False,
-             chunk: int = tuning.PREFILL_CHUNK, logit_rows: list[int] | None = None) -> list[np.ndarray]:
+             chunk: int = tuning.PREFILL_CHUNK, logit_rows: list[int] | None = None,
+             abandon: Callable[[], bool] | None = None) -> list[np.ndarray]:
         """One forward step over up to `chunk` pending tokens of each sequence (blocking).
 
         Returns per sequence the logits of its last fed token (1, V), of its last k
         fed tokens (k, V) with `logit_rows` (k per sequence: a draft to verify), or
-        of all fed tokens (T, V) with `all_logits`.
+        of all fed tokens (T, V) with `all_logits`. When `abandon()` turns true the
+        step stops between two layers and raises StepAbandoned, the caches unchanged.
         """
         batch = architectures.make_batch(sequences, chunk, logit_rows)
         with self._forward_lock:
-            out = architectures.forward(self.hp, self.weights, batch, all_logits)
+            out = architectures.forward(self.hp, self.weights, batch, all_logits, abandon)
             self.steps += 1
         return out
 

@@ -9,10 +9,13 @@ NEAR_TIE nats of each other (there a last-bit difference may pick the other one,
 and the sequences go their own ways after it).
 """
 
+import threading
+
 import numpy as np
 import pytest
 import trio
 
+from engine import architectures
 from engine.errors import ModelClosed, QueueFull
 from engine.kv_cache import KVCache, Sequence
 from engine.model import Model, load_model
@@ -277,6 +280,42 @@ async def test_queue_full_raises_and_frees_on_cancel(model):
     for generation in generations:
         generation.cancel()
     scheduler.submit(prompt(5, 1), pick=greedy, max_tokens=1).cancel()   # room again
+
+
+async def test_a_client_that_leaves_during_a_long_prefill_frees_the_worker_at_the_next_layer(
+        model, schedulers, monkeypatch):
+    """Its prompt's second chunk is in the first layer when the client leaves: the worker stops
+    before the next layer (it never runs, here it would hold the worker for good), and the
+    prefix cache keeps only the first chunk, which a new request's tokens confirm."""
+    scheduler = schedulers(prefill_chunk=64, speculate=False)
+    long_prompt = prompt(150, 40)
+    expected = (await generate(alone(model), long_prompt, 5))[0]
+    block = architectures.BLOCKS[model.hp.architecture]
+    in_second_chunk, client_left, released = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_block(x, blk, hp, batch, layer, **kwargs):  # (in the worker thread)
+        if batch.starts == [64]:      # the second chunk
+            if layer == 0:
+                in_second_chunk.set()
+                client_left.wait(30)
+            else:                     # a later layer of the step nobody waits for
+                released.wait(30)
+        return block(x, blk, hp, batch, layer, **kwargs)
+
+    monkeypatch.setitem(architectures.BLOCKS, model.hp.architecture, slow_block)
+    try:
+        generation = scheduler.submit(long_prompt, pick=greedy, max_tokens=5)
+        await trio.to_thread.run_sync(in_second_chunk.wait, 30)
+        generation.cancel()
+        client_left.set()
+        with trio.fail_after(10):
+            await wait_until(lambda: not scheduler.running, "the worker stopped")
+    finally:
+        released.set()
+    monkeypatch.undo()
+    with trio.fail_after(30):
+        tokens, cached = await generate(scheduler, long_prompt, 5)
+    assert (tokens, cached) == (expected, 64)
 
 
 async def test_cancelled_request_leaves_the_batch(model, schedulers):
