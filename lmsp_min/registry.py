@@ -34,12 +34,13 @@ from pathlib import Path
 import trio
 
 import engine
-from engine import describe, tuning
+from engine import describe
 from engine.gguf_header import GGUFHeaderError, read_header
 from lmsp_min.admission import Admission, Admissions
 from lmsp_min.problems import Problem, quoted
 
-DEFAULT_MAX_BATCH = tuning.MAX_BATCH  # requests each model's engine steps together (`serve --max-batch`)
+DEFAULT_MAX_BATCH = 8  # requests each model's engine steps together (`serve --max-batch`): engine/tuning.py's
+                       # MAX_BATCH, written out here, where the engine's modules with numpy are not imported
 QUEUE_PER_SLOT = 4  # `serve --queue-depth` is this many times `--max-batch` unless given: one principal's
                     # share of it (all but an eighth) still fills the batch three times over
 DEFAULT_QUEUE_DEPTH = QUEUE_PER_SLOT * DEFAULT_MAX_BATCH  # requests admitted per model, generating or waiting (32)

@@ -205,6 +205,8 @@ def test_serve_max_batch_reaches_the_engine_and_sizes_the_queue(monkeypatch, tin
     sized, given = configs
     assert (sized.max_batch, sized.queue_depth, given.queue_depth) == (32, 128, 40)
     assert sized.queue_depth - reserve(sized.queue_depth) >= 32
+    from engine import tuning
+    assert service.ServiceConfig().max_batch == tuning.MAX_BATCH  # (the two defaults agree)
     entry = ModelEntry.from_file(tiny_path, max_batch=32)
     try:
         assert trio.run(entry.load).scheduler.max_batch == 32
