@@ -176,14 +176,22 @@ def make_batch(sequences: list[Sequence], max_tokens_each: int, wanted: list[int
                  wanted)
 
 
-def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = False) -> list[np.ndarray]:
+class StepAbandoned(Exception):
+    """A forward step stopped between two layers: nobody wants its logits any more."""
+
+
+def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = False,
+            abandon: Callable[[], bool] | None = None) -> list[np.ndarray]:
     """Run the batch through the model and advance every sequence's cache.
 
     Returns, per sequence, the logits (T, V) of all its new tokens when
     `all_logits`, else (k, V) of its last k new tokens (`batch.wanted`; by default
     k = 1, what sampling needs; a speculative draft's verification wants them all).
+    `abandon()`, asked before each layer after the first, true: the step raises
+    StepAbandoned there, every cache as it was (the keys and values the layers run
+    so far stored lie past its length, which only a finished step advances).
     """
-    x = hidden_states(hp, w, batch, all_rows=all_logits)       # (n or m, d)
+    x = hidden_states(hp, w, batch, all_rows=all_logits, abandon=abandon)  # (n or m, d)
     logits = w.output.matmul(x)                                # (n or m, V)
     if hp.logit_softcap:
         logits = np.tanh(logits / np.float32(hp.logit_softcap)) * np.float32(hp.logit_softcap)
@@ -196,7 +204,8 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
     return out
 
 
-def hidden_states(hp: Hyperparameters, w: Weights, batch: Batch, all_rows: bool = True) -> np.ndarray:
+def hidden_states(hp: Hyperparameters, w: Weights, batch: Batch, all_rows: bool = True,
+                  abandon: Callable[[], bool] | None = None) -> np.ndarray:
     """The batch's final hidden states, after the output norm (what the LM head reads and
     what embeddings pool, llama.cpp's `t_embd`), and every sequence's cache advanced.
 
@@ -210,6 +219,8 @@ def hidden_states(hp: Hyperparameters, w: Weights, batch: Batch, all_rows: bool 
         x = x * np.float32(hp.embedding_scale)                 # (n, d)
     for layer, blk in enumerate(w.blocks[:-1]):
         x = block(x, blk, hp, batch, layer)                    # (n, d)
+        if abandon is not None and abandon():
+            raise StepAbandoned()
     # Of the last block's output only the rows of the wanted logits are read, so (as in
     # llama.cpp) it computes every token's keys and values, which the cache keeps, and
     # the rest for those rows only: one block's attention and feed-forward less, bar a row.

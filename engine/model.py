@@ -22,7 +22,7 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from gguf.quants import dequantize
@@ -56,11 +56,12 @@ class ModelInfo:
 
 
 def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int | None = None,
-               speculate: bool = True) -> Model:
+               speculate: bool = True, max_batch: int = tuning.MAX_BATCH) -> Model:
     """Open a GGUF model. `n_ctx` caps the context window (default: the trained length);
     `kv_cache_bytes` bounds the KV caches of its scheduler's running requests together
     (see engine.scheduler; default: no bound); `speculate` False turns off drafts from
-    the context and forced text (engine/speculate.py), which never change the output."""
+    the context and forced text (engine/speculate.py), which never change the output;
+    `max_batch` is how many requests its scheduler steps together."""
     file = GGUFFile(path)
     hp = read_hyperparameters(file)
     weights = load_weights(file, hp)
@@ -75,6 +76,9 @@ def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int |
         raise
     model.scheduler.kv_budget.max_bytes = kv_cache_bytes
     model.scheduler.speculate = speculate
+    model.scheduler.max_batch = max_batch
+    # (its queue holds at least a batch: requests the KV budget keeps waiting, or preempted ones)
+    model.scheduler.max_queue = max(model.scheduler.max_queue, max_batch)
     model.accel = accelerator
     accel.release_freed_memory()  # the unpacking's temporaries, and the weights' copies before the helper's memfd
     return model
@@ -201,17 +205,19 @@ class Model:
         return hp.n_layer * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 4
 
     def step(self, sequences: list[Sequence], all_logits: bool = False,
-             chunk: int = tuning.PREFILL_CHUNK, logit_rows: list[int] | None = None) -> list[np.ndarray]:
+             chunk: int = tuning.PREFILL_CHUNK, logit_rows: list[int] | None = None,
+             abandon: Callable[[], bool] | None = None) -> list[np.ndarray]:
         """One forward step over up to `chunk` pending tokens of each sequence (blocking).
 
         Returns per sequence the logits of its last fed token (1, V), of its last k
         fed tokens (k, V) with `logit_rows` (k per sequence: a draft to verify), or
-        of all fed tokens (T, V) with `all_logits`.
+        of all fed tokens (T, V) with `all_logits`. When `abandon()` turns true the
+        step stops between two layers and raises StepAbandoned, the caches unchanged.
         """
         self._require_generating()
         batch = architectures.make_batch(sequences, chunk, logit_rows)
         with self._forward_lock:
-            out = architectures.forward(self.hp, self.weights, batch, all_logits)
+            out = architectures.forward(self.hp, self.weights, batch, all_logits, abandon)
             self.steps += 1
         return out
 

@@ -15,7 +15,9 @@ of them through `model.step` together:
 - with `kv_cache_bytes`, the active requests' KV caches stay within that many
   bytes together: the `KVBudget` (engine/kv_budget.py) decides who joins, and who
   leaves the batch to wait at the front of the queue and resume later;
-- a cancelled request leaves at the next step;
+- a cancelled request leaves at the next step; a step whose requests have all been
+  cancelled (their clients left) stops between two layers, its caches as before it,
+  so a long prefill nobody waits for does not hold the worker;
 - with `speculate` (the default), a request about to pick a token may feed a draft
   after its last token, chosen by the `Drafting` part (engine/drafting.py): tokens
   guessed from its context or forced by its constraint, verified in the same step
@@ -40,7 +42,7 @@ token of the loop that submitted it (`run_sync_soon`, so a slow reader never
 stalls the batch); the caller reads them with `async for`. The worker serves
 requests from any trio loop, so it is not a task of one: its owner is the
 scheduler, whose `close()` (called by `Model.close`) ends the requests still
-there (`ModelClosed`) and joins it, the step it is in finished first.
+there (`ModelClosed`) and joins it, the step it is in abandoned at its next layer.
 
 Reading the request path: engine/generate.py reads a `StepStream` (one
 generation's tokens); this file is where the path ends, in `Model.step`
@@ -60,6 +62,7 @@ import numpy as np
 import trio
 
 from . import tuning
+from .architectures import StepAbandoned
 from .drafting import Drafting
 from .errors import ModelClosed, QueueFull
 from .kv_budget import KVBudget
@@ -221,8 +224,9 @@ class Scheduler:
 
     def close(self) -> None:
         """End every request still here (their readers raise ModelClosed) and wait for
-        the worker thread to stop: after the step it is in, if any. Idempotent; blocks
-        for at most one forward step, so call it from a worker thread in async code."""
+        the worker thread to stop: at the next layer of the step it is in, if any.
+        Idempotent; blocks for about one layer's time (a request's `pick` may hold it
+        longer), so call it from a worker thread in async code."""
         with self._lock:
             self._closed = True
             worker = self._worker
@@ -319,8 +323,11 @@ class Scheduler:
         wanted = [1 + len(r.draft) for r in batch]  # logit rows: its last token's, and its draft's
         try:
             start = time.perf_counter()
-            logits = self.model.step([r.seq for r in batch], chunk=budget, logit_rows=wanted)  # (k, V) each
+            logits = self.model.step([r.seq for r in batch], chunk=budget, logit_rows=wanted,  # (k, V) each
+                                     abandon=lambda: self._closed or all(r.cancelled for r in batch))
             self.drafting.step_cost.record(sum(wanted) + used, time.perf_counter() - start)
+        except StepAbandoned:            # all of them left (or close()): the next loop retires them
+            return
         except Exception as exc:
             for request in batch:
                 active.remove(request)

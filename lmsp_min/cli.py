@@ -22,6 +22,7 @@ from lmsp_min import __version__, fetch
 from lmsp_min.auth import host_name
 from lmsp_min.cors import parse_origin
 from lmsp_min.paths import models_dir
+from lmsp_min.registry import DEFAULT_MAX_BATCH, DEFAULT_QUEUE_DEPTH, QUEUE_PER_SLOT
 from lmsp_min.store import STORE_TIMEOUT
 
 
@@ -405,9 +406,13 @@ def add_serve_parser(commands) -> None:
                    help="open connections in all (default 256); past it, a new one gets 429 and is closed")
     p.add_argument("--max-connections-per-client", type=_number(int, 1), default=64, metavar="N",
                    help="open connections from one client address (default 64); past it, 429 and closed")
-    p.add_argument("--queue-depth", type=_number(int, 1), default=32, metavar="N",
-                   help="requests each model admits at once, generating or waiting their turn (default 32); "
-                        "past it, or past a principal's share of it, 429")
+    p.add_argument("--max-batch", type=_number(int, 1), default=DEFAULT_MAX_BATCH, metavar="N",
+                   help=f"requests each model generates together, one forward step for all (default "
+                        f"{DEFAULT_MAX_BATCH}); the others wait their turn")
+    p.add_argument("--queue-depth", type=_number(int, 1), default=None, metavar="N",
+                   help=f"requests each model admits at once, generating or waiting their turn (default "
+                        f"{QUEUE_PER_SLOT} x --max-batch, {DEFAULT_QUEUE_DEPTH}); past it, or past a "
+                        "principal's share of it, 429")
     p.add_argument("--ctx", type=_number(int, 1), default=None, metavar="N",
                    help="cap every model's context window at N tokens (default: each model's trained length)")
     p.add_argument("--kv-cache-mib", type=_number(int, 1), default=1024, metavar="N",
@@ -450,7 +455,8 @@ def cmd_serve(args) -> int:
                       max_connections_per_client=args.max_connections_per_client),
         context_cap=args.ctx,
         kv_cache_bytes=args.kv_cache_mib << 20,
-        queue_depth=args.queue_depth,
+        queue_depth=args.queue_depth or QUEUE_PER_SLOT * args.max_batch,
+        max_batch=args.max_batch,
         speculate=not args.no_speculate,
         pooling=args.pooling,
     )

@@ -39,7 +39,11 @@ from engine.gguf_header import GGUFHeaderError, read_header
 from lmsp_min.admission import Admission, Admissions
 from lmsp_min.problems import Problem, quoted
 
-DEFAULT_QUEUE_DEPTH = 32  # requests admitted per model, generating or waiting (`serve --queue-depth`)
+DEFAULT_MAX_BATCH = 8  # requests each model's engine steps together (`serve --max-batch`): engine/tuning.py's
+                       # MAX_BATCH, written out here, where the engine's modules with numpy are not imported
+QUEUE_PER_SLOT = 4  # `serve --queue-depth` is this many times `--max-batch` unless given: one principal's
+                    # share of it (all but an eighth) still fills the batch three times over
+DEFAULT_QUEUE_DEPTH = QUEUE_PER_SLOT * DEFAULT_MAX_BATCH  # requests admitted per model, generating or waiting (32)
 
 # Capability names in the order model objects list them.
 CAPABILITY_ORDER = ("streaming", "tools", "structured_output", "reasoning", "conversations", "tasks")
@@ -102,6 +106,7 @@ class ModelEntry:
     kv_cache_bytes: int | None = None  # `serve --kv-cache-mib`: its running requests' KV caches together
     queue_depth: int = DEFAULT_QUEUE_DEPTH  # requests admitted at once; past it: 429
     speculate: bool = True  # `serve --no-speculate` turns drafts off (engine/speculate.py)
+    max_batch: int = DEFAULT_MAX_BATCH  # `serve --max-batch`: requests its engine steps together
     model: object | None = None
     admissions: Admissions = field(init=False, repr=False)  # its admitted requests, and their turns
     _load_lock: trio.Lock = field(default_factory=trio.Lock, repr=False)
@@ -114,7 +119,7 @@ class ModelEntry:
     @classmethod
     def from_file(cls, path: Path, context_cap: int | None = None,
                   kv_cache_bytes: int | None = None, queue_depth: int = DEFAULT_QUEUE_DEPTH,
-                  speculate: bool = True) -> "ModelEntry":
+                  speculate: bool = True, max_batch: int = DEFAULT_MAX_BATCH) -> "ModelEntry":
         header = read_header(path)  # arrays skipped: their length only
         meta = header.metadata
         architecture = meta.get("general.architecture")
@@ -138,6 +143,7 @@ class ModelEntry:
             kv_cache_bytes=kv_cache_bytes,
             queue_depth=queue_depth,
             speculate=speculate,
+            max_batch=max_batch,
         )
 
     def model_object(self, service_capabilities: tuple[str, ...]) -> dict:
@@ -167,7 +173,7 @@ class ModelEntry:
                 try:
                     model = await trio.to_thread.run_sync(functools.partial(
                         engine.load_model, self.path, self.context_cap, kv_cache_bytes=self.kv_cache_bytes,
-                        speculate=self.speculate))
+                        speculate=self.speculate, max_batch=self.max_batch))
                 except Exception as exc:
                     if log is not None:
                         log(f"error: model {self.id} failed to load: {type(exc).__name__}: {exc}")
@@ -230,27 +236,30 @@ class Registry:
 
     def __init__(self, entries: list[ModelEntry], models_dir: Path | None = None, log=None,
                  context_cap: int | None = None, kv_cache_bytes: int | None = None,
-                 queue_depth: int = DEFAULT_QUEUE_DEPTH, speculate: bool = True):
+                 queue_depth: int = DEFAULT_QUEUE_DEPTH, speculate: bool = True,
+                 max_batch: int = DEFAULT_MAX_BATCH):
         self._entries = {entry.id: entry for entry in entries}
         self.models_dir = models_dir
         self.context_cap = context_cap  # caps the context window of every model found (D4)
         self.kv_cache_bytes = kv_cache_bytes  # bounds each model's running KV caches together
         self.queue_depth = queue_depth  # requests each model admits at once
         self.speculate = speculate  # drafts from the context and forced text, for every model found
+        self.max_batch = max_batch  # requests each model's engine steps together
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._known = {entry.path.resolve() for entry in entries}  # files read, served or not
 
     @classmethod
     async def scan(cls, paths: list[Path], models_dir: Path | None, log=None,
                    context_cap: int | None = None, kv_cache_bytes: int | None = None,
-                   queue_depth: int = DEFAULT_QUEUE_DEPTH, speculate: bool = True) -> "Registry":
+                   queue_depth: int = DEFAULT_QUEUE_DEPTH, speculate: bool = True,
+                   max_batch: int = DEFAULT_MAX_BATCH) -> "Registry":
         """Read the headers of every `--model` path and every .gguf in `models_dir`.
 
         A `--model` that cannot be read is an error (raised as ValueError with a
         message for the command line); an unreadable file in the models
         directory is reported and skipped.
         """
-        registry = cls([], models_dir, log, context_cap, kv_cache_bytes, queue_depth, speculate)
+        registry = cls([], models_dir, log, context_cap, kv_cache_bytes, queue_depth, speculate, max_batch)
         await registry._add([Path(path) for path in paths], _gguf_files(models_dir))
         return registry
 
@@ -284,7 +293,7 @@ class Registry:
         for path in paths:
             try:
                 read.append((path, ModelEntry.from_file(path, self.context_cap, self.kv_cache_bytes, self.queue_depth,
-                                                         self.speculate)))
+                                                         self.speculate, self.max_batch)))
             except (OSError, GGUFHeaderError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 if path in explicit:

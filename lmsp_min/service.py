@@ -40,7 +40,7 @@ from lmsp_min.generation import GenerationsInProgress, prepare
 from lmsp_min.http import HTTPServer, Limits
 from lmsp_min.problems import Problem, leaf_exceptions, quoted
 from lmsp_min.openai_dialect import routes as openai_routes
-from lmsp_min.registry import DEFAULT_QUEUE_DEPTH, Registry
+from lmsp_min.registry import DEFAULT_MAX_BATCH, DEFAULT_QUEUE_DEPTH, Registry
 from lmsp_min.routing import App, Router
 from lmsp_min.store import STORE_TIMEOUT, StoreError
 from lmsp_min.store.open import open_store
@@ -93,6 +93,7 @@ class ServiceConfig:
     queue_depth: int = DEFAULT_QUEUE_DEPTH  # --queue-depth: requests each model admits at once (D9)
     speculate: bool = True  # --no-speculate: no drafts from the context or forced text (never changes output)
     pooling: str | None = None  # --pooling: how every model's embeddings pool (None: each model's own)
+    max_batch: int = DEFAULT_MAX_BATCH  # --max-batch: requests each model's engine steps together
 
 
 class Service:
@@ -124,7 +125,8 @@ class Service:
         tokens file (ValueError: a message for the user) and opens the store; at the end
         it closes the models loaded meanwhile, then the store."""
         registry = await Registry.scan(config.model_paths, config.models_dir, log, config.context_cap,
-                                       config.kv_cache_bytes, config.queue_depth, config.speculate)
+                                       config.kv_cache_bytes, config.queue_depth, config.speculate,
+                                       config.max_batch)
         auth = (Auth.from_file(config.tokens_file) if config.tokens_file is not None
                 else Auth(allowed_hosts=config.allowed_hosts))
         location = config.store_url or ((config.data_dir or paths.data_dir()) if config.store else None)

@@ -116,3 +116,20 @@ def test_the_storm_runs_against_a_served_model(tmp_path):
     assert all(set(phase["storm_statuses"]) <= {"200", "429", "dropped"} for phase in result["phases"])
     assert result["server_errors_logged"] == 0 and result["rss_end_mib"] > 0
     assert "quiet as its own principal" in done.stdout and "server RSS" in done.stdout
+
+
+def test_the_serve_race_runs_against_a_served_model(tmp_path):
+    """benchmarks/serve_race.py without llama-server: lmsp-min's figures at 1 and 9 streams
+    (the burst too), on the tiny model."""
+    from tiny import write_tiny_chat_model
+
+    path = write_tiny_chat_model(tmp_path / "tiny-chat-q8_0.gguf")
+    out = tmp_path / "race.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.serve_race", str(path), "--streams", "1,9",
+                           "--rounds", "1", "--tokens", "24", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["tok_s@1"]["lmsp_min"] > 0 and rows["tok_s@9"]["lmsp_min"] > 0
+    assert rows["ttft_p95@9"]["lmsp_min"] >= rows["ttft_p50@9"]["lmsp_min"] > 0
+    assert "cold_ttft@1" in rows and "idle_gap_p50@9" in rows

@@ -191,6 +191,29 @@ def test_serve_passes_the_connection_and_queue_limits_on(monkeypatch, tiny_path)
     assert default.limits == Limits() and default.queue_depth == service.ServiceConfig().queue_depth
 
 
+def test_serve_max_batch_reaches_the_engine_and_sizes_the_queue(monkeypatch, tiny_path):
+    """--max-batch N: N requests step together, and the queue (unless given) is 4 N deep,
+    so that one principal's share of it still fills the batch."""
+    from lmsp_min import cli, service
+    from lmsp_min.admission import reserve
+    from lmsp_min.registry import ModelEntry
+
+    configs = []
+    monkeypatch.setattr(service, "run", lambda config, host, port: configs.append(config))
+    assert cli.main(["serve", "--model", str(tiny_path), "--max-batch", "32"]) == 0
+    assert cli.main(["serve", "--model", str(tiny_path), "--max-batch", "32", "--queue-depth", "40"]) == 0
+    sized, given = configs
+    assert (sized.max_batch, sized.queue_depth, given.queue_depth) == (32, 128, 40)
+    assert sized.queue_depth - reserve(sized.queue_depth) >= 32
+    from engine import tuning
+    assert service.ServiceConfig().max_batch == tuning.MAX_BATCH  # (the two defaults agree)
+    entry = ModelEntry.from_file(tiny_path, max_batch=32)
+    try:
+        assert trio.run(entry.load).scheduler.max_batch == 32
+    finally:
+        entry.close()
+
+
 async def test_a_model_admits_queue_depth_requests(nursery, tiny_path):
     """--queue-depth reaches each model: past it, 429 before anything is generated."""
     from lmsp_min.service import ServiceConfig

@@ -9,10 +9,13 @@ NEAR_TIE nats of each other (there a last-bit difference may pick the other one,
 and the sequences go their own ways after it).
 """
 
+import threading
+
 import numpy as np
 import pytest
 import trio
 
+from engine import architectures
 from engine.errors import ModelClosed, QueueFull
 from engine.kv_cache import KVCache, Sequence
 from engine.model import Model, load_model
@@ -168,6 +171,42 @@ async def test_kv_budget_preempts_the_newest_and_changes_no_output(model, schedu
     assert [g.cached_tokens for g in generations] == [0, 0]  # its own tokens are not "cached" prompt
 
 
+async def test_32_running_requests_stay_within_the_kv_budget_and_give_their_lone_tokens(model, schedulers,
+                                                                                       monkeypatch):
+    """`max_batch` 32: all of them step together, and when their caches outgrow the budget the
+    newest leave, wait and resume; the tokens are those each gives alone."""
+    prompts = [prompt(200, 100 + i) for i in range(32)]
+    # 24 join at 512 positions each (their first growth counted), 8 more once the first hold
+    # 256 each; all 32 do not fit once they grow past 256
+    budget = 32 * 384 * model.kv_bytes_per_position
+    scheduler = schedulers(max_batch=32, kv_cache_bytes=budget, prefix_cache_bytes=0, speculate=False)
+    running, held = [], []
+    step = scheduler._step
+
+    def step_and_count(active):
+        running.append(len(active))
+        held.append(sum(r.seq.cache.nbytes for r in active))
+        step(active)
+
+    monkeypatch.setattr(scheduler, "_step", step_and_count)
+    generations, got = [None] * 32, [None] * 32
+
+    async def run(i: int) -> None:
+        with scheduler.submit(prompts[i], pick=greedy, max_tokens=100) as generation:
+            generations[i] = generation
+            got[i] = [step.token async for step in generation]
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for i in range(32):
+                nursery.start_soon(run, i)
+    assert max(running) == 32 and max(held) <= budget
+    assert sum(g.preempted for g in generations) > 0
+    monkeypatch.undo()
+    for i in (0, 31):  # the oldest, and the newest, preempted first
+        assert_same_greedy(model, prompts[i], (await generate(alone(model), prompts[i], 100))[0], got[i])
+
+
 async def test_a_preempted_request_cancelled_while_it_waits_is_gone(model, schedulers):
     scheduler = schedulers(kv_cache_bytes=900 * model.kv_bytes_per_position, speculate=False)
     first = scheduler.submit(prompt(100, 25), pick=greedy, max_tokens=300)
@@ -241,6 +280,42 @@ async def test_queue_full_raises_and_frees_on_cancel(model):
     for generation in generations:
         generation.cancel()
     scheduler.submit(prompt(5, 1), pick=greedy, max_tokens=1).cancel()   # room again
+
+
+async def test_a_client_that_leaves_during_a_long_prefill_frees_the_worker_at_the_next_layer(
+        model, schedulers, monkeypatch):
+    """Its prompt's second chunk is in the first layer when the client leaves: the worker stops
+    before the next layer (it never runs, here it would hold the worker for good), and the
+    prefix cache keeps only the first chunk, which a new request's tokens confirm."""
+    scheduler = schedulers(prefill_chunk=64, speculate=False)
+    long_prompt = prompt(150, 40)
+    expected = (await generate(alone(model), long_prompt, 5))[0]
+    block = architectures.BLOCKS[model.hp.architecture]
+    in_second_chunk, client_left, released = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_block(x, blk, hp, batch, layer, **kwargs):  # (in the worker thread)
+        if batch.starts == [64]:      # the second chunk
+            if layer == 0:
+                in_second_chunk.set()
+                client_left.wait(30)
+            else:                     # a later layer of the step nobody waits for
+                released.wait(30)
+        return block(x, blk, hp, batch, layer, **kwargs)
+
+    monkeypatch.setitem(architectures.BLOCKS, model.hp.architecture, slow_block)
+    try:
+        generation = scheduler.submit(long_prompt, pick=greedy, max_tokens=5)
+        await trio.to_thread.run_sync(in_second_chunk.wait, 30)
+        generation.cancel()
+        client_left.set()
+        with trio.fail_after(10):
+            await wait_until(lambda: not scheduler.running, "the worker stopped")
+    finally:
+        released.set()
+    monkeypatch.undo()
+    with trio.fail_after(30):
+        tokens, cached = await generate(scheduler, long_prompt, 5)
+    assert (tokens, cached) == (expected, 64)
 
 
 async def test_cancelled_request_leaves_the_batch(model, schedulers):

@@ -159,7 +159,7 @@ async def test_concurrent_first_requests_share_one_load(monkeypatch, tiny_path):
 
     all_asked = threading.Event()
 
-    def slow_load(path, n_ctx=None, kv_cache_bytes=None, speculate=True):
+    def slow_load(path, n_ctx=None, kv_cache_bytes=None, speculate=True, max_batch=8):
         calls.append(path)
         all_asked.wait(30)  # (until the three first uses have asked for the model)
         return Loaded()
