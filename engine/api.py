@@ -168,7 +168,7 @@ class TokenLogprob:
 
     id: int
     piece: bytes
-    logprob: float
+    logprob: float | None  # None: the first token of a prompt, which nothing before it predicts
     top: tuple[tuple[int, bytes, float], ...] = ()  # (id, piece, logprob)
 
 

@@ -192,9 +192,7 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
     so far stored lie past its length, which only a finished step advances).
     """
     x = hidden_states(hp, w, batch, all_rows=all_logits, abandon=abandon)  # (n or m, d)
-    logits = w.output.matmul(x)                                # (n or m, V)
-    if hp.logit_softcap:
-        logits = np.tanh(logits / np.float32(hp.logit_softcap)) * np.float32(hp.logit_softcap)
+    logits = lm_head(hp, w, x)                                 # (n or m, V)
     if all_logits:
         return [logits[span] for span in batch.spans]
     out, row = [], 0
@@ -202,6 +200,14 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
         out.append(logits[row: row + span.stop - span.start])
         row += span.stop - span.start
     return out
+
+
+def lm_head(hp: Hyperparameters, w: Weights, x: np.ndarray) -> np.ndarray:
+    """The logits (n, V) of final hidden states x (n, d)."""
+    logits = w.output.matmul(x)                                # (n, V)
+    if hp.logit_softcap:
+        logits = np.tanh(logits / np.float32(hp.logit_softcap)) * np.float32(hp.logit_softcap)
+    return logits
 
 
 def hidden_states(hp: Hyperparameters, w: Weights, batch: Batch, all_rows: bool = True,

@@ -46,9 +46,10 @@ import re
 import secrets
 from dataclasses import replace
 
-from .api import ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, TokenLogprob, ToolCall
+from .api import ChatRequest, Finished, PreparedChat, ReasoningDelta, TextDelta, ToolCall
 from .errors import ContextLengthExceeded, PromptError, SchemaError
 from .generate import StopFilter
+from .sampling import token_logprob
 from .tools import ToolCallParser, output_field, plan_output
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -193,7 +194,7 @@ async def generate_chat(model, prepared: PreparedChat):
             if budget.check(token.id):
                 break
             if token.logprob is not None:
-                yield _token_logprob(model.tokenizer, token)
+                yield token_logprob(model.tokenizer, token.id, token.logprob)
             events = output.feed(token.text)
             for event in message_stop.apply(events) if message_stop else events:
                 yield event
@@ -215,11 +216,6 @@ async def generate_chat(model, prepared: PreparedChat):
     # (stopped perhaps in the last token allowed: "stop" all the same)
     yield Finished("stop" if stopped() else generation.finish_reason or "stop", counts.input_tokens,
                    counts.output_tokens, cached_tokens=counts.cached_tokens)
-
-
-def _token_logprob(tokenizer, token) -> TokenLogprob:
-    top = tuple((i, tokenizer.piece(i), logprob) for i, logprob in token.logprob.top)
-    return TokenLogprob(token.id, tokenizer.piece(token.id), token.logprob.logprob, top)
 
 
 class BudgetWatch:

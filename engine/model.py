@@ -28,6 +28,7 @@ import numpy as np
 from gguf.quants import dequantize
 
 from . import accel, architectures, describe, embed, tuning
+from .api import TokenLogprob
 from .architectures import BertBlock, BertWeights, Block, Hyperparameters, Weights
 from .chat_template import ChatTemplate
 from .constrain import can_constrain
@@ -35,8 +36,13 @@ from .errors import ContextLengthExceeded, ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache, Sequence
 from .quants import concat_weights, load_weight, reorder_rows
+from .sampling import report, token_logprob
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
+
+# rows of a prompt's logits made at once for its log probabilities: 64 x Gemma 3's
+# 262,144 float32 logits are 64 MiB, where the whole of a 2,000-token prompt's would be 2 GiB
+PROMPT_LOGIT_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,20 @@ class Model:
             out = architectures.forward(self.hp, self.weights, batch, all_logits, abandon)
             self.steps += 1
         return out
+
+    def prompt_logprobs(self, ids: list[int], n_top: int) -> list:
+        """Each token of a prompt: its log probability after those before it, and the
+        `n_top` likeliest there (TokenLogprob; the first token's are None and none), as a
+        completion's `echo` with `logprobs` reports them. The prompt runs in a fresh
+        context (blocking)."""
+        self._require_generating()
+        states = self.final_states([ids])[0][:-1]                # (T-1, d): row t predicts token t+1
+        entries = [TokenLogprob(ids[0], self.tokenizer.piece(ids[0]), None, ())]
+        for start in range(0, len(states), PROMPT_LOGIT_ROWS):
+            logits = architectures.lm_head(self.hp, self.weights, states[start:start + PROMPT_LOGIT_ROWS])  # (r, V)
+            for row, token in zip(logits, ids[start + 1:]):
+                entries.append(token_logprob(self.tokenizer, token, report(row, token, n_top)))
+        return entries
 
     def generate(self, prompt_ids, *, max_tokens, sampling=None, stop=(), constraint=None, continuation=None):
         self._require_generating()

@@ -40,7 +40,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .api import SamplingParams
+from .api import SamplingParams, TokenLogprob
 from .errors import EngineError
 
 
@@ -169,3 +169,9 @@ def report(logits: np.ndarray, token: int, n_top: int) -> Reported:
     top = np.argpartition(-logprobs, n_top - 1)[:n_top] if n_top else np.zeros(0, np.int64)  # (n_top,)
     top = top[np.lexsort((top, -logprobs[top]))]                    # most likely first
     return Reported(float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in top))
+
+
+def token_logprob(tokenizer, token: int, reported: Reported) -> TokenLogprob:
+    """A report as the plain event a client reads: ids with their pieces (bytes)."""
+    top = tuple((i, tokenizer.piece(i), logprob) for i, logprob in reported.top)
+    return TokenLogprob(token, tokenizer.piece(token), reported.logprob, top)

@@ -100,6 +100,36 @@ async def test_echo_puts_the_prompt_first_and_stop_ends_the_text(server):
     assert choice.text == PROMPT + plain[:plain.index(stop)] and choice.finish_reason == "stop"
 
 
+async def test_echo_with_logprobs_scores_every_token_of_the_prompt_as_the_model_does(server):
+    """How evaluation harnesses score a text: echo, logprobs, one token; the first token's is null."""
+    model = engine_model(server)
+    ids = model.tokenize(PROMPT)
+    completion = await sdk(server, lambda c: c.completions.create(model=TINY_ID, prompt=PROMPT, max_tokens=1,
+                                                                  temperature=0, echo=True, logprobs=2))
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) + 1  # the prompt's tokens, then the one generated
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for t in range(1, len(ids)):
+        expected = log_softmax(model.logits(ids[:t])[-1])  # the oracle: the model's logits for the prefix
+        assert logprobs.token_logprobs[t] == pytest.approx(expected[ids[t]], abs=1e-4)
+        assert max(logprobs.top_logprobs[t].values()) == pytest.approx(expected.max(), abs=1e-4)
+    for token, offset in zip(logprobs.tokens[1:], logprobs.text_offset[1:]):
+        assert choice.text.startswith(token, offset)  # each offset is where its token's text is
+
+
+async def test_a_streamed_echo_sends_the_prompts_logprobs_with_its_text(server):
+    def work(client):
+        asked = dict(model=TINY_ID, prompt=[PROMPT, "A cat"], max_tokens=2, temperature=0, echo=True, logprobs=1)
+        return client.completions.create(**asked), list(client.completions.create(**asked, stream=True))
+    whole, chunks = await sdk(server, work)
+    for index in (0, 1):
+        parts = [chunk.choices[0] for chunk in chunks if chunk.choices and chunk.choices[0].index == index]
+        streamed = [token for part in parts if part.logprobs for token in part.logprobs.tokens]
+        assert parts[0].text.startswith(["Once", "A"][index]) and streamed == whole.choices[index].logprobs.tokens
+        assert parts[0].logprobs.token_logprobs[0] is None
+
+
 async def test_a_streamed_completion_is_the_synchronous_one_in_chunks(server):
     def work(client):
         whole = client.completions.create(model=TINY_ID, prompt=PROMPT, n=2, max_tokens=6, temperature=0)
@@ -136,7 +166,6 @@ async def test_completion_logprobs_are_the_models_log_softmax(server):
 @pytest.mark.parametrize("param, kwargs", [
     ("suffix", {"suffix": "The end."}),
     ("best_of", {"best_of": 3}),
-    ("echo", {"echo": True, "logprobs": 1}),
     ("logprobs", {"logprobs": 21}),
     ("n", {"n": 9}),
     ("prompt", {"prompt": []}),

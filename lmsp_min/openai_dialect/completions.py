@@ -12,14 +12,17 @@ text tokenized with the model's BOS and its special tokens parsed, as llama-serv
     max_tokens    16 when absent, as OpenAI's API (llama-server's: until the window is full)
     stop, n, seed, temperature, top_p, presence_penalty, frequency_penalty, logit_bias,
     stream, stream_options.include_usage, user; top_k and min_p as for chat
-    logprobs      0 to 20: each token's, and that many alternatives'; with `echo`, refused (a
-                  400 naming `echo`): the prompt's own would need a second forward pass over it
+    logprobs      0 to 20: each token's, and that many alternatives'; with `echo`, the
+                  prompt's tokens' too (the first's null, as nothing predicts it), from a second
+                  forward pass over the prompt (engine/model.py `prompt_logprobs`): how
+                  evaluation harnesses score a text
     suffix        refused unless empty: the models served here do not fill in the middle
     best_of       refused unless 1 or `n`: every choice generated is returned, none ranked
 
 A choice's `logprobs` is {tokens, token_logprobs, top_logprobs (per token, {token: logprob},
 most likely first), text_offset (where each token's text starts in the choice's text,
-after the echoed prompt)}, from the entries lmsp_min/events.py writes. A stream sends a
+the echoed prompt's first; a BOS the model added, which the text does not show, takes none of
+it)}, from the entries lmsp_min/events.py writes. A stream sends a
 `text_completion` chunk per text delta, each choice's last with its `finish_reason`, the
 choices one after the other; then, with include_usage, one with the usage of all, and
 `[DONE]`. A failure mid-stream is `{"error": ...}`, as for chat.
@@ -30,8 +33,10 @@ Next: openai_dialect/choices.py (the choices), lmsp_min/generation.py (the pipel
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import trio
+
 from lmsp_min import sse
-from lmsp_min.events import compact_json
+from lmsp_min.events import compact_json, logprob_entry
 from lmsp_min.generation import Generation
 from lmsp_min.http import Request, json_response
 from lmsp_min.openai_dialect import chat, choices
@@ -80,8 +85,6 @@ def _check_fields(body: dict) -> None:
         raise cannot("suffix", "the models served here do not fill in the middle")
     for name in ("stream", "echo"):
         bool_or_none(body, name)
-    if body.get("echo") and body.get("logprobs") is not None:
-        raise cannot("echo", "the prompt's log probabilities are not computed: ask for 'logprobs' without 'echo'")
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
         raise invalid("stream_options", "'stream_options' must be an object")
     if body.get("seed") is not None and not _is_int(body["seed"]):
@@ -134,12 +137,25 @@ async def create_completion(request: Request, service):
                for prompt in prompts]
     prepared = await choices.prepare(call, sources, request.principal, service)
     echoes = [choice.prepared.prompt if body.get("echo") else "" for choice in prepared]
+    echoed = await _echoed_logprobs(prepared, body["logprobs"]) if body.get("echo") and call.logprobs else None
     if call.stream:
-        chunks = _completion_sse(prepared, call, echoes, request, service)
+        chunks = _completion_sse(prepared, call, echoes, echoed, request, service)
         return sse.stream(choices.stream_body(prepared, chunks), service.config.limits)
     await choices.respond(prepared, call, request, service)
     return json_response(completion_object([choice.run.response_object() for choice in prepared], echoes,
-                                           call.logprobs))
+                                           call.logprobs, echoed))
+
+
+async def _echoed_logprobs(prepared: list[Generation], n_top: int) -> list[dict]:
+    """Each choice's echoed prompt as a `logprobs` object (the choices of a prompt share it),
+    the prompt's forward run in a worker thread."""
+    by_prompt: dict[tuple[int, ...], dict] = {}
+    for choice in prepared:
+        ids = tuple(choice.prepared.prompt_ids)
+        if ids not in by_prompt:
+            entries = await trio.to_thread.run_sync(choice.model.prompt_logprobs, list(ids), n_top)
+            by_prompt[ids] = prompt_logprobs_object([logprob_entry(e) for e in entries], choice.prepared.prompt)
+    return [by_prompt[tuple(choice.prepared.prompt_ids)] for choice in prepared]
 
 
 # -- the text_completion object ----------------------------------------------------------------
@@ -161,13 +177,33 @@ def logprobs_object(entries: list[dict], start: int) -> dict:
             "text_offset": offsets}
 
 
-def completion_object(lmsps: list[dict], echoes: list[str], logprobs: bool) -> dict:
-    """The final LMSP response objects of a request's choices as one `text_completion`."""
+def prompt_logprobs_object(entries: list[dict], prompt: str) -> dict:
+    """A prompt's entries (its first token's logprob null) as `logprobs`, offsets in `prompt`:
+    a first token the text does not begin with (the model's BOS) is at 0 and takes no room."""
+    listed = logprobs_object(entries, 0)
+    listed["top_logprobs"][0] = None
+    if entries and not prompt.startswith(entries[0]["token"]):
+        bos = len(entries[0]["token"])
+        listed["text_offset"] = [0] + [offset - bos for offset in listed["text_offset"][1:]]
+    return listed
+
+
+def joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two `logprobs` objects one after the other (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+def completion_object(lmsps: list[dict], echoes: list[str], logprobs: bool, echoed: list[dict] | None = None) -> dict:
+    """The final LMSP response objects of a request's choices as one `text_completion`
+    (`echoed`: each echoed prompt's `logprobs`, which come first)."""
     listed = []
     for index, (lmsp, echo) in enumerate(zip(lmsps, echoes)):
         message, _, entries = chat.message_of(lmsp)
+        generated = logprobs_object(entries, len(echo)) if logprobs else None
         listed.append({"text": echo + (message["content"] or ""), "index": index,
-                       "logprobs": logprobs_object(entries, len(echo)) if logprobs else None,
+                       "logprobs": joined(echoed[index] if echoed else None, generated),
                        "finish_reason": chat.finish_reason(lmsp["status"], 0)})
     first = lmsps[0]
     return {"id": completion_id(first["id"]), "object": "text_completion", "created": first["created_at"],
@@ -188,11 +224,13 @@ def _usage(lmsp: dict | None) -> dict | None:
 class CompletionChunks:
     """The SSE body of a streamed completion, from the LMSP events of its choices, one after the other."""
 
-    def __init__(self, first: Generation, echoes: list[str], include_usage: bool, logprobs: bool):
+    def __init__(self, first: Generation, echoes: list[str], include_usage: bool, logprobs: bool,
+                 echoed: list[dict] | None = None):
         run = first.run
         self._head = {"id": completion_id(run.id), "object": "text_completion", "created": run.created_at,
                       "model": run.model_id, "system_fingerprint": None}
         self._echoes = echoes
+        self._echoed = echoed  # each echoed prompt's logprobs, with its text
         self._offsets = [len(echo) for echo in echoes]  # where each choice's next text starts
         self._include_usage = include_usage
         self._logprobs = logprobs
@@ -208,7 +246,7 @@ class CompletionChunks:
     def translate(self, index: int, name: str, data: dict) -> bytes:
         """The bytes to send for one LMSP event of choice `index` (b"" when it has no counterpart)."""
         if name == "response.created" and self._echoes[index]:
-            return self._chunk(index, self._echoes[index])
+            return self._chunk(index, self._echoes[index], logprobs=self._echoed[index] if self._echoed else None)
         if name == "response.output_text.delta":
             logprobs = logprobs_object(data.get("logprobs", []), self._offsets[index]) if self._logprobs else None
             self._offsets[index] += len(data["delta"])
@@ -232,9 +270,9 @@ class CompletionChunks:
         return body + chat.DONE
 
 
-async def _completion_sse(prepared: list[Generation], call: Translated, echoes: list[str], request: Request,
-                          service) -> AsyncIterator[bytes]:
-    chunks = CompletionChunks(prepared[0], echoes, call.include_usage, call.logprobs)
+async def _completion_sse(prepared: list[Generation], call: Translated, echoes: list[str], echoed: list[dict] | None,
+                          request: Request, service) -> AsyncIterator[bytes]:
+    chunks = CompletionChunks(prepared[0], echoes, call.include_usage, call.logprobs, echoed)
     async with aclosing(choices.events(prepared, call, request, service)) as events:
         async for index, name, data in events:
             body = chunks.translate(index, name, data)
