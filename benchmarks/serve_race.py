@@ -44,7 +44,7 @@ from pathlib import Path
 import h11
 import trio
 
-from benchmarks import prompts
+from benchmarks import prompts, storm
 
 ROOT = Path(__file__).resolve().parent.parent
 CTX_PER_SLOT = 1536  # llama-server splits -c between its slots: room for the cold prompt and the burst's
@@ -85,12 +85,7 @@ class Server:
                    port, home)
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        storm.stop(self.process)
         self.log.close()
 
 

@@ -71,13 +71,18 @@ class Server:
             env=env, stdout=subprocess.DEVNULL, stderr=self.log)
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop(self.process)
         self.log.close()
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL if a server has not stopped within 30 s of it."""
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 async def request(port: int, method: str, path: str, token: str, body: dict | None = None, *,

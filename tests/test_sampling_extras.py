@@ -7,23 +7,11 @@ log-softmax written out here, and OpenAI's definitions of the penalties.
 import numpy as np
 import pytest
 
-from engine import ChatRequest, SamplingParams, load_model
+from engine import ChatRequest, SamplingParams
 from engine.api import Finished, TextDelta, TokenLogprob
 from engine.errors import PromptError
 from engine.sampling import Sampler
-from tiny import write_tiny_chat_model
-
-GREEDY = SamplingParams(temperature=0)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_model(write_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "chat.gguf"))
-
-
-@pytest.fixture(scope="module")
-def prompt(model):
-    return model.tokenize("Once upon a time")
+from test_generate import GREEDY, model, prompt  # noqa: F401 (fixtures)
 
 
 def log_softmax(row: np.ndarray) -> np.ndarray:
