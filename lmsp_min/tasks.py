@@ -59,7 +59,7 @@ from lmsp_min.generation import Generation, pump
 from lmsp_min.http import StreamCut
 from lmsp_min.idempotency import RECORD_TTL
 from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
-from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, TaskRow
+from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
 
 # How often a follower of a task another process runs, told of nothing new, checks
 # that the process is still alive (and takes the task over, or ends it `failed`, if it is not).
@@ -250,16 +250,29 @@ class Tasks:
         next_purge = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await self.recover()  # (a damaged database: StoreError, as for one that cannot open)
-            if self.store.persistent:  # (another process can share only a database on disk)
-                nursery.start_soon(self._watch_cancel_requests)
-            task_status.started()
-            while True:
+            damaged = await self._first_recovery(nursery)
+            if damaged is None:
+                if self.store.persistent:  # (another process can share only a database on disk)
+                    nursery.start_soon(self._watch_cancel_requests)
+                task_status.started()
+            while damaged is None:
                 if trio.current_time() >= next_purge:
                     next_purge = trio.current_time() + purge_interval
                     await self._attempt(self.purge, "purging what expired")
                 await self.store.wait_for_handover(min(recover_interval, purge_interval))
                 await self._attempt(self.recover, "recovering tasks")
+        raise damaged
+
+    async def _first_recovery(self, nursery: trio.Nursery) -> StoreError | None:
+        """The first `recover`, whose runners live in `nursery`. A damaged database's
+        StoreError (as for one that cannot open) is returned, the nursery cancelled, for
+        `run` to raise as itself, not inside the nursery's exception group."""
+        try:
+            await self.recover()
+        except StoreError as exc:
+            nursery.cancel_scope.cancel()
+            return exc
+        return None
 
     async def _attempt(self, work, what: str) -> None:
         """One round of `run`'s work on the database: a failure (a full disk, no file

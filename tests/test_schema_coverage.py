@@ -110,10 +110,21 @@ def email(s: str) -> bool:
             and "." in domain and rfc1123_hostname(domain))
 
 
+def rfc3339_date_time(s: str) -> bool:
+    """RFC 3339's date-time: ISO 8601 as the standard library reads it, with its "T" and an offset
+    (fromisoformat alone takes any separator and a time without one)."""
+    return s[10:11] in ("T", "t") and datetime.datetime.fromisoformat(s).tzinfo is not None
+
+
+def rfc3339_time(s: str) -> bool:
+    """RFC 3339's full-time: hh:mm:ss and an offset, which fromisoformat leaves optional."""
+    return s[5:6] == ":" and datetime.time.fromisoformat(s).tzinfo is not None
+
+
 STDLIB = {  # format -> an independent reader that raises or returns False on what it refuses
-    "date-time": datetime.datetime.fromisoformat,
+    "date-time": rfc3339_date_time,
     "date": datetime.date.fromisoformat,
-    "time": datetime.time.fromisoformat,
+    "time": rfc3339_time,
     "duration": rfc3339_duration,
     "email": email,
     "uuid": lambda s: str(uuid.UUID(s)) == s.lower(),
