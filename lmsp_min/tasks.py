@@ -26,7 +26,9 @@ logged event the output token ids it brought and the sampler's draws: the taker
 prepares the request again, prefills the prompt and that output (engine/api.py
 `Continuation`), makes again the events the log holds (checking that they are the
 same, and giving the output items their logged ids), and logs those that follow
-under the next ids. A greedy or seeded task gives the text it would have given. A task another
+under the next ids. A greedy or seeded task gives the text it would have given. A node back
+after its lease (frozen, cut off) finds its task another's: it publishes no event of its own
+(`TaskTakenOver`), and its followers go on from the database. A task another
 process runs (on this machine, or another node of a PostgreSQL store) is followed
 from the database, woken by the store's `watch` when it has new events, and
 cancelled by a request its owner is told of (lmsp_min/store/).
@@ -59,7 +61,7 @@ from lmsp_min.generation import Generation, pump
 from lmsp_min.http import StreamCut
 from lmsp_min.idempotency import RECORD_TTL
 from lmsp_min.problems import Problem, leaf_exceptions, shutting_down
-from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow
+from lmsp_min.store import FINAL_STATUSES, LoggedEvent, Store, StoreError, TaskRow, TaskTakenOver
 
 # How often a follower of a task another process runs, told of nothing new, checks
 # that the process is still alive (and takes the task over, or ends it `failed`, if it is not).
@@ -123,13 +125,19 @@ class LiveLog:
         durable transaction (after every event before it), then publish it."""
         self._check_next(final)
         await self._close_writer()
-        await self.store.finish_task(self.task_id, status, response, [final], stored)
+        if not await self.store.finish_task(self.task_id, status, response, [final], stored):
+            raise TaskTakenOver(_taken_from_us(self.task_id))  # (its final event is another node's)
         self.done = True
         self._publish([final])
 
     async def hand_over(self) -> None:
         """Commit what was appended, then close the log here: the task goes on on another node."""
         await self._close_writer()
+        self.gone_elsewhere()
+
+    def gone_elsewhere(self) -> None:
+        """The task is another node's now (handed over, taken over or ended there): followers go
+        on from the database."""
         self.handed_over = self.done = True
         self._published.set()
 
@@ -357,8 +365,12 @@ class Tasks:
             errors = [leaf for leaf in leaves if isinstance(leaf, Exception)]
             if not errors:
                 raise
-            causes = "; ".join(f"{type(error).__name__}: {error}" for error in errors)
-            self._log(f"error: task {running.task_id} failed: {causes}")
+            if all(isinstance(error, TaskTakenOver) for error in errors):
+                self._log(f"{errors[0]}: its followers here go on from the database")  # (frozen, or cut off, past its lease)
+                event_log.gone_elsewhere()
+            else:
+                causes = "; ".join(f"{type(error).__name__}: {error}" for error in errors)
+                self._log(f"error: task {running.task_id} failed: {causes}")
             problem = _runner_lost()
             if len(errors) < len(leaves):
                 raise next(leaf for leaf in leaves if not isinstance(leaf, Exception)) from None
@@ -441,6 +453,9 @@ class Tasks:
         try:
             if await self.store.finish_task(running.task_id, "failed", response, [final], self._stored(running)):
                 event_log.end(final)
+            else:  # (its runner failed on a store call that outlived this node's lease)
+                self._log(f"{_taken_from_us(running.task_id)}: not failed here")
+                event_log.gone_elsewhere()
         except Exception as exc:
             self._log(f"error: task {running.task_id} could not be marked failed: {exc}")
 
@@ -703,6 +718,10 @@ def _failed_ending(response_id: str, created_at: int, model: str, events: list[L
     final = LoggedEvent((events[-1].seq if events else 0) + 1, "response.failed",
                         compact_json({"response_id": response_id, "status": "failed", "error": error}))
     return compact_json(response), final
+
+
+def _taken_from_us(task_id: str) -> str:
+    return f"task {task_id} was taken over by another node, or ended by it (this node's lease expired)"
 
 
 def _shutting_down() -> Problem:

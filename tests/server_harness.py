@@ -35,7 +35,8 @@ _open_services: dict[int, AsyncExitStack] = {}  # id(service) -> what closes it 
 async def make_service(model_paths: list[Path], *, tokens_file: Path | None = None,
                        limits: Limits | None = None, log=None, data_dir: Path | str | None = None,
                        event_retention: float = 3600.0, cors_origins: list[str] | None = None,
-                       allowed_hosts: list[str] | None = None, store_timeout: float = STORE_TIMEOUT) -> Service:
+                       allowed_hosts: list[str] | None = None, store_timeout: float = STORE_TIMEOUT,
+                       store_lease: float = 10.0) -> Service:
     """A service over `model_paths` (entered `Service.open`), whose engine models are
     loaded once per test session: the service serves them but does not own them.
     `start_server` closes it when the server stops; a test that does not serve it
@@ -50,7 +51,7 @@ async def make_service(model_paths: list[Path], *, tokens_file: Path | None = No
     config = ServiceConfig(model_paths=list(model_paths), models_dir=None, tokens_file=tokens_file,
                            limits=limits or Limits(), store=data_dir is not None, event_retention=event_retention,
                            cors_origins=cors_origins or [], allowed_hosts=allowed_hosts or [],
-                           store_timeout=store_timeout)
+                           store_timeout=store_timeout, store_lease=store_lease)
     if isinstance(data_dir, str):
         config.store_url = data_dir
     else:

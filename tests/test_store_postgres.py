@@ -20,7 +20,7 @@ from lmsp_min.store.open import open_store
 from lmsp_min.store.postgres import MIGRATIONS, PURGE_LOCK, PostgresStore
 from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from test_store import response_body
-from test_tasks import create, follow, gated, task_body
+from test_tasks import all_events, create, follow, gated, task_body, wait_final
 from waiting import wait_until
 
 
@@ -277,6 +277,40 @@ async def test_a_key_running_on_one_node_is_a_409_on_the_other(nursery, tiny_pat
     replayed = await b.responses(task_body(), headers=key)
     assert replayed.status == 200 and replayed.body == first["reply"].body
     assert replayed.headers["idempotent-replayed"] == "true"
+
+
+async def test_a_node_stalled_past_its_lease_at_its_tasks_end_publishes_the_end_the_taker_wrote(
+        nursery, tiny_path, postgres_url, monkeypatch):
+    """A has logged every event of its task but the last when it stalls past its lease (held at
+    its final commit here: a frozen VM, a partition). B takes the task over and ends it. A, back,
+    must not publish an end of its own, which no database took: its follower gets B's end, from
+    the database, and A's log says why."""
+    a = await start_server(nursery, await make_service([tiny_path], data_dir=postgres_url, store_lease=1))
+    b = await start_server(nursery, await make_service([tiny_path], data_dir=postgres_url, store_lease=1))
+    store, finish, stalled, back = a.service.store, a.service.store.finish_task, trio.Event(), trio.Event()
+
+    async def stall_then_finish(*args, **kwargs):
+        monkeypatch.setattr(store, "_renew_lease", lambda conn: None)  # (its lease runs out meanwhile)
+        stalled.set()
+        await back.wait()
+        return await finish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "finish_task", stall_then_finish)
+    task = await create(a, task_body())
+    try:
+        with trio.fail_after(30):
+            await stalled.wait()
+            async with a.connection() as client:
+                events = follow(client, task["id"])
+                await wait_final(b, task["id"])  # B took it over, and ended it
+                back.set()
+                seen = [event async for event in events if event is not None]
+    finally:
+        back.set()  # (A's end is shielded from the test's stop: never leave it stalled)
+    replayed = await all_events(b, task["id"])
+    assert [(e.id, e.event, e.data) for e in seen] == [(e.id, e.event, e.data) for e in replayed]
+    assert any(f"task {task['id']} taken over" in line for line in b.service.log_lines)
+    assert any(f"task {task['id']} was taken over by another node" in line for line in a.service.log_lines)
 
 
 async def test_a_node_without_its_database_answers_503_then_recovers(nursery, tiny_path, own_server):
