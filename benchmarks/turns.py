@@ -101,12 +101,12 @@ def measure(models: dict[str, object], settings: dict[str, list[Assignment]], ro
     sequences = {}
     for _ in range(blocks):
         for name, model in models.items():
-            seqs = sequences.get(name)
-            if seqs is None or len(seqs[0].tokens) > MAX_LENGTH:
-                seqs = sequences[name] = [model.new_sequence(list(prompt)) for _ in range(rows)]
-                model.step(seqs)
-            undo = apply(settings[name])
+            undo = apply(settings[name])  # (the prompts' step too: a helper's buffers are sized by its setting)
             try:
+                seqs = sequences.get(name)
+                if seqs is None or len(seqs[0].tokens) > MAX_LENGTH:
+                    seqs = sequences[name] = [model.new_sequence(list(prompt)) for _ in range(rows)]
+                    model.step(seqs)
                 for i in range(steps + 2):
                     for seq in seqs:
                         seq.append(NEXT_TOKEN)
