@@ -20,12 +20,15 @@ The architectures differ in small, named ways (see `Hyperparameters`):
   feed-forward; five sliding-window layers with RoPE base 10k then one global
   layer; attention scale 1/sqrt(key_length); output tied to the embeddings.
 
-One encoder, which has no LM head and only embeds (engine/embed.py):
+Two encoders, which have no LM head and only embed (engine/embed.py):
 - bert (bge, all-MiniLM, ...): token + learned position (+ token type 0)
   embeddings, LayerNorm (with bias); post-norm blocks (each sub-layer's sum with
   its input is normalized), biases everywhere, a GELU feed-forward; attention
   over all of a sequence's tokens, no causal mask, so no KV cache: every sequence
   of a batch runs whole (`bert_hidden_states`).
+- nomic-bert (nomic-embed-text): bert without learned positions, which rotates
+  its queries and keys instead (NEOX RoPE, reordered at load like a decoder's);
+  Q, K, V fused in the file, no biases, a SwiGLU feed-forward (`nomic_bert_block`).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class Hyperparameters:
     attention_scale: float
     embedding_scale: float
     logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) when > 0
-    causal: bool = True         # False: an encoder (bert), which attends both ways and only embeds
+    causal: bool = True         # False: an encoder (bert, nomic-bert), which attends both ways and only embeds
     pooling: str | None = None  # `<arch>.pooling_type` as engine/embed.py names it ("mean", "cls", "last"), if any
 
 
@@ -111,12 +114,27 @@ class BertBlock:
 
 
 @dataclass
+class NomicBertBlock:
+    """The weights of one nomic-bert block: no biases (llama.cpp's converter asserts none)."""
+
+    qkv: Any                         # Weight (3d, d): Q, K, V, fused in the file; Q and K rows reordered
+                                     # at load (`neox_pairs_order`)
+    attn_output: Any                 # Weight (d, d)
+    attn_output_norm: tuple[np.ndarray, np.ndarray]
+    gate_up: Any                     # Weight (2*n_ff, d): gate then up, merged
+    ffn_down: Any                    # Weight (d, n_ff)
+    layer_output_norm: tuple[np.ndarray, np.ndarray]
+
+
+@dataclass
 class BertWeights:
+    """An encoder's weights: bert's, or nomic-bert's (no position table, its own blocks)."""
+
     token_embd: Any                  # Weight (V, d)
-    position_embd: np.ndarray        # (trained context, d) float32
+    position_embd: np.ndarray | None  # (trained context, d) float32; None: nomic-bert, which rotates instead
     token_type: np.ndarray | None    # (d,) the embedding of token type 0, which every token is
     token_embd_norm: tuple[np.ndarray, np.ndarray]
-    blocks: list[BertBlock]
+    blocks: list[BertBlock] | list[NomicBertBlock]
 
 
 @dataclass
@@ -284,14 +302,18 @@ def whole_sequences(token_lists: list[list[int]]) -> Batch:
 
 
 def bert_hidden_states(hp: Hyperparameters, w: BertWeights, batch: Batch) -> np.ndarray:
-    """BERT's final hidden states (n, d) of a `whole_sequences` batch (llama.cpp's
-    build_bert): the last block's output, which its own LayerNorm ends."""
-    x = w.token_embd.rows(batch.tokens) + w.position_embd[batch.positions]  # (n, d)
+    """An encoder's final hidden states (n, d) of a `whole_sequences` batch (llama.cpp's
+    build_bert, which runs bert and nomic-bert): the last block's output, which its own
+    LayerNorm ends."""
+    x = w.token_embd.rows(batch.tokens)                        # (n, d)
+    if w.position_embd is not None:
+        x += w.position_embd[batch.positions]
     if w.token_type is not None:
         x += w.token_type
     x = layer_norm(x, *w.token_embd_norm, hp.norm_eps)         # (n, d)
+    block = ENCODER_BLOCKS[hp.architecture]
     for blk in w.blocks:
-        x = bert_block(x, blk, hp, batch)                      # (n, d)
+        x = block(x, blk, hp, batch)                           # (n, d)
     return x
 
 
@@ -301,9 +323,7 @@ def bert_block(x: np.ndarray, blk: BertBlock, hp: Hyperparameters, batch: Batch)
     qkv = blk.qkv.matmul(x)                                    # (n, 3d)
     qkv += blk.qkv_bias
     q, k, v = (qkv[:, i * d: (i + 1) * d].reshape(n, hp.n_head, hd) for i in range(3))  # (n, n_head, hd) each
-    out = np.concatenate([attend_both_ways(q[span], k[span], v[span], hp.attention_scale)
-                          for span in batch.spans])            # (n, d)
-    h = blk.attn_output.matmul(out)                            # (n, d)
+    h = blk.attn_output.matmul(attend_each_sequence(q, k, v, hp, batch))  # (n, d)
     h += blk.attn_output_bias
     h += x
     x = layer_norm(h, *blk.attn_output_norm, hp.norm_eps)      # (n, d)
@@ -313,6 +333,33 @@ def bert_block(x: np.ndarray, blk: BertBlock, hp: Hyperparameters, batch: Batch)
     h += blk.ffn_down_bias
     h += x
     return layer_norm(h, *blk.layer_output_norm, hp.norm_eps)  # (n, d)
+
+
+def nomic_bert_block(x: np.ndarray, blk: NomicBertBlock, hp: Hyperparameters, batch: Batch) -> np.ndarray:
+    """bert_block with rotated queries and keys, no biases and a SwiGLU feed-forward."""
+    n, d = x.shape[0], hp.n_embd
+    qkv = blk.qkv.matmul(x)                                    # (n, 3d)
+    qk = rope_pairs(qkv[:, : 2 * d].reshape(n, 2 * hp.n_head, hp.head_dim), batch.rope_turns(hp, local=False))
+    q, k = qk[:, : hp.n_head], qk[:, hp.n_head:]               # (n, n_head, hd) each
+    v = qkv[:, 2 * d:].reshape(n, hp.n_head, hp.head_dim)      # (n, n_head, hd)
+    h = blk.attn_output.matmul(attend_each_sequence(q, k, v, hp, batch))  # (n, d)
+    h += x
+    x = layer_norm(h, *blk.attn_output_norm, hp.norm_eps)      # (n, d)
+    gate, up = split_gate_up(blk.gate_up.matmul(x))           # (n, n_ff) each
+    h = blk.ffn_down.matmul(swiglu(gate, up))                  # (n, d)
+    h += x
+    return layer_norm(h, *blk.layer_output_norm, hp.norm_eps)  # (n, d)
+
+
+ENCODER_BLOCKS = {"bert": bert_block, "nomic-bert": nomic_bert_block}
+
+
+def attend_each_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, hp: Hyperparameters,
+                         batch: Batch) -> np.ndarray:
+    """An encoder's attention, each sequence of the batch over all of its own tokens:
+    q, k, v (n, n_head, hd) -> (n, n_head*hd)."""
+    return np.concatenate([attend_both_ways(q[span], k[span], v[span], hp.attention_scale)
+                           for span in batch.spans])
 
 
 def attend_both_ways(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:

@@ -45,8 +45,8 @@ THINK_OPEN = "<think>"
 # BPE ("gpt2") and SentencePiece with byte fallback ("llama").
 BYTE_COMPLETE_TOKENIZERS = ("gpt2", "llama")
 # Architectures that embed and do not generate: encoders, which have no LM head
-# (engine/architectures.py's bert; engine/embed.py)
-ENCODERS = ("bert",)
+# (engine/architectures.py's bert and nomic-bert; engine/embed.py)
+ENCODERS = ("bert", "nomic-bert")
 
 
 def generates(architecture: str) -> bool:

@@ -29,7 +29,7 @@ from gguf.quants import dequantize
 
 from . import accel, architectures, describe, embed, tuning
 from .api import TokenLogprob
-from .architectures import BertBlock, BertWeights, Block, Hyperparameters, Weights
+from .architectures import BertBlock, BertWeights, Block, Hyperparameters, NomicBertBlock, Weights
 from .chat_template import ChatTemplate
 from .constrain import can_constrain
 from .errors import ContextLengthExceeded, ModelFileError, UnsupportedModelError
@@ -158,7 +158,7 @@ class Model:
         context, all of them stepped together (blocking): what engine/embed.py pools.
 
         A decoder runs them as a prefill, up to `chunk` tokens of each per step; an
-        encoder (bert) in one step, each sequence whole.
+        encoder (bert, nomic-bert) in one step, each sequence whole.
         """
         too_long = [len(ids) for ids in token_lists if len(ids) > self.n_ctx]
         if too_long:
@@ -264,7 +264,7 @@ class Model:
     # --- helpers ------------------------------------------------------------------------
 
     def _require_generating(self) -> None:
-        """An encoder (bert) has no LM head: asked to generate, it says so."""
+        """An encoder (bert, nomic-bert) has no LM head: asked to generate, it says so."""
         if not self.hp.causal:
             raise UnsupportedModelError(f"{self.info.name} is an embedding model ({self.hp.architecture}): "
                                         "it embeds text and does not generate it")
@@ -299,10 +299,10 @@ def _token_text(vocab, token_id: int | None) -> str:
 def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
     """The architecture's hyperparameters from the GGUF metadata (llama.cpp's keys and defaults)."""
     arch = file.architecture
-    if arch not in architectures.BLOCKS and arch != "bert":
+    supported = [*architectures.BLOCKS, *architectures.ENCODER_BLOCKS]
+    if arch not in supported:
         raise UnsupportedModelError(
-            f"{file.path}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(sorted([*architectures.BLOCKS, 'bert']))})")
+            f"{file.path}: architecture {arch!r} is not supported (supported: {', '.join(sorted(supported))})")
 
     def key(name: str, default: Any = ...) -> Any:
         value = file.get(f"{arch}.{name}", default)
@@ -310,7 +310,7 @@ def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
             raise ModelFileError(f"{file.path}: metadata key '{arch}.{name}' is missing")
         return value
 
-    if arch == "bert":
+    if arch in architectures.ENCODER_BLOCKS:
         return bert_hyperparameters(file, key)
     n_embd = int(key("embedding_length"))
     n_layer = int(key("block_count"))
@@ -323,10 +323,6 @@ def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
         raise ModelFileError(f"{file.path}: tensor 'token_embd.weight' is missing")
     gemma = arch == "gemma3"
     window = int(key("attention.sliding_window", 0)) if gemma else 0
-    scaling = key("rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise UnsupportedModelError(f"{file.path}: RoPE scaling {scaling!r} is not supported (only linear)")
-    rope_scale = 1.0 / float(key("rope.scaling.factor", 1.0) or 1.0) if scaling == "linear" else 1.0
     rope_dim = int(key("rope.dimension_count", head_dim))
     factors = file.tensors.get("rope_freqs.weight")  # Llama 3.1+: per-frequency divisors
     if factors is not None and tuple(factors.shape) != (rope_dim // 2,):
@@ -349,7 +345,7 @@ def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
         # llama.cpp hard-codes gemma3's local base; newer files may carry it
         rope_base_local=float(key("rope.freq_base_swa", 10000.0)) if gemma else 0.0,
         rope_neox=arch != "llama",
-        rope_scale=rope_scale,
+        rope_scale=rope_scale(file, key),
         rope_freq_factors=None if factors is None else
         tuple(float(f) for f in dequantize(factors.data, factors.type).reshape(-1)),
         sliding_window=window,
@@ -362,25 +358,38 @@ def read_hyperparameters(file: GGUFFile) -> Hyperparameters:
     )
 
 
+def rope_scale(file: GGUFFile, key) -> float:
+    """The factor RoPE scales positions by: 1 / `rope.scaling.factor` when linear, else 1."""
+    scaling = key("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModelError(f"{file.path}: RoPE scaling {scaling!r} is not supported (only linear)")
+    return 1.0 / float(key("rope.scaling.factor", 1.0) or 1.0) if scaling == "linear" else 1.0
+
+
 # llama.cpp's llama_pooling_type, the `<arch>.pooling_type` key, by the names engine/embed.py
 # pools by; none (per-token vectors) and rank (a reranker's classifier head) are not among them
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 
 
 def bert_hyperparameters(file: GGUFFile, key) -> Hyperparameters:
-    """BERT's: multi-head attention without RoPE, LayerNorm's epsilon, both-ways attention."""
+    """An encoder's: multi-head attention, LayerNorm's epsilon, both-ways attention; bert
+    without RoPE, nomic-bert with NEOX RoPE (llama.cpp's defaults: base 10k, whole heads)."""
+    arch = file.architecture
     n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
     embd = file.tensors.get("token_embd.weight")
     if embd is None:
         raise ModelFileError(f"{file.path}: tensor 'token_embd.weight' is missing")
-    n_layer = int(key("block_count"))
+    n_layer, head_dim = int(key("block_count")), n_embd // n_head
+    rotary = arch == "nomic-bert"
     return Hyperparameters(
-        architecture="bert", n_vocab=embd.shape[0], n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-        n_head_kv=n_head, head_dim=n_embd // n_head, head_dim_v=n_embd // n_head,
+        architecture=arch, n_vocab=embd.shape[0], n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        n_head_kv=n_head, head_dim=head_dim, head_dim_v=head_dim,
         n_ff=int(key("feed_forward_length")), norm_eps=float(key("attention.layer_norm_epsilon", 1e-12)),
         context_length=int(key("context_length")),
-        rope_dim=0, rope_base=0.0, rope_base_local=0.0, rope_neox=False, rope_scale=1.0, rope_freq_factors=None,
-        sliding_window=0, local_layers=(False,) * n_layer, attention_scale=1.0 / math.sqrt(n_embd // n_head),
+        rope_dim=int(key("rope.dimension_count", head_dim)) if rotary else 0,
+        rope_base=float(key("rope.freq_base", 10000.0)) if rotary else 0.0, rope_base_local=0.0,
+        rope_neox=rotary, rope_scale=rope_scale(file, key) if rotary else 1.0, rope_freq_factors=None,
+        sliding_window=0, local_layers=(False,) * n_layer, attention_scale=1.0 / math.sqrt(head_dim),
         embedding_scale=1.0, causal=False, pooling=POOLING_TYPES.get(key("pooling_type", None)),
     )
 
@@ -388,7 +397,7 @@ def bert_hyperparameters(file: GGUFFile, key) -> Hyperparameters:
 def load_weights(file: GGUFFile, hp: Hyperparameters) -> Weights | BertWeights:
     """Wrap every tensor the architecture needs; merge Q/K/V and gate/up into one matrix each."""
     tensor, matrix, vector = _tensor_readers(file)
-    if hp.architecture == "bert":
+    if not hp.causal:
         return load_bert_weights(file, hp, matrix, vector)
     return _decoder_weights(file, hp, tensor, matrix, vector)
 
@@ -470,33 +479,54 @@ def _decoder_weights(file: GGUFFile, hp: Hyperparameters, tensor, matrix, vector
 
 
 def load_bert_weights(file: GGUFFile, hp: Hyperparameters, matrix, vector) -> BertWeights:
-    """BERT's tensors (llama.cpp's names); Q, K, V merged into one matrix, as their biases."""
-    d, n_ff = hp.n_embd, hp.n_ff
+    """An encoder's tensors (llama.cpp's names): bert's or nomic-bert's blocks, and the
+    embeddings (a position table only for bert)."""
+    d = hp.n_embd
 
     def norm(name: str) -> tuple[np.ndarray, np.ndarray]:
         return vector(name + ".weight", d), vector(name + ".bias", d)
 
-    blocks = []
-    for i in range(hp.n_layer):
-        b = f"blk.{i}."
-        blocks.append(BertBlock(
-            qkv=concat_weights([matrix(b + f"attn_{x}.weight", (d, d)) for x in "qkv"]),
-            qkv_bias=np.concatenate([vector(b + f"attn_{x}.bias", d) for x in "qkv"]),
-            attn_output=matrix(b + "attn_output.weight", (d, d)),
-            attn_output_bias=vector(b + "attn_output.bias", d),
-            attn_output_norm=norm(b + "attn_output_norm"),
-            ffn_up=matrix(b + "ffn_up.weight", (n_ff, d)),
-            ffn_up_bias=vector(b + "ffn_up.bias", n_ff),
-            ffn_down=matrix(b + "ffn_down.weight", (d, n_ff)),
-            ffn_down_bias=vector(b + "ffn_down.bias", d),
-            layer_output_norm=norm(b + "layer_output_norm"),
-        ))
-    positions = matrix("position_embd.weight", (hp.context_length, d))
+    rotary = hp.architecture == "nomic-bert"
+    load_block = load_nomic_bert_block if rotary else load_bert_block
     types = file.tensors.get("token_types.weight")
     return BertWeights(
         token_embd=matrix("token_embd.weight", (hp.n_vocab, d)),
-        position_embd=positions.dequantize(),
+        position_embd=None if rotary else matrix("position_embd.weight", (hp.context_length, d)).dequantize(),
         token_type=None if types is None else load_weight(types).rows([0])[0],
         token_embd_norm=norm("token_embd_norm"),
-        blocks=blocks,
+        blocks=[load_block(f"blk.{i}.", hp, matrix, vector, norm) for i in range(hp.n_layer)],
+    )
+
+
+def load_bert_block(b: str, hp: Hyperparameters, matrix, vector, norm) -> BertBlock:
+    """The tensors of BERT's block named `b`; Q, K, V merged into one matrix, as their biases."""
+    d, n_ff = hp.n_embd, hp.n_ff
+    return BertBlock(
+        qkv=concat_weights([matrix(b + f"attn_{x}.weight", (d, d)) for x in "qkv"]),
+        qkv_bias=np.concatenate([vector(b + f"attn_{x}.bias", d) for x in "qkv"]),
+        attn_output=matrix(b + "attn_output.weight", (d, d)),
+        attn_output_bias=vector(b + "attn_output.bias", d),
+        attn_output_norm=norm(b + "attn_output_norm"),
+        ffn_up=matrix(b + "ffn_up.weight", (n_ff, d)),
+        ffn_up_bias=vector(b + "ffn_up.bias", n_ff),
+        ffn_down=matrix(b + "ffn_down.weight", (d, n_ff)),
+        ffn_down_bias=vector(b + "ffn_down.bias", d),
+        layer_output_norm=norm(b + "layer_output_norm"),
+    )
+
+
+def load_nomic_bert_block(b: str, hp: Hyperparameters, matrix, vector, norm) -> NomicBertBlock:
+    """The tensors of nomic-bert's block named `b`: its fused Q, K, V with the Q and K rows
+    of each head put in the order that makes NEOX's pairs adjacent (as a decoder's)."""
+    d, n_ff = hp.n_embd, hp.n_ff
+    qk_rows = (np.arange(2 * hp.n_head)[:, None] * hp.head_dim
+               + architectures.neox_pairs_order(hp.head_dim, hp.rope_dim)).reshape(-1)  # (2d,): Q's, then K's
+    rows = np.concatenate([qk_rows, np.arange(2 * d, 3 * d)])  # (3d,): V's stay
+    return NomicBertBlock(
+        qkv=reorder_rows(matrix(b + "attn_qkv.weight", (3 * d, d)), rows),
+        attn_output=matrix(b + "attn_output.weight", (d, d)),
+        attn_output_norm=norm(b + "attn_output_norm"),
+        gate_up=concat_weights([matrix(b + "ffn_gate.weight", (n_ff, d)), matrix(b + "ffn_up.weight", (n_ff, d))]),
+        ffn_down=matrix(b + "ffn_down.weight", (d, n_ff)),
+        layer_output_norm=norm(b + "layer_output_norm"),
     )

@@ -28,6 +28,9 @@ keys; hd_v of values), V = vocabulary. The architectures differ in small ways:
   position and token-type-0 embeddings added and LayerNorm-ed; each block adds
   attention to its input and LayerNorms the sum, then the same with a GELU
   feed-forward; attention sees the whole sequence, both ways.
+- nomic-bert (an encoder too): bert without the position embeddings, NEOX RoPE
+  turning its queries and keys instead; one fused Q/K/V matrix, no biases, a
+  SwiGLU feed-forward.
 """
 
 from __future__ import annotations
@@ -58,10 +61,10 @@ def reference_logits(model, ids) -> np.ndarray:
 
 def reference_hidden_states(model, ids) -> np.ndarray:
     """The final hidden states (len(ids), n_embd) float64 of `ids` in a fresh context: a
-    decoder's after its output norm (what its LM head reads), BERT's last block's output."""
+    decoder's after its output norm (what its LM head reads), an encoder's last block's output."""
     hp, tensors = model.hp, Tensors(model.file)
-    if hp.architecture == "bert":
-        return bert_hidden_states(np.asarray(ids, np.int64), tensors, hp)
+    if hp.architecture in ENCODER_BLOCKS:
+        return encoder_hidden_states(np.asarray(ids, np.int64), tensors, hp)
     if hp.architecture not in BLOCKS:
         raise ValueError(f"no reference forward for architecture {hp.architecture!r}")
     ids = np.asarray(ids, np.int64)                            # (n,)
@@ -108,28 +111,49 @@ def gemma3_block(x: np.ndarray, w: Tensors, hp, layer: int) -> np.ndarray:
 BLOCKS = {"llama": llama_block, "qwen2": llama_block, "qwen3": llama_block, "gemma3": gemma3_block}
 
 
-def bert_hidden_states(ids: np.ndarray, tensors: Tensors, hp) -> np.ndarray:
-    """BERT's output (n, d) for token ids (n,) from position 0, every token of type 0."""
-    x = tensors("token_embd.weight")[ids] + tensors("position_embd.weight")[np.arange(len(ids))]  # (n, d)
+def encoder_hidden_states(ids: np.ndarray, tensors: Tensors, hp) -> np.ndarray:
+    """An encoder's output (n, d) for token ids (n,) from position 0, every token of type 0."""
+    x = tensors("token_embd.weight")[ids]                      # (n, d)
+    if hp.architecture == "bert":                              # (nomic-bert rotates Q and K instead)
+        x = x + tensors("position_embd.weight")[np.arange(len(ids))]
     if "token_types.weight" in tensors:
         x = x + tensors("token_types.weight")[0]
     x = layer_norm(x, tensors("token_embd_norm.weight"), tensors("token_embd_norm.bias"), hp.norm_eps)
     for layer in range(hp.n_layer):
-        w = Tensors(tensors.file, f"blk.{layer}.")
-        x = layer_norm(x + bert_attention(x, w, hp), w("attn_output_norm.weight"), w("attn_output_norm.bias"),
-                       hp.norm_eps)                            # (n, d)
-        h = gelu_tanh(x @ w("ffn_up.weight").T + w("ffn_up.bias")) @ w("ffn_down.weight").T + w("ffn_down.bias")
-        x = layer_norm(x + h, w("layer_output_norm.weight"), w("layer_output_norm.bias"), hp.norm_eps)
+        x = ENCODER_BLOCKS[hp.architecture](x, Tensors(tensors.file, f"blk.{layer}."), hp)  # (n, d)
     return x
 
 
-def bert_attention(h: np.ndarray, w: Tensors, hp) -> np.ndarray:
-    """Multi-head self-attention of the whole sequence, every query seeing every key; with biases."""
-    n, hd = h.shape[0], hp.n_embd // hp.n_head
-    q, k, v = ((h @ w(f"attn_{x}.weight").T + w(f"attn_{x}.bias")).reshape(n, hp.n_head, hd) for x in "qkv")
+def bert_block(x: np.ndarray, w: Tensors, hp) -> np.ndarray:
+    """norm(x + attention(x)), then norm(x + feed_forward(x)), GELU, biases everywhere."""
+    n = x.shape[0]
+    q, k, v = ((x @ w(f"attn_{c}.weight").T + w(f"attn_{c}.bias")).reshape(n, hp.n_head, -1) for c in "qkv")
+    h = both_ways_attention(q, k, v) @ w("attn_output.weight").T + w("attn_output.bias")  # (n, d)
+    x = layer_norm(x + h, w("attn_output_norm.weight"), w("attn_output_norm.bias"), hp.norm_eps)
+    h = gelu_tanh(x @ w("ffn_up.weight").T + w("ffn_up.bias")) @ w("ffn_down.weight").T + w("ffn_down.bias")
+    return layer_norm(x + h, w("layer_output_norm.weight"), w("layer_output_norm.bias"), hp.norm_eps)
+
+
+def nomic_bert_block(x: np.ndarray, w: Tensors, hp) -> np.ndarray:
+    """As bert's, but Q and K rotated (NEOX), no biases, and a SwiGLU feed-forward."""
+    n = x.shape[0]
+    q, k, v = np.split(x @ w("attn_qkv.weight").T, 3, axis=1)  # (n, d) each
+    q, k = (rope(t.reshape(n, hp.n_head, -1), hp, local=False) for t in (q, k))  # (n, n_head, hd) each
+    h = both_ways_attention(q, k, v.reshape(n, hp.n_head, -1)) @ w("attn_output.weight").T  # (n, d)
+    x = layer_norm(x + h, w("attn_output_norm.weight"), w("attn_output_norm.bias"), hp.norm_eps)
+    h = (silu(x @ w("ffn_gate.weight").T) * (x @ w("ffn_up.weight").T)) @ w("ffn_down.weight").T  # (n, d)
+    return layer_norm(x + h, w("layer_output_norm.weight"), w("layer_output_norm.bias"), hp.norm_eps)
+
+
+ENCODER_BLOCKS = {"bert": bert_block, "nomic-bert": nomic_bert_block}
+
+
+def both_ways_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Multi-head attention of the whole sequence, every query seeing every key:
+    q, k, v (n, n_head, hd) -> (n, n_head*hd)."""
+    n, _, hd = q.shape
     scores = np.einsum("ihc,jhc->hij", q, k) / math.sqrt(hd)   # (n_head, n, n): query i, key j
-    out = np.einsum("hij,jhc->ihc", softmax(scores), v)        # (n, n_head, hd)
-    return out.reshape(n, -1) @ w("attn_output.weight").T + w("attn_output.bias")  # (n, d)
+    return np.einsum("hij,jhc->ihc", softmax(scores), v).reshape(n, -1)  # (n, n_head*hd)
 
 
 def attention(h: np.ndarray, w: Tensors, hp, layer: int) -> np.ndarray:

@@ -1,15 +1,18 @@
-"""Embeddings in the engine: final hidden states, pooling, batching, BERT and its WordPiece.
+"""Embeddings in the engine: final hidden states, pooling, batching, BERT, nomic-bert and
+their WordPiece.
 
 The oracle is the float64 reference (engine/reference.py `reference_hidden_states`):
 the fast path's final states agree with it for every decoder architecture (chunked
-prefill included) and for the tiny BERT; a pooled vector is the reference's states
+prefill included) and for the tiny BERT and nomic-bert; a pooled vector is the reference's states
 pooled and scaled to unit length by hand. The WordPiece tokenizer is checked against
 ids worked out by hand from the tiny vocabulary (tests/tiny.py `bert_vocabulary`).
-(The agreement with llama.cpp on a real model is the slow tests/test_embeddings_llamacpp.py.)
+(The agreement with llama.cpp on the real models and the tiny encoders is the slow
+tests/test_embeddings_llamacpp.py.)
 """
 
 import numpy as np
 import pytest
+from gguf import GGUFWriter
 
 from engine import load_model
 from engine.api import ChatRequest, embedding_groups
@@ -25,6 +28,12 @@ TEXTS = ["Hello, the cat sat on the mat!", "embeddings running", "the dog", "a b
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
     return load_model(write_tiny_bert(tmp_path_factory.mktemp("bert") / "tiny-bert.gguf"))
+
+
+@pytest.fixture(scope="module")
+def nomic_bert(tmp_path_factory):
+    return load_model(write_tiny_bert(tmp_path_factory.mktemp("nomic") / "tiny-nomic-bert.gguf",
+                                      architecture="nomic-bert"))
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -54,6 +63,24 @@ def test_berts_final_states_agree_with_the_reference(bert):
         np.testing.assert_allclose(states, reference_hidden_states(bert, ids), rtol=0, atol=STATE_TOLERANCE)
 
 
+def test_nomic_berts_final_states_agree_with_the_reference_alone_and_batched_together(nomic_bert):
+    token_lists = [nomic_bert.tokenize(text) for text in TEXTS]
+    together = nomic_bert.final_states(token_lists)
+    for ids, states in zip(token_lists, together):
+        reference = reference_hidden_states(nomic_bert, ids)
+        np.testing.assert_allclose(states, reference, rtol=0, atol=STATE_TOLERANCE)
+        np.testing.assert_allclose(nomic_bert.final_states([ids])[0], reference, rtol=0, atol=STATE_TOLERANCE)
+
+
+def test_a_nomic_bert_reads_word_order_from_its_rotary_positions_alone(nomic_bert):
+    # it has no position table: were Q and K not rotated, a mean over reordered tokens would not change
+    ids = nomic_bert.tokenize("the cat sat on the mat")
+    shuffled = [ids[0], *ids[-2:0:-1], ids[-1]]
+    forward, backward = (vector(v) for v in nomic_bert.embed([ids, shuffled], "mean"))
+    assert forward @ backward < 0.999
+    np.testing.assert_allclose(backward, by_hand(reference_hidden_states(nomic_bert, shuffled), "mean"), atol=1e-5)
+
+
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
 def test_each_pooling_is_the_reference_states_pooled_and_unit_length(bert, decoder, pooling):
     for model in (bert, decoder):
@@ -71,8 +98,8 @@ def test_dimensions_keep_the_first_components_at_unit_length(bert):
     np.testing.assert_allclose(short, full[:10] / np.linalg.norm(full[:10]), atol=1e-6)
 
 
-def test_a_batch_of_64_inputs_is_one_forward_step_and_embeds_each_as_alone(bert, decoder):
-    for model in (bert, decoder):
+def test_a_batch_of_64_inputs_is_one_forward_step_and_embeds_each_as_alone(bert, nomic_bert, decoder):
+    for model in (bert, nomic_bert, decoder):
         token_lists = [model.tokenize(f"the cat {i}") for i in range(64)]
         alone = [vector(model.embed([ids])[0]) for ids in token_lists[:3]]
         steps = model.steps
@@ -87,6 +114,18 @@ def test_the_default_pooling_is_the_files_else_mean(tmp_path, decoder):
     for key, name in ((1, "mean"), (2, "cls"), (3, "last"), (None, "mean")):
         with load_model(write_tiny_bert(tmp_path / f"bert-{key}.gguf", pooling=key)) as model:
             assert model.pooling == name
+
+
+def test_a_nomic_bert_moe_gguf_is_refused_as_an_architecture_not_supported(tmp_path):
+    path = tmp_path / "moe.gguf"
+    w = GGUFWriter(str(path), "nomic-bert-moe")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="moe.gguf: architecture 'nomic-bert-moe' is not supported"):
+        load_model(path)
 
 
 def test_an_input_over_the_context_window_is_refused(bert):
@@ -123,8 +162,9 @@ def test_a_word_with_an_unspellable_part_is_one_unknown_token(bert):
     assert pieces(bert, "a\u200bb")[1:-1] == ["▁a", "b"]  # (a format character is dropped, not a cut)
 
 
-def test_an_encoder_asked_to_generate_says_it_only_embeds(bert):
-    with pytest.raises(UnsupportedModelError, match="embedding model"):
-        bert.prepare_chat(ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2))
-    with pytest.raises(UnsupportedModelError, match="embedding model"):
-        bert.step([bert.new_sequence([2, 3])])
+def test_an_encoder_asked_to_generate_says_it_only_embeds(bert, nomic_bert):
+    for model in (bert, nomic_bert):
+        with pytest.raises(UnsupportedModelError, match="embedding model"):
+            model.prepare_chat(ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2))
+        with pytest.raises(UnsupportedModelError, match="embedding model"):
+            model.step([model.new_sequence([2, 3])])

@@ -5,8 +5,8 @@ of its architecture but a few layers of width 64, so a test can load it, run
 prefill and decode, and compare code paths in milliseconds. Its weights are
 stored in several formats (F32, F16, Q8_0, Q4_0) so the kernels are exercised
 along the way. Text it generates is noise, but deterministic noise.
-`write_tiny_bert` writes an encoder the same way (BERT's layout, a small WordPiece
-vocabulary), which embeds and does not generate.
+`write_tiny_bert` writes an encoder the same way (BERT's layout, or nomic-bert's, and
+a small WordPiece vocabulary), which embeds and does not generate.
 """
 
 from __future__ import annotations
@@ -179,14 +179,17 @@ def bert_vocabulary() -> list[str]:
 
 
 def write_tiny_bert(path: str | Path, seed: int = 0, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
-                    n_ff: int = 128, context_length: int = 64, pooling: int | None = 1) -> Path:
+                    n_ff: int = 128, context_length: int = 64, pooling: int | None = 1,
+                    architecture: str = "bert") -> Path:
     """A tiny random-weight BERT (llama.cpp's "bert" layout, a WordPiece vocabulary of
-    `bert_vocabulary`) at `path`; `pooling` is its `bert.pooling_type` (1 mean, 2 cls, 3
-    last; None: the key left out)."""
+    `bert_vocabulary`) at `path`; `pooling` is its `<arch>.pooling_type` (1 mean, 2 cls, 3
+    last; None: the key left out). `architecture` "nomic-bert" writes nomic-embed-text's
+    layout instead, as llama.cpp's converter does: no position table but RoPE of base
+    1000, Q/K/V fused, no biases, a SwiGLU feed-forward."""
     tokens = bert_vocabulary()
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), "bert")
-    w.add_name("tiny-bert")
+    w = GGUFWriter(str(path), architecture)
+    w.add_name(f"tiny-{architecture}")
     w.add_file_type(LlamaFileType.MOSTLY_Q8_0)
     w.add_context_length(context_length)
     w.add_embedding_length(n_embd)
@@ -195,6 +198,8 @@ def write_tiny_bert(path: str | Path, seed: int = 0, n_layer: int = 2, n_embd: i
     w.add_head_count(n_head)
     w.add_layer_norm_eps(1e-12)
     w.add_causal_attention(False)
+    if architecture == "nomic-bert":
+        w.add_rope_freq_base(1000.0)  # nomic-embed-text's rotary_emb_base
     if pooling is not None:
         w.add_pooling_type(PoolingType(pooling))
     w.add_tokenizer_model("bert")
@@ -225,12 +230,7 @@ def write_tiny_bert(path: str | Path, seed: int = 0, n_layer: int = 2, n_embd: i
         add(name + ".weight", 1.0 + 0.1 * rng.standard_normal(n))
         add(name + ".bias", 0.1 * rng.standard_normal(n))
 
-    add("token_embd.weight", rng.standard_normal((len(tokens), n_embd), dtype=np.float32), Q.Q8_0)
-    add("position_embd.weight", 0.5 * rng.standard_normal((context_length, n_embd)), Q.F16)
-    add("token_types.weight", 0.5 * rng.standard_normal((2, n_embd)))
-    norm("token_embd_norm", n_embd)
-    for i in range(n_layer):
-        b = f"blk.{i}."
+    def bert_block(b: str) -> None:
         for x, qtype in (("q", Q.Q8_0), ("k", Q.Q4_0), ("v", Q.Q8_0)):
             add(b + f"attn_{x}.weight", matrix(n_embd, n_embd), qtype)
             add(b + f"attn_{x}.bias", 0.1 * rng.standard_normal(n_embd))
@@ -242,6 +242,23 @@ def write_tiny_bert(path: str | Path, seed: int = 0, n_layer: int = 2, n_embd: i
         add(b + "ffn_down.weight", matrix(n_embd, n_ff), Q.Q4_0)
         add(b + "ffn_down.bias", 0.1 * rng.standard_normal(n_embd))
         norm(b + "layer_output_norm", n_embd)
+
+    def nomic_bert_block(b: str) -> None:
+        add(b + "attn_qkv.weight", matrix(3 * n_embd, n_embd), Q.Q8_0)
+        add(b + "attn_output.weight", matrix(n_embd, n_embd), Q.F16)
+        norm(b + "attn_output_norm", n_embd)
+        add(b + "ffn_gate.weight", matrix(n_ff, n_embd), Q.Q4_0)
+        add(b + "ffn_up.weight", matrix(n_ff, n_embd), Q.Q8_0)
+        add(b + "ffn_down.weight", matrix(n_embd, n_ff), Q.Q4_0)
+        norm(b + "layer_output_norm", n_embd)
+
+    add("token_embd.weight", rng.standard_normal((len(tokens), n_embd), dtype=np.float32), Q.Q8_0)
+    if architecture == "bert":
+        add("position_embd.weight", 0.5 * rng.standard_normal((context_length, n_embd)), Q.F16)
+    add("token_types.weight", 0.5 * rng.standard_normal((2, n_embd)))
+    norm("token_embd_norm", n_embd)
+    for i in range(n_layer):
+        (bert_block if architecture == "bert" else nomic_bert_block)(f"blk.{i}.")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
