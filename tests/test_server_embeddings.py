@@ -1,6 +1,6 @@
 """POST /v1/embeddings over sockets: the real openai SDK, and raw HTTP in the shapes other
 clients send (LangChain's token ids, Open WebUI's and litellm's bodies), on the tiny chat
-model and the tiny BERT.
+model, the tiny BERT and the tiny nomic-bert.
 
 The oracle for a vector is the float64 reference's final hidden states
 (engine/reference.py), pooled and scaled to unit length by hand; for base64, the
@@ -29,7 +29,7 @@ from server_harness import make_service, start_server, tiny_path  # noqa: F401
 from tiny import write_tiny_bert
 from waiting import wait_until_sync
 
-CHAT_ID, BERT_ID = "tiny:chat-q8_0", "tiny:bert"
+CHAT_ID, BERT_ID, NOMIC_ID = "tiny:chat-q8_0", "tiny:bert", "tiny:nomic-bert"
 TEXTS = ["Hello, the cat sat on the mat!", "embeddings running", "the dog"]
 
 
@@ -38,9 +38,14 @@ def bert_path(tmp_path_factory):
     return write_tiny_bert(tmp_path_factory.mktemp("bert") / "tiny-bert.gguf")
 
 
+@pytest.fixture(scope="session")
+def nomic_path(tmp_path_factory):
+    return write_tiny_bert(tmp_path_factory.mktemp("nomic") / "tiny-nomic-bert.gguf", architecture="nomic-bert")
+
+
 @pytest.fixture
-async def server(nursery, tiny_path, bert_path):
-    return await start_server(nursery, await make_service([tiny_path, bert_path]))
+async def server(nursery, tiny_path, bert_path, nomic_path):
+    return await start_server(nursery, await make_service([tiny_path, bert_path, nomic_path]))
 
 
 def model_of(server, model_id: str):
@@ -74,6 +79,17 @@ async def test_the_openai_sdk_embeds_texts_through_base64_as_the_reference_does(
     for item, ids in zip(created.data, token_lists):
         np.testing.assert_allclose(item.embedding, expected(server, BERT_ID, ids, "mean"), atol=1e-5)
     assert created.usage.prompt_tokens == created.usage.total_tokens == sum(map(len, token_lists))
+
+
+async def test_a_nomic_bert_gguf_embeds_through_the_sdk_and_raw_bodies_as_the_reference_does(server):
+    created = await sdk(server, lambda client: client.embeddings.create(model=NOMIC_ID, input=TEXTS))
+    raw = await embeddings(server, {"model": NOMIC_ID, "input": TEXTS, "encoding_format": "float"})
+    assert created.model == NOMIC_ID and raw.status == 200, raw.body
+    nomic = model_of(server, NOMIC_ID)
+    for item, as_json, text in zip(created.data, raw.json()["data"], TEXTS):
+        reference = expected(server, NOMIC_ID, nomic.tokenize(text), "mean")
+        np.testing.assert_allclose(item.embedding, reference, atol=1e-5)
+        np.testing.assert_allclose(as_json["embedding"], reference, atol=1e-5)
 
 
 async def test_the_sdk_sends_token_ids_as_langchain_does_and_gets_the_texts_vectors(server):
@@ -170,13 +186,14 @@ async def test_an_unknown_model_is_the_sdks_not_found_error(server):
     assert (await sdk(server, work)).code == "model_not_found"
 
 
-async def test_an_embedding_model_on_the_generating_routes_is_a_clear_400(server):
+@pytest.mark.parametrize("model_id", [BERT_ID, NOMIC_ID])
+async def test_an_embedding_model_on_the_generating_routes_is_a_clear_400(server, model_id):
     chat = await server.request("POST", "/v1/chat/completions", json_body={
-        "model": BERT_ID, "messages": [{"role": "user", "content": "hi"}]})
+        "model": model_id, "messages": [{"role": "user", "content": "hi"}]})
     assert chat.status == 400
     assert chat.json()["error"]["code"] == "unsupported_capability" and chat.json()["error"]["param"] == "model"
     assert "/v1/embeddings" in chat.json()["error"]["message"]
-    lmsp = await server.responses({"model": BERT_ID, "input": [{"type": "message", "role": "user", "content": "hi"}]})
+    lmsp = await server.responses({"model": model_id, "input": [{"type": "message", "role": "user", "content": "hi"}]})
     assert lmsp.status == 400 and lmsp.json()["code"] == "unsupported_capability"
 
 
