@@ -1,4 +1,5 @@
-"""Our embeddings against llama.cpp's, the oracle, on the real models (slow).
+"""Our embeddings against llama.cpp's, the oracle, on the real models and the tiny
+encoders (slow).
 
 llama-cpp-python's `Llama(path, embedding=True, pooling_type=...)` runs llama.cpp's
 own pooling (llama-graph.cpp `build_pooling`) over the same GGUF; `embed(text,
@@ -12,7 +13,9 @@ by last (one token's state, not an average of many roundings). There the exact m
 settles it: the float64 reference (engine/reference.py) gives our vector to a cosine of
 1 - 1e-8, and llama.cpp's to the same cosine as ours, so the distance is all llama.cpp's
 and the test of Gemma 3's last pooling holds us to the reference instead
-(docs/benchmarks.md).
+(docs/benchmarks.md). The tiny BERT and nomic-bert (tests/tiny.py) are the check that
+their file layouts and their math are llama.cpp's: measured 0.99997 or more in every
+pooling (a nomic-bert whose RoPE turned at base 10k, not its file's 1000, scores 0.991).
 """
 
 import numpy as np
@@ -21,6 +24,7 @@ import pytest
 from engine import load_model
 from engine.embed import pool
 from engine.reference import reference_hidden_states
+from tiny import write_tiny_bert
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the oracle)")
 
@@ -29,6 +33,7 @@ pytestmark = pytest.mark.slow
 AGREEMENT = 0.999  # cosine, the issue's bar
 TEXTS = ["Hello, the cat sat on the mat!", "Embeddings turn text into vectors that a search can compare.",
          "def add(a, b):\n    return a + b", "Seven small boats left the harbor before dawn."]
+TINY_TEXTS = ["Hello, the cat sat on the mat!", "embeddings running", "the dog", "a b c d e f g h i j k l m n o p"]
 POOLING_TYPES = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
                  "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
 
@@ -37,24 +42,24 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-def vectors(path, pooling: str, exact: bool = False) -> tuple[list, list, list]:
+def vectors(path, pooling: str, exact: bool = False, texts: list[str] = TEXTS) -> tuple[list, list, list]:
     """Per text: our vector, llama.cpp's and (with `exact`) the float64 reference's, pooled alike."""
     oracle = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=POOLING_TYPES[pooling],
                              n_ctx=512, verbose=False)
     try:
         with load_model(path) as model:
-            token_lists = [model.tokenize(text) for text in TEXTS]
-            assert [oracle.tokenize(text.encode()) for text in TEXTS] == token_lists
+            token_lists = [model.tokenize(text) for text in texts]
+            assert [oracle.tokenize(text.encode()) for text in texts] == token_lists
             ours = [np.frombuffer(v, "<f4").astype(np.float64) for v in model.embed(token_lists, pooling)]
             reference = [pool(reference_hidden_states(model, ids), pooling) for ids in token_lists] if exact else []
-        theirs = [np.asarray(oracle.embed(text, normalize=True), np.float64) for text in TEXTS]
+        theirs = [np.asarray(oracle.embed(text, normalize=True), np.float64) for text in texts]
     finally:
         oracle.close()
     return ours, theirs, reference
 
 
-def cosines(path, pooling: str) -> list[float]:
-    ours, theirs, _ = vectors(path, pooling)
+def cosines(path, pooling: str, texts: list[str] = TEXTS) -> list[float]:
+    ours, theirs, _ = vectors(path, pooling, texts=texts)
     return [cosine(a, b) for a, b in zip(ours, theirs)]
 
 
@@ -72,3 +77,10 @@ def test_where_gemma3s_last_embeddings_part_from_llama_cpps_the_exact_model_side
     for a, b, x in zip(ours, theirs, exact):
         assert cosine(a, x) >= 1 - 1e-6  # ours is the exact model's vector
         assert abs(cosine(b, x) - cosine(a, b)) <= 1e-5  # llama.cpp is as far from it as from ours
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+@pytest.mark.parametrize("architecture", ["bert", "nomic-bert"])
+def test_the_tiny_encoders_embeddings_agree_with_llama_cpps(tmp_path, architecture, pooling):
+    path = write_tiny_bert(tmp_path / f"tiny-{architecture}.gguf", architecture=architecture)
+    assert min(cosines(path, pooling, TINY_TEXTS)) >= AGREEMENT
