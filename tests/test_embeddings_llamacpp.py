@@ -14,8 +14,9 @@ settles it: the float64 reference (engine/reference.py) gives our vector to a co
 1 - 1e-8, and llama.cpp's to the same cosine as ours, so the distance is all llama.cpp's
 and the test of Gemma 3's last pooling holds us to the reference instead
 (docs/benchmarks.md). The tiny BERT and nomic-bert (tests/tiny.py) are the check that
-their file layouts and their math are llama.cpp's: measured 0.99997 or more in every
-pooling (a nomic-bert whose RoPE turned at base 10k, not its file's 1000, scores 0.991).
+their file layouts and their math are llama.cpp's, to a closer bar: measured 0.99993 or
+more in every pooling, where a nomic-bert whose RoPE turned at base 10k instead of its
+file's 1000 scores 0.9949-0.9998.
 """
 
 import numpy as np
@@ -31,6 +32,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
 pytestmark = pytest.mark.slow
 
 AGREEMENT = 0.999  # cosine, the issue's bar
+TINY_AGREEMENT = 0.9999  # the tiny encoders' (measured 0.99993 at the least): two layers round less
 TEXTS = ["Hello, the cat sat on the mat!", "Embeddings turn text into vectors that a search can compare.",
          "def add(a, b):\n    return a + b", "Seven small boats left the harbor before dawn."]
 TINY_TEXTS = ["Hello, the cat sat on the mat!", "embeddings running", "the dog", "a b c d e f g h i j k l m n o p"]
@@ -83,4 +85,4 @@ def test_where_gemma3s_last_embeddings_part_from_llama_cpps_the_exact_model_side
 @pytest.mark.parametrize("architecture", ["bert", "nomic-bert"])
 def test_the_tiny_encoders_embeddings_agree_with_llama_cpps(tmp_path, architecture, pooling):
     path = write_tiny_bert(tmp_path / f"tiny-{architecture}.gguf", architecture=architecture)
-    assert min(cosines(path, pooling, TINY_TEXTS)) >= AGREEMENT
+    assert min(cosines(path, pooling, TINY_TEXTS)) >= TINY_AGREEMENT
