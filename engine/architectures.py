@@ -339,7 +339,8 @@ def nomic_bert_block(x: np.ndarray, blk: NomicBertBlock, hp: Hyperparameters, ba
     """bert_block with rotated queries and keys, no biases and a SwiGLU feed-forward."""
     n, d = x.shape[0], hp.n_embd
     qkv = blk.qkv.matmul(x)                                    # (n, 3d)
-    qk = rope_pairs(qkv[:, : 2 * d].reshape(n, 2 * hp.n_head, hp.head_dim), batch.rope_turns(hp, local=False))
+    qk = qkv[:, : 2 * d].reshape(n, 2 * hp.n_head, hp.head_dim)  # (n, 2*n_head, hd): queries, then keys
+    qk = rope_pairs(qk, batch.rope_turns(hp, local=False))     # both rotated in one call
     q, k = qk[:, : hp.n_head], qk[:, hp.n_head:]               # (n, n_head, hd) each
     v = qkv[:, 2 * d:].reshape(n, hp.n_head, hp.head_dim)      # (n, n_head, hd)
     h = blk.attn_output.matmul(attend_each_sequence(q, k, v, hp, batch))  # (n, d)
