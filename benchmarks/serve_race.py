@@ -20,7 +20,9 @@ On the servers with room for more than 8, a burst: one stream of 2 x `--tokens`
 runs alone, and once it has 16 chunks, 8 requests with ~300-token prompts
 arrive. The running stream's gaps from the burst until the last newcomer's first
 chunk (p95) are set against its gaps before it (p50): how much a burst of
-arrivals stalls those already streaming. With one stream, a cold prompt of ~600
+arrivals stalls those already streaming; and what the newcomers wait for their
+first chunk, from the burst (p50, and the last one's); and the share of its idle pace
+the running stream kept meanwhile (its chunks in that time, against idle gaps). With one stream, a cold prompt of ~600
 tokens (new each turn, so no cache holds it) gives the time to its first token.
 
 Without `--llama-server` only lmsp-min runs (its figures, no ratios). The
@@ -207,8 +209,13 @@ async def burst_turn(port: int, tokens: int, tag: str) -> dict:
     times = running["times"]
     idle = gaps([t for t in times if t <= burst_at])
     during = gaps([t for t in times if burst_at <= t <= max(firsts)])
-    return {"idle_gap_p50": statistics.median(idle) if idle else None, "burst_gap_p95": percentile(during, 0.95) if during else None,
-            "burst_gaps": len(during)}
+    ttfts = [first - burst_at for first in firsts]  # the newcomers' first tokens, from the burst
+    idle_p50 = statistics.median(idle) if idle else None
+    # the share of its idle pace the running stream kept through the burst
+    kept = len(during) / max(ttfts) * idle_p50 if idle_p50 and during else None
+    return {"idle_gap_p50": idle_p50, "burst_gap_p95": percentile(during, 0.95) if during else None,
+            "burst_gaps": len(during), "burst_pace_kept": kept, "burst_ttft_p50": statistics.median(ttfts),
+            "burst_ttft_last": max(ttfts)}
 
 
 async def cold_turn(port: int, tag: str) -> dict:
@@ -269,7 +276,7 @@ def summary(turns: dict, levels: list[int]) -> list[dict]:
                 row["llama_server"] = statistics.median(other)
                 ratios = [a / b for a, b in zip([t[key] for t in ours], [t[key] for t in theirs]) if a and b]
                 # tok/s: ours over theirs (above 1 is faster); times: theirs over ours (same sense)
-                row["ratio"] = statistics.median(r if key == "tok_s" else 1 / r for r in ratios)
+                row["ratio"] = statistics.median(r if key in ("tok_s", "burst_pace_kept") else 1 / r for r in ratios)
             rows.append(row)
     return rows
 

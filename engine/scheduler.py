@@ -6,10 +6,12 @@ So the scheduler keeps a set of active requests and, step after step, feeds all
 of them through `model.step` together:
 
 - a decoding request contributes its one new token;
-- requests still in their prompts share `prefill_chunk` prompt tokens when they
-  outnumber the decoding ones (nobody decoding, or a burst of new requests), but
-  only `interleave_chunk` while more streams are running than waiting, so a long
-  prompt does not freeze the streams already running;
+- requests still in their prompts share `prefill_chunk` prompt tokens; while
+  streams decode, the steps that feed prompts take at most `prefill_share` of the
+  worker's time: after one, the decoding requests are owed steps of their own for
+  a time in proportion (`_decode_owed`), so a burst of arrivals slows the streams
+  already running but never freezes them, and a newcomer's prompt still runs in
+  whole chunks (a prompt token costs several times more in a thin chunk);
 - new requests join between steps (up to `max_batch` active), others wait in a
   bounded queue, and past `max_queue` waiting ones `submit` raises `QueueFull`;
 - with `kv_cache_bytes`, the active requests' KV caches stay within that many
@@ -159,14 +161,16 @@ class Scheduler:
     """Continuous batching over one model's `step` (see the module docstring)."""
 
     def __init__(self, model, *, max_batch: int = tuning.MAX_BATCH, max_queue: int = 32,
-                 prefill_chunk: int = tuning.PREFILL_CHUNK, interleave_chunk: int = tuning.INTERLEAVE_CHUNK,
+                 prefill_chunk: int = tuning.PREFILL_CHUNK, prefill_share: float = tuning.PREFILL_SHARE,
                  prefix_cache_bytes: int = tuning.PREFIX_CACHE_BYTES, kv_cache_bytes: int | None = None,
-                 speculate: bool = True):
+                 speculate: bool = True, clock: Callable[[], float] = time.perf_counter):
         self.model = model
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
-        self.interleave_chunk = interleave_chunk
+        self.prefill_share = prefill_share
+        self._decode_owed = 0.0                # seconds of steps without prompts the decoding requests are owed
+        self._clock = clock                    # what times a step (seconds)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.kv_budget = KVBudget(model, kv_cache_bytes, prefill_chunk)  # the active requests' KV caches together
         self.speculate = speculate             # drafts from the context and constraints
@@ -306,26 +310,28 @@ class Scheduler:
 
     def _step(self, active: list[Request]) -> None:
         """One forward step: every decoding request's token (and draft), plus prompt chunks
-        within the budget."""
+        unless the decoding requests are owed a step of their own."""
         decoding = [r for r in active if r.seq.n_pending == 1]
-        prefilling = [r for r in active if r.seq.n_pending > 1]
-        budget = self.prefill_chunk if len(prefilling) > len(decoding) else self.interleave_chunk
+        owed = decoding and self._decode_owed > 0
+        chunk = self.prefill_chunk
         chunks, used = [], 0
-        for request in prefilling:       # oldest first; the first one always gets a chunk
-            take = min(request.seq.n_pending, budget)
-            if used and used + take > budget:
+        for request in [] if owed else [r for r in active if r.seq.n_pending > 1]:
+            take = min(request.seq.n_pending, chunk)  # oldest first; the first one always gets a chunk
+            if used and used + take > chunk:
                 break
             chunks.append(request)
             used += take
         if self.speculate:               # (a prompt ending in this step may carry a draft too)
-            self.drafting.add(decoding, chunks, used, budget, self.kv_budget)
+            self.drafting.add(decoding, chunks, used, chunk, self.kv_budget)
         batch = decoding + chunks
         wanted = [1 + len(r.draft) for r in batch]  # logit rows: its last token's, and its draft's
         try:
-            start = time.perf_counter()
-            logits = self.model.step([r.seq for r in batch], chunk=budget, logit_rows=wanted,  # (k, V) each
+            start = self._clock()
+            logits = self.model.step([r.seq for r in batch], chunk=chunk, logit_rows=wanted,  # (k, V) each
                                      abandon=lambda: self._closed or all(r.cancelled for r in batch))
-            self.drafting.step_cost.record(sum(wanted) + used, time.perf_counter() - start)
+            seconds = self._clock() - start
+            self.drafting.step_cost.record(sum(wanted) + used, seconds)
+            self._account(seconds, decoding, used)
         except StepAbandoned:            # all of them left (or close()): the next loop retires them
             return
         except Exception as exc:
@@ -337,6 +343,17 @@ class Scheduler:
             if request.seq.n_pending:
                 continue                 # mid-prompt: its logits are not wanted yet
             self._take(request, rows, active)
+
+    def _account(self, seconds: float, decoding: list[Request], prompt_tokens: int) -> None:
+        """After a step: what the decoding requests are owed. A step that fed prompts beside
+        them adds its time in the proportion `prefill_share` sets; one of theirs alone pays
+        it back. Nothing is owed to nobody, and nothing is kept in advance."""
+        if not decoding:
+            self._decode_owed = 0.0
+        elif prompt_tokens:
+            self._decode_owed += seconds * (1 - self.prefill_share) / self.prefill_share
+        else:
+            self._decode_owed = max(0.0, self._decode_owed - seconds)
 
     def _take(self, request: Request, rows: np.ndarray, active: list[Request]) -> None:
         """Pick a request's next token from its first row of logits (rows: (k, V), k = 1 + its

@@ -43,12 +43,16 @@ PREFIX_CACHE_BYTES = 256 << 20  # finished sequences' caches kept per model for 
 
 # --- the scheduler (engine/scheduler.py) ------------------------------------------------
 MAX_BATCH = 8                  # requests stepped together: a step reads the weights once for all its rows
-PREFILL_CHUNK = 512            # prompt tokens per forward step while prompts outnumber the running streams
-                               # (Model.step's default too; perf: "Prefill", a full prompt chunk)
+PREFILL_CHUNK = 512            # prompt tokens per forward step (Model.step's default too; perf: "Prefill", a full
+                               # prompt chunk)
 EMBED_BATCH_TOKENS = 512       # input tokens an embedding request's forward step takes at most: a prefill
                                # chunk's worth, so the scheduler's decode steps wait no longer for one of them
-INTERLEAVE_CHUNK = 64          # prompt tokens per step while more streams run than wait: a long prompt does not
-                               # freeze the streams already running
+PREFILL_SHARE = 0.4            # while streams decode, prompt chunks take at most this share of the worker's time:
+                               # after a step that fed prompts for t seconds, the decoders get t * 0.6 / 0.4 of steps
+                               # of their own, so a running stream keeps most of its pace through a burst of arrivals
+                               # and a chunk's stall is one of its gaps in twenty or more. Whole chunks, not thin
+                               # ones beside every token: a prompt token costs ~4x more in a step of 9 rows than in
+                               # one of 512 (perf: "A burst of arrivals beside a running stream")
 
 # --- drafts (engine/speculate.py, engine/jump_forward.py) -------------------------------
 # perf: "Fast decoding: drafts from the context and forced text"

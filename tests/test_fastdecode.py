@@ -115,7 +115,7 @@ async def test_batched_sequences_with_drafts_give_the_same_tokens(llama, kv_posi
     plain.close()
     # (600 positions: two requests' caches at a time, the others wait, drafts within the bound)
     budget = kv_positions and kv_positions * llama.kv_bytes_per_position
-    drafted = Scheduler(llama, max_batch=4, prefill_chunk=32, interleave_chunk=16, kv_cache_bytes=budget)
+    drafted = Scheduler(llama, max_batch=4, prefill_chunk=32, kv_cache_bytes=budget)
     got = [None] * len(prompts)
 
     async def one(i: int) -> None:

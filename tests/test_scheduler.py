@@ -90,7 +90,7 @@ PROMPTS = [(3, 1), (40, 2), (150, 3), (300, 4), (9, 5)]  # (length, seed): some 
 async def test_batched_generation_equals_alone(model, schedulers):
     expected = [await generate(alone(model), prompt(n, s), 12) for n, s in PROMPTS]
 
-    scheduler = schedulers(max_batch=4, prefill_chunk=128, interleave_chunk=32, prefix_cache_bytes=0)
+    scheduler = schedulers(max_batch=4, prefill_chunk=128, prefix_cache_bytes=0)
     got = [None] * len(PROMPTS)
     decoding = [trio.Event() for _ in PROMPTS]
 
@@ -109,6 +109,44 @@ async def test_batched_generation_equals_alone(model, schedulers):
         assert_same_greedy(model, prompt(n, seed), want, tokens)
     # they shared steps: fewer than the lone runs would take (ceil(prompt/chunk) + 11 each)
     assert model.steps - steps < sum(-(-n // 128) + 11 for n, _ in PROMPTS)
+
+
+async def test_a_burst_of_prompts_takes_at_most_its_share_of_a_running_streams_time(model, schedulers, monkeypatch):
+    """While a stream decodes, the steps that feed prompts take at most `prefill_share` of the
+    worker's time, by a clock the test turns (a step that feeds prompts takes 1 s, one without
+    0.1 s): after each, the streams get 1 * 0.4 / 0.6 s of steps of their own, 7 of them, before
+    the next prompt chunk. Nobody's tokens change."""
+    now, kinds = [0.0], []  # kinds: per step, "prompt" (it fed prompt tokens) or "decode"
+    step = model.step
+
+    def timed_step(sequences, **kwargs):
+        feeds_prompts = any(seq.n_pending > 1 for seq in sequences)
+        kinds.append("prompt" if feeds_prompts else "decode")
+        now[0] += 1.0 if feeds_prompts else 0.1
+        return step(sequences, **kwargs)
+
+    stream_prompt, burst = prompt(20, 1), [prompt(150, seed) for seed in (2, 3, 4)]
+    expected = [await generate(alone(model), ids, n) for ids, n in [(stream_prompt, 120)] + [(b, 4) for b in burst]]
+    monkeypatch.setattr(model, "step", timed_step)
+    scheduler = schedulers(prefill_chunk=64, prefill_share=0.6, speculate=False, prefix_cache_bytes=0,
+                           clock=lambda: now[0])
+    got, streaming = [None] * 4, trio.Event()
+
+    async def run(i: int, ids: list[int], n: int) -> None:
+        got[i] = await generate(scheduler, ids, n, streaming if i == 0 else None)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, 0, stream_prompt, 120)
+            await streaming.wait()
+            arrived = len(kinds)
+            for i, ids in enumerate(burst, 1):
+                nursery.start_soon(run, i, ids, 4)
+    during = "".join("p" if kind == "prompt" else "d" for kind in kinds[arrived:]).strip("d")
+    assert during.count("p") == 9  # (three prompts of 150 tokens, in chunks of at most 64)
+    assert all(len(run_) == 7 for run_ in during.split("p")[1:-1])  # 7 steps of the streams' own between
+    for (want, _), (tokens, _), ids in zip(expected, got, [stream_prompt] + burst):
+        assert_same_greedy(model, ids, want, tokens)
 
 
 async def test_prefix_cache_gives_the_same_tokens(model):
