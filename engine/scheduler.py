@@ -168,7 +168,9 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
-        self.prefill_share = prefill_share
+        if not 0 < prefill_share <= 1:
+            raise ValueError(f"prefill_share must be in (0, 1], not {prefill_share}")
+        self.prefill_share = prefill_share     # 1: prompts take every step they can
         self._decode_owed = 0.0                # seconds of steps without prompts the decoding requests are owed
         self._clock = clock                    # what times a step (seconds)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)

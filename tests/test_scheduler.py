@@ -217,7 +217,9 @@ async def test_32_running_requests_stay_within_the_kv_budget_and_give_their_lone
     # 24 join at 512 positions each (their first growth counted), 8 more once the first hold
     # 256 each; all 32 do not fit once they grow past 256
     budget = 32 * 384 * model.kv_bytes_per_position
-    scheduler = schedulers(max_batch=32, kv_cache_bytes=budget, prefix_cache_bytes=0, speculate=False)
+    # (prefill_share 1: the prompts take every step they can, so that all 32 run and grow together)
+    scheduler = schedulers(max_batch=32, kv_cache_bytes=budget, prefix_cache_bytes=0, speculate=False,
+                           prefill_share=1.0)
     running, held = [], []
     step = scheduler._step
 
