@@ -275,8 +275,10 @@ def summary(turns: dict, levels: list[int]) -> list[dict]:
             if other:
                 row["llama_server"] = statistics.median(other)
                 ratios = [a / b for a, b in zip([t[key] for t in ours], [t[key] for t in theirs]) if a and b]
-                # tok/s: ours over theirs (above 1 is faster); times: theirs over ours (same sense)
-                row["ratio"] = statistics.median(r if key in ("tok_s", "burst_pace_kept") else 1 / r for r in ratios)
+                # tok/s: ours over theirs (above 1 is faster); times: theirs over ours (same sense);
+                # none where a side has a zero (llama-server gave the running stream no chunk in a burst)
+                if ratios:
+                    row["ratio"] = statistics.median(r if key in ("tok_s", "burst_pace_kept") else 1 / r for r in ratios)
             rows.append(row)
     return rows
 
