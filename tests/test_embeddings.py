@@ -12,13 +12,12 @@ tests/test_embeddings_llamacpp.py.)
 
 import numpy as np
 import pytest
-from gguf import GGUFWriter
 
 from engine import load_model
 from engine.api import ChatRequest, embedding_groups
 from engine.errors import ContextLengthExceeded, UnsupportedModelError
 from engine.reference import reference_hidden_states
-from tiny import ARCHITECTURES, bert_vocabulary, write_tiny_bert, write_tiny_model
+from tiny import ARCHITECTURES, bert_vocabulary, write_architecture_only, write_tiny_bert, write_tiny_model
 
 STATE_TOLERANCE = 1e-4  # float32 against float64, relative to the states' size (~1): 1e-6 is what they reach
 
@@ -117,13 +116,7 @@ def test_the_default_pooling_is_the_files_else_mean(tmp_path, decoder):
 
 
 def test_a_nomic_bert_moe_gguf_is_refused_as_an_architecture_not_supported(tmp_path):
-    path = tmp_path / "moe.gguf"
-    w = GGUFWriter(str(path), "nomic-bert-moe")
-    w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_architecture_only(tmp_path / "moe.gguf", "nomic-bert-moe")
     with pytest.raises(UnsupportedModelError, match="moe.gguf: architecture 'nomic-bert-moe' is not supported"):
         load_model(path)
 

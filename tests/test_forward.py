@@ -20,7 +20,7 @@ from engine.architectures import (attend, attend_one_each, geglu, neox_pairs_ord
 from engine.reference import reference_logits
 from engine.sampling import Sampler
 from test_reference import assert_agrees
-from tiny import ARCHITECTURES, write_tiny_model
+from tiny import ARCHITECTURES, write_architecture_only, write_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
 
@@ -102,13 +102,7 @@ def test_sampling_filters():
 
 
 def test_unknown_architecture_names_the_file(tmp_path):
-    path = tmp_path / "odd.gguf"
-    w = GGUFWriter(str(path), "mamba")
-    w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_architecture_only(tmp_path / "odd.gguf", "mamba")
     with pytest.raises(UnsupportedModelError, match="odd.gguf.*mamba"):
         load_model(path)
 

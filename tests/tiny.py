@@ -159,6 +159,18 @@ def _write(path, architecture, tokenizer_meta, seed, n_layer, n_embd, n_head, n_
     return Path(path)
 
 
+def write_architecture_only(path: str | Path, architecture: str) -> Path:
+    """A GGUF that names `architecture` and holds one block count, nothing else: what a loader
+    must refuse by its architecture."""
+    w = GGUFWriter(str(path), architecture)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
 def write_tiny_chat_model(path: str | Path, seed: int = 0) -> Path:
     """A tiny llama with SmolLM2's tokenizer and ChatML template: a fast stand-in for a chat model."""
     return write_tiny_model(path, "llama", seed=seed)
