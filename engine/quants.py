@@ -33,7 +33,7 @@ The kernels, for `y = x @ W.T` with x float32 (n, in):
   into a float32 buffer and multiplied with one BLAS GEMM, so the dequantization cost
   is shared by all n rows of x.
 They run on the calling thread, and several threads may call them at once (every
-call has its own buffers). Both work tile by tile through `_decode_tiles` and
+thread has its own scratch buffers, kept between calls: `scratch`). Both work tile by tile through `_decode_tiles` and
 `_prefill_tiles`, which compute any range of tiles on its own: the acceleration layer
 (engine/accel) shares a matmul's tiles out between threads and a helper process
 through them, and gets the same floats. Their sizes (TILE_VALUES, DECODE_MAX_ROWS, ...)
@@ -45,6 +45,7 @@ does; `gguf.quants.dequantize` is the reference the tests compare against.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -54,6 +55,33 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from engine import tuning
 from engine.errors import UnsupportedModelError
 from engine.gguf_file import Tensor, release_pages
+
+
+# ---------------------------------------------------------------------------------------
+# Scratch buffers
+
+_scratch = threading.local()  # per thread: name -> a flat float32 buffer, grown as needed
+
+
+def scratch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialized float32 array of this shape: this thread's buffer `name`, reused.
+
+    A kernel's temporaries (a tile as float32, the partial sums) are megabytes at
+    many rows. Allocated afresh at every call, glibc may hand their pages back to
+    the OS between calls (it trims the heap's free top past a threshold that moves
+    with its allocations) and the next call first-touches them again: a helper
+    process took 17,000-24,000 page faults per 32-row step that way. So each thread
+    keeps one buffer per name, for the whole life of the thread: the caller must
+    be done with it before it asks for the same name again.
+    """
+    size = 1
+    for n in shape:
+        size *= n
+    buffer = getattr(_scratch, name, None)
+    if buffer is None or buffer.size < size:
+        buffer = np.empty(size, np.float32)
+        setattr(_scratch, name, buffer)
+    return buffer[:size].reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,7 +272,7 @@ class QuantWeight(Weight):
         """y[:, tiles b0:b1] = x @ W[those rows].T: dequantize a few tiles at once, one GEMM."""
         n_in, rows = self.shape[1], self.tile_rows
         step = max(1, tuning.PREFILL_TILE_VALUES // (n_in * rows))  # tiles per GEMM
-        buf = np.empty(n_in * rows * min(step, b1 - b0), np.float32)
+        buf = scratch("prefill", (n_in * rows * min(step, b1 - b0),))
         for c0 in range(b0, b1, step):
             c1 = min(c0 + step, b1)
             r0, r1 = c0 * rows, c1 * rows
@@ -264,7 +292,7 @@ class QuantWeight(Weight):
         between the calls would cost twice.
         """
         xg, span, partials = self._decode_buffers(x, b1 - b0)
-        tile = np.empty((self.shape[1], self.tile_rows), np.float32)  # one tile's codes as float32
+        tile = scratch("tile", (self.shape[1], self.tile_rows))  # one tile's codes as float32
         tile_groups = tile.reshape(xg.shape[0], self.group, self.tile_rows)  # (groups, g, rows)
         for s0 in range(b0, b1, span):
             m = min(span, b1 - s0)
@@ -281,7 +309,7 @@ class QuantWeight(Weight):
         n_groups = n_in // self.group
         xg = np.ascontiguousarray(x.reshape(n, n_groups, self.group).transpose(1, 0, 2))
         span = max(1, min(n_tiles, tuning.PARTIAL_VALUES // (n_groups * n * self.tile_rows)))
-        return xg, span, np.empty((span, n_groups, n, self.tile_rows), np.float32)
+        return xg, span, scratch("partials", (span, n_groups, n, self.tile_rows))
 
     def _scale_and_sum(self, partials: np.ndarray, y: np.ndarray, s0: int) -> None:
         """y[:, r] = sum_k scales[k, r] * partials[j, k, :, r] for the span of tiles from s0

@@ -155,6 +155,19 @@ def test_concurrent_matmuls_from_several_threads(two_threads):
     assert not errors and not any(t.is_alive() for t in callers)
 
 
+def test_a_threads_scratch_buffer_is_kept_between_calls_and_never_another_threads():
+    first = quants.scratch("test", (4, 8))
+    again = quants.scratch("test", (2, 8))   # smaller: the same memory
+    grown = quants.scratch("test", (8, 8))   # bigger: a new buffer, kept from now on
+    elsewhere = []
+    worker = threading.Thread(target=lambda: elsewhere.append(quants.scratch("test", (8, 8))))
+    worker.start()
+    worker.join(timeout=10)
+    assert np.shares_memory(first, again) and again.shape == (2, 8)
+    assert np.shares_memory(grown, quants.scratch("test", (8, 8)))
+    assert not np.shares_memory(grown, elsewhere[0])
+
+
 @pytest.mark.parametrize("types", [
     [T.Q5_0, T.Q5_0, T.Q8_0],   # gemma3's q, k, v
     [T.Q4_K, T.Q4_K, T.Q6_K],   # a Q4_K_M q, k, v: group sizes 32 and 16, with and without mins

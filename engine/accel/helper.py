@@ -52,7 +52,7 @@ import weakref
 import numpy as np
 
 from engine import tuning
-from engine.quants import QuantWeight
+from engine.quants import QuantWeight, scratch
 
 _COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
 _READY, _DONE = b"r", b"d"
@@ -427,7 +427,7 @@ def _helper_tiles(w: QuantWeight, x: np.ndarray, y: np.ndarray, b0: int, b1: int
     Returns the end of the tiles computed: b1, or the first one taken back."""
     xg, span, partials = w._decode_buffers(x, b1 - b0)
     n_groups, rows = xg.shape[0], w.tile_rows
-    tile = np.empty((w.shape[1], rows), np.float32)
+    tile = scratch("tile", (w.shape[1], rows))
     tile_groups = tile.reshape(n_groups, w.group, rows)
     for s0 in range(b0, b1, span):
         m = min(span, b1 - s0)
