@@ -291,8 +291,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="turns of each server at each level (3)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens each stream asks for (128)")
     parser.add_argument("--json", type=Path, help="write the turns and the summary to this file")
-    parser.add_argument("serve_args", nargs="*", help="after --: more `lmsp-min serve` flags")
-    args = parser.parse_args()
+    parser.epilog = "after --: more `lmsp-min serve` flags"
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # (a positional nargs="*" after the model
+    args = parser.parse_args(argv[:cut])                     # is filled before argparse sees the --)
+    args.serve_args = argv[cut + 1:]
     path = prompts.model_path(args.model)
     from lmsp_min.registry import model_id_for
 
