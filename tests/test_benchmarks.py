@@ -120,13 +120,13 @@ def test_the_storm_runs_against_a_served_model(tmp_path):
 
 def test_the_serve_race_runs_against_a_served_model(tmp_path):
     """benchmarks/serve_race.py without llama-server: lmsp-min's figures at 1 and 9 streams
-    (the burst too), on the tiny model."""
+    (the burst too), on the tiny model, served with a flag given after `--`."""
     from tiny import write_tiny_chat_model
 
     path = write_tiny_chat_model(tmp_path / "tiny-chat-q8_0.gguf")
     out = tmp_path / "race.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.serve_race", str(path), "--streams", "1,9",
-                           "--rounds", "1", "--tokens", "24", "--json", str(out)],
+                           "--rounds", "1", "--tokens", "24", "--json", str(out), "--", "--no-speculate"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
