@@ -33,11 +33,11 @@ The kernels, for `y = x @ W.T` with x float32 (n, in):
   into a float32 buffer and multiplied with one BLAS GEMM, so the dequantization cost
   is shared by all n rows of x.
 They run on the calling thread, and several threads may call them at once (every
-thread has its own scratch buffers, kept between calls: `scratch`). Both work tile by tile through `_decode_tiles` and
-`_prefill_tiles`, which compute any range of tiles on its own: the acceleration layer
-(engine/accel) shares a matmul's tiles out between threads and a helper process
-through them, and gets the same floats. Their sizes (TILE_VALUES, DECODE_MAX_ROWS, ...)
-are in engine/tuning.py's table.
+thread has its own scratch buffers, kept between calls: `scratch`). Both work tile by
+tile through `_decode_tiles` and `_prefill_tiles`, which compute any range of tiles
+on its own: the acceleration layer (engine/accel) shares a matmul's tiles out
+between threads and a helper process through them, and gets the same floats. Their
+sizes (TILE_VALUES, DECODE_MAX_ROWS, ...) are in engine/tuning.py's table.
 
 The unpackers read the block layouts as numpy views, the way gguf-py's quants.py
 does; `gguf.quants.dequantize` is the reference the tests compare against.
@@ -45,6 +45,7 @@ does; `gguf.quants.dequantize` is the reference the tests compare against.
 
 from __future__ import annotations
 
+import math
 import threading
 from abc import ABC, abstractmethod
 from typing import Sequence
@@ -55,33 +56,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from engine import tuning
 from engine.errors import UnsupportedModelError
 from engine.gguf_file import Tensor, release_pages
-
-
-# ---------------------------------------------------------------------------------------
-# Scratch buffers
-
-_scratch = threading.local()  # per thread: name -> a flat float32 buffer, grown as needed
-
-
-def scratch(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """An uninitialized float32 array of this shape: this thread's buffer `name`, reused.
-
-    A kernel's temporaries (a tile as float32, the partial sums) are megabytes at
-    many rows. Allocated afresh at every call, glibc may hand their pages back to
-    the OS between calls (it trims the heap's free top past a threshold that moves
-    with its allocations) and the next call first-touches them again: a helper
-    process took 17,000-24,000 page faults per 32-row step that way. So each thread
-    keeps one buffer per name, for the whole life of the thread: the caller must
-    be done with it before it asks for the same name again.
-    """
-    size = 1
-    for n in shape:
-        size *= n
-    buffer = getattr(_scratch, name, None)
-    if buffer is None or buffer.size < size:
-        buffer = np.empty(size, np.float32)
-        setattr(_scratch, name, buffer)
-    return buffer[:size].reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -355,6 +329,31 @@ def _pad_columns(a: np.ndarray, n: int) -> np.ndarray:
     out = np.zeros((a.shape[0], n), a.dtype)
     out[:, : a.shape[1]] = a
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Scratch buffers
+
+_scratch = threading.local()  # per thread: name -> a flat float32 buffer, grown as needed
+
+
+def scratch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialized float32 array of this shape: this thread's buffer `name`, reused.
+
+    A kernel's temporaries (a tile as float32, the partial sums) are megabytes at
+    many rows. Allocated afresh at every call, glibc may hand their pages back to
+    the OS between calls (it trims the heap's free top past a threshold that moves
+    with its allocations) and the next call first-touches them again: a helper
+    process took 16,800-23,600 page faults per 32-row step that way. So each thread
+    keeps one buffer per name, for the whole life of the thread: the caller must
+    be done with it before it asks for the same name again.
+    """
+    size = math.prod(shape)
+    buffer = getattr(_scratch, name, None)
+    if buffer is None or buffer.size < size:
+        buffer = np.empty(size, np.float32)
+        setattr(_scratch, name, buffer)
+    return buffer[:size].reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------
