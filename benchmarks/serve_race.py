@@ -284,17 +284,19 @@ def summary(turns: dict, levels: list[int]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="after --: more `lmsp-min serve` flags")
     parser.add_argument("model", help="a .gguf path or a known model name")
     parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
     parser.add_argument("--streams", default="1,8,16,32", help="numbers of streams, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="turns of each server at each level (3)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens each stream asks for (128)")
     parser.add_argument("--json", type=Path, help="write the turns and the summary to this file")
-    parser.epilog = "after --: more `lmsp-min serve` flags"
+    # what follows -- is lmsp-min's, cut off by hand: a positional nargs="*" after the model
+    # would be filled (empty) with it, before argparse reaches the --
     argv = sys.argv[1:]
-    cut = argv.index("--") if "--" in argv else len(argv)  # (a positional nargs="*" after the model
-    args = parser.parse_args(argv[:cut])                     # is filled before argparse sees the --)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
     args.serve_args = argv[cut + 1:]
     path = prompts.model_path(args.model)
     from lmsp_min.registry import model_id_for
