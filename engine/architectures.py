@@ -160,6 +160,15 @@ class Batch:
         """The rows of `output_spans`, in order."""
         return [row for span in self.output_spans for row in range(span.start, span.stop)]
 
+    def subset(self, indices: list[int]) -> Batch:
+        """The batch of the sequences at `indices` alone, in that order."""
+        rows = np.concatenate([np.arange(self.spans[i].start, self.spans[i].stop) for i in indices])
+        bounds = np.cumsum([0] + [self.spans[i].stop - self.spans[i].start for i in indices])
+        return Batch([self.sequences[i] for i in indices], [self.starts[i] for i in indices],
+                     [slice(int(a), int(b)) for a, b in zip(bounds, bounds[1:])],
+                     self.tokens[rows], self.positions[rows],
+                     None if self.wanted is None else [self.wanted[i] for i in indices])
+
     def rope_turns(self, hp: Hyperparameters, local: bool) -> np.ndarray:
         """e^(i angle) (n, rope_dim/2) complex64 of this batch's positions, computed once per step."""
         if local not in self.rope_cache:
@@ -210,12 +219,17 @@ def forward(hp: Hyperparameters, w: Weights, batch: Batch, all_logits: bool = Fa
     so far stored lie past its length, which only a finished step advances).
     """
     x = hidden_states(hp, w, batch, all_rows=all_logits, abandon=abandon)  # (n or m, d)
-    logits = lm_head(hp, w, x)                                 # (n or m, V)
-    if all_logits:
-        return [logits[span] for span in batch.spans]
+    return per_sequence(batch, lm_head(hp, w, x), all_logits)
+
+
+def per_sequence(batch: Batch, rows: np.ndarray, all_rows: bool = False) -> list[np.ndarray]:
+    """Rows (n or m, ...) of a batch cut per sequence: every token's with all_rows, else
+    (m rows) those of `batch.output_spans`."""
+    if all_rows:
+        return [rows[span] for span in batch.spans]
     out, row = [], 0
     for span in batch.output_spans:
-        out.append(logits[row: row + span.stop - span.start])
+        out.append(rows[row: row + span.stop - span.start])
         row += span.stop - span.start
     return out
 

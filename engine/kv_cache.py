@@ -6,33 +6,54 @@ values and attends over the stored ones. Storage is float32 (the precision the
 attention math runs in; float16 would halve the memory but round every stored
 key). It is preallocated and grows geometrically up to the context window, so
 a short chat does not pay for a 32k-token window and a long one copies rarely.
+
+A cache's keys and values are views of one flat block of storage, which it asks of
+its `allocate` (zeros of n float32 values): private memory by default; the
+acceleration layer gives a model's caches memory its helper process maps too, so that
+the helper can step some of the sequences of a batch (engine/accel/halves.py).
 """
 
 from __future__ import annotations
+
+import math
+from typing import Callable
 
 import numpy as np
 
 from . import tuning
 
 
+def private_zeros(n_values: int) -> np.ndarray:
+    """n_values float32 zeros in this process's memory: the storage of a cache by default."""
+    return np.zeros(n_values, np.float32)
+
+
 class KVCache:
-    """Keys (n_layer × (n_head_kv, capacity, head_dim_k)) and values, positions [0, length) valid."""
+    """Keys (n_layer, n_head_kv, capacity, head_dim_k) and values, positions [0, length) valid."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                 max_length: int, capacity: int = tuning.INITIAL_CAPACITY):
+                 max_length: int, capacity: int = tuning.INITIAL_CAPACITY,
+                 allocate: Callable[[int], np.ndarray] = private_zeros):
         self.n_layer = n_layer
         self.n_head_kv = n_head_kv
         self.head_dim_k = head_dim_k
         self.head_dim_v = head_dim_v
         self.max_length = max_length
+        self.allocate = allocate
         self.length = 0
-        capacity = min(capacity, max_length)
-        self.keys = [np.zeros((n_head_kv, capacity, head_dim_k), np.float32) for _ in range(n_layer)]
-        self.values = [np.zeros((n_head_kv, capacity, head_dim_v), np.float32) for _ in range(n_layer)]
+        self.storage, self.keys, self.values = self._allot(min(capacity, max_length))
+
+    def _allot(self, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A zeroed block for `capacity` positions, and its keys and values (all keys first)."""
+        shape_k = (self.n_layer, self.n_head_kv, capacity, self.head_dim_k)
+        shape_v = (self.n_layer, self.n_head_kv, capacity, self.head_dim_v)
+        storage = self.allocate(math.prod(shape_k) + math.prod(shape_v))
+        n_k = math.prod(shape_k)
+        return storage, storage[:n_k].reshape(shape_k), storage[n_k:].reshape(shape_v)
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys.shape[2]
 
     def capacity_for(self, n: int) -> int:
         """The capacity `reserve(n)` leaves: the same, or doubled (at least n, at most max_length)."""
@@ -44,12 +65,10 @@ class KVCache:
             raise ValueError(f"{n} positions do not fit a cache of {self.max_length}")
         if n <= self.capacity:
             return
-        capacity = self.capacity_for(n)
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = np.zeros((old.shape[0], capacity, old.shape[2]), np.float32)
-                new[:, : self.length] = old[:, : self.length]
-                store[i] = new
+        storage, keys, values = self._allot(self.capacity_for(n))
+        keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.storage, self.keys, self.values = storage, keys, values
 
     def store(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write the keys k (T, n_head_kv, head_dim_k) and values v of positions start..start+T."""
@@ -69,16 +88,15 @@ class KVCache:
         """A new cache holding a copy of positions [0, n): a prefix shared by another sequence."""
         n = min(n, self.length)
         copy = KVCache(self.n_layer, self.n_head_kv, self.head_dim_k, self.head_dim_v,
-                       self.max_length, capacity=max(n, 1))
-        for src, dst in ((self.keys, copy.keys), (self.values, copy.values)):
-            for layer in range(self.n_layer):
-                dst[layer][:, :n] = src[layer][:, :n]
+                       self.max_length, capacity=max(n, 1), allocate=self.allocate)
+        copy.keys[:, :, :n] = self.keys[:, :, :n]
+        copy.values[:, :, :n] = self.values[:, :, :n]
         copy.length = n
         return copy
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return self.storage.nbytes
 
 
 class Sequence:

@@ -34,7 +34,7 @@ from .chat_template import ChatTemplate
 from .constrain import can_constrain
 from .errors import ContextLengthExceeded, ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
-from .kv_cache import KVCache, Sequence
+from .kv_cache import KVCache, Sequence, private_zeros
 from .quants import concat_weights, load_weight, reorder_rows
 from .sampling import report, token_logprob
 from .scheduler import Scheduler
@@ -72,7 +72,7 @@ def load_model(path: str | Path, n_ctx: int | None = None, kv_cache_bytes: int |
     hp = read_hyperparameters(file)
     weights = load_weights(file, hp)
     accel.single_threaded_blas()  # the accelerator's threads split the work, not BLAS (engine/accel/threads.py)
-    accelerator = accel.install(weights, accel.num_threads())  # its helper process starts ...
+    accelerator = accel.install(hp, weights, accel.num_threads())  # its helper process starts ...
     try:
         tokenizer = Tokenizer.from_metadata(file.metadata)  # ... while this runs
         model = Model(file, hp, weights, tokenizer, n_ctx)
@@ -201,7 +201,8 @@ class Model:
         """A sequence with an empty cache; its tokens are pending until stepped."""
         hp = self.hp
         cache = KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.n_ctx,
-                        capacity=max(capacity, min(len(tokens), self.n_ctx)))
+                        capacity=max(capacity, min(len(tokens), self.n_ctx)),
+                        allocate=self.accel.allocate_kv if self.accel is not None else private_zeros)
         return Sequence(tokens, cache)
 
     @property
@@ -222,8 +223,9 @@ class Model:
         """
         self._require_generating()
         batch = architectures.make_batch(sequences, chunk, logit_rows)
+        forward = self.accel.forward if self.accel is not None else architectures.forward
         with self._forward_lock:
-            out = architectures.forward(self.hp, self.weights, batch, all_logits, abandon)
+            out = forward(self.hp, self.weights, batch, all_logits, abandon)
             self.steps += 1
         return out
 

@@ -107,3 +107,10 @@ ASLEEP_AFTER = 0.001         # a helper without a command for this long sleeps o
 SPIN_SECONDS = 0.0003        # a wait on a pipe polls this long before it sleeps: the next command is microseconds away
 HELPER_TIMEOUT = 30.0        # seconds a helper may owe an answer before it is taken for hung and killed
 CONVERT_AHEAD = 3            # tiles of its next matmul the helper converts to float32 while it waits (within its L2)
+
+# --- the step in two halves (engine/accel/halves.py) ------------------------------------
+# perf: "A step in two halves"
+HALVES_MIN_SEQUENCES = 12    # a decode step of this many sequences or more is halved with the helper
+HALVES_MAX_ROWS = 2 * DECODE_MAX_ROWS  # ... of at most this many rows (drafts included): both halves decode
+HALVES_SHARE = 0.5           # the helper's first share of a step's rows; it then follows how early it answers ...
+HALVES_SHARE_STEP = 0.02     # ... moving by this much a step (a row of 50), within SHARE_BOUNDS

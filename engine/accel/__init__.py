@@ -12,7 +12,10 @@ share it with:
 - threads.py: a pool of worker threads (`WorkerPool`, `parallel_for`), and the process
   settings they rely on (BLAS on one thread, set by `single_threaded_blas`);
 - helper.py: a second process that computes part of every decode matmul, since
-  threads sharing many short numpy calls mostly hand each other the GIL.
+  threads sharing many short numpy calls mostly hand each other the GIL;
+- halves.py: for a decoder, the same process stepping some of a batch's sequences
+  whole, their KV caches in memory both processes map: `Accelerator.forward` stands in
+  for architectures.forward, and `allocate_kv` gives the caches their storage.
 
 Their constants are in engine/tuning.py, the engine's one table. `model.accel` is the
 accelerator (None with one thread). Its `close()` stops the helper process and joins
@@ -21,11 +24,17 @@ the threads; the model keeps working, on its calling thread.
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 from engine import architectures
-from engine.architectures import BertWeights, Weights
+from engine.architectures import Batch, BertWeights, Hyperparameters, Weights
+from engine.kv_cache import private_zeros
 from engine.quants import DenseWeight, QuantWeight, StackedWeight, Weight
 
 from . import helper as _helper
+from .halves import Halves
 from .helper import Helper
 from .threads import (WorkerPool, blas_kernel, num_threads, parallel_for, release_freed_memory,
                       single_threaded_blas)
@@ -39,10 +48,22 @@ class Accelerator:
     """A model's worker threads and helper process (if any): what its wrapper weights share
     their work with. `close()` stops both; idempotent."""
 
-    def __init__(self, n_threads: int, helper: Helper | None = None):
+    def __init__(self, n_threads: int, helper: Helper | None = None, halves: Halves | None = None):
         self.pool = WorkerPool(n_threads)
         self.helper = helper
+        self.halves = halves
         self._helper_index = {id(w): i for i, w in enumerate(helper.weights)} if helper else {}
+
+    def forward(self, hp: Hyperparameters, weights: Weights, batch: Batch, all_logits: bool = False,
+                abandon=None) -> list[np.ndarray]:
+        """architectures.forward, a decode step halved with the helper where it can be (halves.py)."""
+        if self.halves is None:
+            return architectures.forward(hp, weights, batch, all_logits, abandon)
+        return self.halves.forward(hp, weights, batch, all_logits, abandon)
+
+    def allocate_kv(self, n_values: int) -> np.ndarray:
+        """A KV cache's storage (engine/kv_cache.py): shared with the helper when it steps sequences."""
+        return self.halves.blocks.allocate(n_values) if self.halves is not None else private_zeros(n_values)
 
     @property
     def n_threads(self) -> int:
@@ -77,14 +98,17 @@ class Accelerator:
         return f"Accelerator(n_threads={self.n_threads}, helper={'yes' if self.helper else 'no'})"
 
 
-def install(weights: Weights | BertWeights, n_threads: int) -> Accelerator | None:
+def install(hp: Hyperparameters, weights: Weights | BertWeights, n_threads: int) -> Accelerator | None:
     """Share the matmuls of a model's weights out over n_threads threads (and a helper
-    process, for big models: see helper.start): every matrix of `weights` is replaced, in
-    place, by its wrapper, and the forward's other work goes to the threads too. None (and
-    the weights left as they are) with one thread."""
+    process, for big models: see helper.start, which steps some sequences of a decoder's
+    batches too): every matrix of `weights` is replaced, in place, by its wrapper, and the
+    forward's other work goes to the threads too. None (and the weights left as they
+    are) with one thread."""
     if n_threads < 2:
         return None
-    accelerator = Accelerator(n_threads, _helper.start(quantized_matrices(weights), n_threads))
+    plain = _plain_copy(weights) if isinstance(weights, Weights) and hp.causal else None
+    helper = _helper.start(quantized_matrices(weights), n_threads, None if plain is None else (hp, plain))
+    accelerator = Accelerator(n_threads, helper, Halves(helper, plain) if helper and plain else None)
     architectures.share_work_with(parallel_for)  # on the latest pool still open (this one), else the calling thread
     wrapped: dict[int, Weight] = {}
 
@@ -98,6 +122,12 @@ def install(weights: Weights | BertWeights, n_threads: int) -> Accelerator | Non
             if isinstance(value, Weight):
                 setattr(holder, name, wrap(value))
     return accelerator
+
+
+def _plain_copy(weights: Weights) -> Weights:
+    """The weights' tree copied (not their arrays): the matrices as they are, before `install`
+    wraps those of the original."""
+    return dataclasses.replace(weights, blocks=[dataclasses.replace(block) for block in weights.blocks])
 
 
 def quantized_matrices(weights: Weights | BertWeights) -> list[QuantWeight]:

@@ -13,7 +13,7 @@ matmul (`Helper.matmul`):
 
     model's thread                              helper process
     x -> shared I/O area
-    "weight i, n rows, tiles b0:b1" -> pipe ->  reads the command
+    "weight i, n rows, tiles b0:b1" -> socket -> reads the command
     computes tiles 0:b0 into the I/O area       computes tiles b0:b1 into the I/O area,
     computes the mins' part (formats with       claiming each one first, and stops at
       mins: one product over all columns)         the first one taken back (_helper_tiles)
@@ -31,40 +31,60 @@ helper whose core another process took: when the helper's last tile is not answe
 within a grace (about one tile's time), the model computes the helper's tiles itself, in
 its own buffer (the helper may still write the I/O area), and computes the next matmuls
 alone for a while (`Rests`); one that has not answered within HELPER_TIMEOUT is killed.
-The helper exits when its command pipe closes: `close()`, the model dropped, or this
+The helper exits when its command socket closes: `close()`, the model dropped, or this
 process ended, however it ended. The constants are in engine/tuning.py's table.
+
+A decoder's helper also steps some of the sequences of a big decode batch whole, over
+KV caches both processes map (`step_beside`): that is halves.py, the next to read.
+The commands are messages on a socket, which can carry a cache's memfd along.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import mmap
 import os
 import pickle
 import select
+import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
 import weakref
+from typing import Callable
 
 import numpy as np
 
 from engine import tuning
+from engine.architectures import Hyperparameters, Weights
 from engine.quants import QuantWeight, scratch
 
-_COMMAND = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
+from .halves import TheirHalf
+
+# the commands, one message each on a socket (it can carry a descriptor): a kind, then its fields
+_MATMUL = b"m"  # + _TILES: a decode matmul's tiles
+_TILES = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
+_MAP = b"k"     # + _BLOCK, with a memfd: a KV cache's block to map (halves.py)
+_FORGET = b"f"  # + _BLOCK: a block the model's process let go of
+_BLOCK = struct.Struct("<2q")  # the block's number, its bytes
+_STEP = b"s"    # + a pickled spec: a forward step over some sequences (halves.py)
+_MESSAGE_BYTES = 1 << 16  # the longest command: a step of HALVES_MAX_ROWS rows takes a few kB
 _READY, _DONE = b"r", b"d"
-# the claims at the start of the I/O area (int64): one past the helper's latest tile, and
-# the first of the tiles the model's process took back from the end (Helper._take_back)
-_HELPER_NEXT, _TAKEN_FROM = 0, 1
+# the claims at the start of the I/O area (int64): one past the helper's latest tile, the
+# first of the tiles the model's process took back from the end (Helper._take_back), and
+# whether the model's half of a halved step was abandoned (the helper then stops too)
+_HELPER_NEXT, _TAKEN_FROM, _ABANDON = 0, 1, 2
 _ALIGN = 64
 _HELPER_MAIN = "import sys; sys.path.insert(0, sys.argv[1]); from engine.accel.helper import serve; serve()"
 
 
-def start(weights: list[QuantWeight], n_threads: int) -> Helper | None:
-    """A helper for a model with these quantized weights, or None where it would not pay.
+def start(weights: list[QuantWeight], n_threads: int,
+          model: tuple[Hyperparameters, Weights] | None = None) -> Helper | None:
+    """A helper for a model with these quantized weights, or None where it would not pay;
+    given the model's plain weights and its hyperparameters, it can step sequences too.
 
     Only on Linux (memfd), with at least two threads configured, for models of
     HELPER_MIN_VALUES weights or more, and not with `LMSP_HELPER=0`. A helper that
@@ -75,7 +95,7 @@ def start(weights: list[QuantWeight], n_threads: int) -> Helper | None:
             and sum(w.shape[0] * w.shape[1] for w in weights) >= tuning.HELPER_MIN_VALUES):
         return None
     try:
-        return Helper(weights)
+        return Helper(weights, model)
     except OSError:
         return None
 
@@ -133,29 +153,41 @@ class Helper:
     """The model's side of a helper process (see the module docstring).
 
     `weights[i]` is the matrix that command `i` names; they move into shared memory.
+    With `model` (its hyperparameters and plain weights, those among them), the helper
+    steps sequences too (`step_beside`, halves.py), their final states in `states`.
     """
 
-    def __init__(self, weights: list[QuantWeight]):
+    def __init__(self, weights: list[QuantWeight], model: tuple[Hyperparameters, Weights] | None = None):
         child_fds: list[int] = []  # the helper's ends: closed here once it has its copies, or failed to start
         own_fds: list[int] = []    # ours: closed here only if it failed to start
         try:
-            weights_fd, weights_size, layout = _share(weights, child_fds)
+            weights_fd, weights_size, layout, shared = _share(weights, child_fds)
             self.x_values = tuning.DECODE_MAX_ROWS * max(w.shape[1] for w in weights)
             y_values = tuning.DECODE_MAX_ROWS * max(w.n_tiles * w.tile_rows for w in weights)
             io_size = _ALIGN + 4 * (self.x_values + y_values)
             io_fd = _memfd("lmsp-helper-io", io_size, child_fds)
             self.claims, self.io = _map_io(io_fd, io_size)
-            cmd_r, self._cmd = _pipe(child_fds, own_fds)
+            commands, their_commands = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            own_fds.append(commands.detach())
+            child_fds.append(commands_fd := their_commands.detach())
             self._answers, ans_w = _pipe(own_fds, child_fds)
+            spec = {"weights": (weights_fd, weights_size, layout), "io": (io_fd, io_size, self.x_values),
+                    "commands": commands_fd, "answers": ans_w}
+            if model is not None:
+                d = model[1].output.shape[1]
+                states_size = 4 * tuning.HALVES_MAX_ROWS * d
+                states_fd = _memfd("lmsp-helper-states", states_size, child_fds)
+                self.states = _map_states(states_fd, states_size, d)  # (HALVES_MAX_ROWS, d)
+                spec["model"] = (_pickled(model, shared), states_fd, states_size)
             # the helper must run this very code: its package's directory goes first on its
             # path, before the working directory, which `python -c` puts first
             package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             # in a session of its own: a Ctrl-C at the terminal goes to the model's process,
             # which decides what it means (stop an answer, drain the server); the helper
-            # would only die of it, with a traceback. It ends when its command pipe closes.
+            # would only die of it, with a traceback. It ends when its command socket closes.
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _HELPER_MAIN, package_root], stdin=subprocess.PIPE,
-                pass_fds=(weights_fd, io_fd, cmd_r, ans_w), start_new_session=True)
+                pass_fds=child_fds, start_new_session=True)
         except BaseException:
             for fd in own_fds:
                 os.close(fd)
@@ -163,10 +195,11 @@ class Helper:
         finally:
             for fd in child_fds:
                 os.close(fd)
+        self._commands = socket.socket(fileno=own_fds[0])
+        self._commands.settimeout(tuning.HELPER_TIMEOUT)  # a helper that reads nothing that long is hung
         try:
             with self.process.stdin as stdin:
-                pickle.dump({"weights": (weights_fd, weights_size, layout),
-                             "io": (io_fd, io_size, self.x_values), "commands": cmd_r, "answers": ans_w}, stdin)
+                pickle.dump(spec, stdin)
         except OSError:  # it died at once: the model works without it
             pass
         self.weights = weights
@@ -174,8 +207,9 @@ class Helper:
         self.rests = Rests()
         self._owed_since: float | None = None  # when the command it has not answered yet was sent
         self._state = "starting"
-        self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _stop, self.process, self._cmd, self._answers)
+        self._lock = threading.Lock()        # one command at a time (close() waits for it)
+        self._send_lock = threading.RLock()  # one message at a time (a block freed while sending)
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._commands, self._answers)
 
     @property
     def alive(self) -> bool:
@@ -209,9 +243,9 @@ class Helper:
             split = min(w.n_tiles - 1, max(1, round(w.n_tiles * (1.0 - self.share))))
             xs, ys = _io_views(self.io, self.x_values, w, n)
             xs[...] = x
-            self.claims[:] = split, w.n_tiles
+            self.claims[_HELPER_NEXT], self.claims[_TAKEN_FROM] = split, w.n_tiles
             sent_at = time.perf_counter()
-            if not self._send(_COMMAND.pack(i, n, split, w.n_tiles)):
+            if not self._send(_MATMUL + _TILES.pack(i, n, split, w.n_tiles)):
                 return None
             w._decode_tiles(xs, ys, 0, split)
             tile_seconds = (time.perf_counter() - sent_at) / split
@@ -260,11 +294,61 @@ class Helper:
             self._state = "dead"
             self._finalizer()
 
-    def _send(self, command: bytes) -> bool:
-        try:
-            os.write(self._cmd, command)
+    def step_beside(self, spec: dict, own: Callable[[], list]) -> tuple[list, bool, bool] | None:
+        """Send the helper a forward step over some sequences (`spec`, halves.py) and run
+        `own` (the model's half) meanwhile. Returns own's result, whether the helper
+        answered, and whether its answer was there as own ended; None when the helper
+        is busy, resting or gone (nothing was sent).
+
+        Not answered means the helper is dead: it is killed when it has not answered
+        within HELPER_TIMEOUT, so that nobody writes its sequences' caches any more.
+        When own raises (StepAbandoned included), the helper is told to stop at its
+        next layer and is waited for, all the same, before the exception goes on.
+        """
+        with self._lock:
+            if not self._idle():
+                return None
+            self.claims[_ABANDON] = 0
+            sent_at = time.perf_counter()
+            if not self._send(_STEP + pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)):
+                return None
+            self._owed_since = sent_at
+            try:
+                result = own()
+            except BaseException:
+                self.claims[_ABANDON] = 1
+                self._step_answered()
+                raise
+            own_seconds = time.perf_counter() - sent_at
+            early = bool(select.select([self._answers], [], [], 0)[0])
+            answered = self._step_answered()
+            if answered and time.perf_counter() - sent_at > 2 * own_seconds:  # its core is likely taken
+                self.rests.late(sent_at, time.perf_counter())
+            return result, answered, early
+
+    def _step_answered(self) -> bool:
+        """Wait for the answer to a step, up to HELPER_TIMEOUT; kill a helper that does not give it."""
+        if _poll(self._answers, tuning.SPIN_SECONDS, tuning.HELPER_TIMEOUT) and self._read_answer():
             return True
-        except OSError:  # its end of the pipe is closed: it died
+        self._give_up()
+        return False
+
+    def map_block(self, number: int, fd: int, size: int) -> None:
+        """Have the helper map a KV cache's block (memfd fd, size bytes), known by its number."""
+        if self._state != "dead":
+            self._send(_MAP + _BLOCK.pack(number, size), [fd])
+
+    def forget_block(self, number: int) -> None:
+        """Have the helper unmap a block the model's process let go of (called by its finalizer)."""
+        if self._state != "dead":
+            self._send(_FORGET + _BLOCK.pack(number, 0))
+
+    def _send(self, message: bytes, fds: list[int] = ()) -> bool:
+        try:
+            with self._send_lock:
+                socket.send_fds(self._commands, [message], fds) if fds else self._commands.send(message)
+            return True
+        except OSError:  # its end is closed (it died), or it read nothing for HELPER_TIMEOUT
             self._give_up()
             return False
 
@@ -308,10 +392,10 @@ class Helper:
         self.process.wait()
 
 
-def _stop(process: subprocess.Popen, *fds: int) -> None:
-    """Close our ends of the pipes (the helper reads end-of-file and exits) and reap it."""
-    for fd in fds:
-        os.close(fd)
+def _stop(process: subprocess.Popen, commands: socket.socket, answers: int) -> None:
+    """Close our ends of the socket and the pipe (the helper reads end-of-file and exits) and reap it."""
+    commands.close()
+    os.close(answers)
     try:
         process.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -340,9 +424,9 @@ def _pipe(read_ends: list[int], write_ends: list[int]) -> tuple[int, int]:
     return r, w
 
 
-def _share(weights: list[QuantWeight], fds: list[int]) -> tuple[int, int, list]:
+def _share(weights: list[QuantWeight], fds: list[int]) -> tuple[int, int, list, dict[int, tuple]]:
     """Move the weights' arrays into one memfd (added to `fds`); their layout for the helper
-    to map them.
+    to map them, and each shared array's place (id(array) -> its layout entry).
 
     The layout has one entry per weight: [codes, scales, mins, n_out], each array as
     (offset, shape, dtype) or None.
@@ -350,7 +434,7 @@ def _share(weights: list[QuantWeight], fds: list[int]) -> tuple[int, int, list]:
     size = max(1, sum(_aligned(a.nbytes) for w in weights for a in (w.codes, w.scales, w.mins) if a is not None))
     fd = _memfd("lmsp-weights", size, fds)
     memory = mmap.mmap(fd, size)
-    layout, offset = [], 0
+    layout, places, offset = [], {}, 0
     for w in weights:
         entry = []
         for name in ("codes", "scales", "mins"):
@@ -363,9 +447,20 @@ def _share(weights: list[QuantWeight], fds: list[int]) -> tuple[int, int, list]:
             shared.flags.writeable = False
             setattr(w, name, shared)
             entry.append((offset, a.shape, a.dtype.str))
+            places[id(shared)] = entry[-1]
             offset += _aligned(a.nbytes)
         layout.append([*entry, w.shape[0]])
-    return fd, size, layout
+    return fd, size, layout, places
+
+
+def _pickled(model: tuple[Hyperparameters, Weights], places: dict[int, tuple]) -> bytes:
+    """The model's hyperparameters and plain weights pickled, each shared array as its place
+    in the weights' memfd (the helper maps it there), the rest (norms, biases) as it is."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.persistent_id = lambda obj: places.get(id(obj)) if isinstance(obj, np.ndarray) else None
+    pickler.dump(model)
+    return buffer.getvalue()
 
 
 # --- the helper process -----------------------------------------------------------------
@@ -387,7 +482,7 @@ def serve() -> None:
 
 
 def _serve(spec: dict) -> None:
-    """Map the weights and the I/O area, say ready, then compute the tiles each command asks for."""
+    """Map the weights and the I/O area, say ready, then do what each command asks."""
     weights_fd, weights_size, layout = spec["weights"]
     memory = mmap.mmap(weights_fd, weights_size, prot=mmap.PROT_READ)
 
@@ -400,22 +495,44 @@ def _serve(spec: dict) -> None:
     weights = [QuantWeight(array(c), array(s), array(m), n_out) for c, s, m, n_out in layout]
     io_fd, io_size, x_values = spec["io"]
     claims, io = _map_io(io_fd, io_size)
-    commands, answers = spec["commands"], spec["answers"]
+    commands, answers = socket.socket(fileno=spec["commands"]), spec["answers"]
+    theirs = _their_half(spec["model"], array, claims) if "model" in spec else None
     ahead = _ConvertAhead(weights, tuning.CONVERT_AHEAD)
     os.write(answers, _READY)
     while True:
         while ahead.todo and not select.select([commands], [], [], 0)[0]:
             ahead.convert_one()
-        _poll(commands, tuning.SPIN_SECONDS, None)  # the next matmul is usually microseconds away
-        command = _read_exactly(commands, _COMMAND.size)
-        if command is None:
+        _poll(commands.fileno(), tuning.SPIN_SECONDS, None)  # the next matmul is usually microseconds away
+        message, fds, _, _ = socket.recv_fds(commands, _MESSAGE_BYTES, 1)
+        if not message:
             return
-        i, n, b0, b1 = _COMMAND.unpack(command)
-        w = weights[i]
-        x, y = _io_views(io, x_values, w, n)
-        claims[_HELPER_NEXT] = _helper_tiles(w, x, y, b0, b1, ahead.received(i, b0, b1), claims)
-        os.write(answers, _DONE)
-        ahead.plan(i)
+        kind, body = message[:1], message[1:]
+        if kind == _MATMUL:
+            i, n, b0, b1 = _TILES.unpack(body)
+            w = weights[i]
+            x, y = _io_views(io, x_values, w, n)
+            claims[_HELPER_NEXT] = _helper_tiles(w, x, y, b0, b1, ahead.received(i, b0, b1), claims)
+            os.write(answers, _DONE)
+            ahead.plan(i)
+        elif kind == _MAP:
+            number, size = _BLOCK.unpack(body)
+            theirs.map(number, fds[0], size)
+        elif kind == _FORGET:
+            theirs.forget(_BLOCK.unpack(body)[0])
+        else:
+            theirs.step(pickle.loads(body))
+            os.write(answers, _DONE)
+
+
+def _their_half(model: tuple[bytes, int, int], array: Callable, claims: np.ndarray) -> TheirHalf:
+    """The helper's side of halved steps (halves.py): the model's weights unpickled over the
+    shared memory (`array` maps a place), and the area of the final states mapped."""
+    pickled, states_fd, states_size = model
+    unpickler = pickle.Unpickler(io.BytesIO(pickled))
+    unpickler.persistent_load = array
+    hp, plain = unpickler.load()
+    states = _map_states(states_fd, states_size, plain.output.shape[1])
+    return TheirHalf(hp, plain, states, lambda: bool(claims[_ABANDON]))
 
 
 def _helper_tiles(w: QuantWeight, x: np.ndarray, y: np.ndarray, b0: int, b1: int,
@@ -500,9 +617,14 @@ class _ConvertAhead:
 
 
 def _map_io(fd: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The shared I/O area: the two claims (int64), then x and y (float32, see _io_views)."""
+    """The shared I/O area: the three claims (int64), then x and y (float32, see _io_views)."""
     memory = mmap.mmap(fd, size)
-    return np.frombuffer(memory, np.int64, 2), np.frombuffer(memory, np.float32, offset=_ALIGN)
+    return np.frombuffer(memory, np.int64, 3), np.frombuffer(memory, np.float32, offset=_ALIGN)
+
+
+def _map_states(fd: int, size: int, d: int) -> np.ndarray:
+    """The area of a halved step's final states, from the helper: (HALVES_MAX_ROWS, d) float32."""
+    return np.frombuffer(mmap.mmap(fd, size), np.float32).reshape(-1, d)
 
 
 def _io_views(io: np.ndarray, x_values: int, w: QuantWeight, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -526,14 +648,3 @@ def _poll(fd: int, spin: float, timeout: float | None) -> bool:
         if select.select([fd], [], [], 0)[0]:
             return True
     return bool(select.select([fd], [], [], timeout)[0])
-
-
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    """size bytes from a pipe, or None at end of file."""
-    data = b""
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data

@@ -1,0 +1,132 @@
+"""A decode step in two halves (engine/accel/halves.py): the helper process steps some of a
+batch's sequences over KV caches both processes map. The oracle is the plain engine, one
+process on one thread: the same tokens, the floats within rounding; and no harm when the
+helper dies, nor when a step is abandoned."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from engine import tuning
+from engine.architectures import StepAbandoned
+from engine.model import load_model
+from test_helper import needs_memfd, tiny_model_starting_a_helper
+from waiting import wait_until_sync
+
+N_SEQUENCES = 16  # enough for a halved step (tuning.HALVES_MIN_SEQUENCES)
+
+
+@pytest.fixture
+def halving_model(tmp_path, monkeypatch):
+    """A tiny model with a helper that halves its decode steps."""
+    assert N_SEQUENCES >= tuning.HALVES_MIN_SEQUENCES
+    model = tiny_model_starting_a_helper(tmp_path, monkeypatch)
+    assert model.accel.halves is not None and model.accel.helper.wait_ready(timeout=60), "the helper did not start"
+    yield model
+    model.close()
+
+
+@pytest.fixture
+def plain_model(tmp_path, monkeypatch):
+    """The same tiny model in the plain engine: one process, one thread."""
+    monkeypatch.setenv("LMSP_THREADS", "1")
+    model = load_model(tmp_path / "tiny.gguf")
+    assert model.accel is None
+    yield model
+    model.close()
+
+
+def prompts() -> list[list[int]]:
+    return [[1, 5 + i, 9, 13 + 2 * i][: 2 + i % 3] for i in range(N_SEQUENCES)]
+
+
+def greedy_steps(model, steps: int = 5) -> list[np.ndarray]:
+    """The logits (N_SEQUENCES, V) of each decode step, every sequence taking its argmax."""
+    seqs = [model.new_sequence(p) for p in prompts()]
+    out = model.step(seqs)
+    steps_logits = []
+    for _ in range(steps):
+        for seq, logits in zip(seqs, out):
+            seq.append(int(np.argmax(logits[-1])))
+        out = model.step(seqs)
+        steps_logits.append(np.concatenate(out))
+    return steps_logits
+
+
+def assert_same_decoding(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.argmax(axis=-1), y.argmax(axis=-1))
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max())
+
+
+@needs_memfd
+def test_a_decode_step_of_many_sequences_is_halved_and_decodes_as_the_plain_engine(halving_model, plain_model):
+    halved = greedy_steps(halving_model)
+    assert halving_model.accel.halves.halved >= len(halved)
+    assert_same_decoding(halved, greedy_steps(plain_model))
+
+
+@needs_memfd
+def test_a_step_of_few_sequences_is_not_halved(halving_model):
+    seqs = [halving_model.new_sequence(p) for p in prompts()[: tuning.HALVES_MIN_SEQUENCES - 1]]
+    halving_model.step(seqs)
+    halving_model.step([halving_model.new_sequence([1, 2])])
+    assert halving_model.accel.halves.halved == 0
+
+
+@needs_memfd
+def test_a_helper_killed_before_a_halved_step_leaves_its_half_to_the_model(halving_model, plain_model):
+    halving_model.accel.helper.process.kill()
+    halving_model.accel.helper.process.wait(timeout=30)
+    assert_same_decoding(greedy_steps(halving_model), greedy_steps(plain_model))
+    assert not halving_model.accel.helper.alive
+
+
+@needs_memfd
+def test_a_helper_that_dies_in_a_halved_step_leaves_its_half_to_the_model(halving_model, plain_model):
+    helper = halving_model.accel.helper
+    seqs = [halving_model.new_sequence(p) for p in prompts()]
+    # abandon() is asked between the layers of the model's half, while the helper runs its own
+    out = halving_model.step(seqs, abandon=lambda: helper.process.kill())
+    plain_seqs = [plain_model.new_sequence(p) for p in prompts()]
+    plain = plain_model.step(plain_seqs)
+    assert_same_decoding([np.concatenate(out)], [np.concatenate(plain)])
+    for seq, plain_seq, logits in zip(seqs, plain_seqs, out):  # and the next step, without it
+        seq.append(int(np.argmax(logits[-1])))
+        plain_seq.append(int(np.argmax(logits[-1])))
+    assert_same_decoding([np.concatenate(halving_model.step(seqs))], [np.concatenate(plain_model.step(plain_seqs))])
+    assert not helper.alive
+
+
+@needs_memfd
+def test_an_abandoned_halved_step_leaves_every_cache_as_it_was(halving_model, plain_model):
+    seqs = [halving_model.new_sequence(p) for p in prompts()]
+    halving_model.step(seqs)
+    for seq in seqs:
+        seq.append(3)
+    lengths = [seq.cache.length for seq in seqs]
+    with pytest.raises(StepAbandoned):
+        halving_model.step(seqs, abandon=lambda: True)
+    assert [seq.cache.length for seq in seqs] == lengths
+    plain = [plain_model.new_sequence(p + [3]) for p in prompts()]
+    assert_same_decoding([np.concatenate(halving_model.step(seqs))], [np.concatenate(plain_model.step(plain))])
+
+
+def helper_kv_mappings(model) -> int:
+    with open(f"/proc/{model.accel.helper.process.pid}/maps") as maps:
+        return sum("lmsp-kv" in line for line in maps)
+
+
+@needs_memfd
+def test_the_helper_lets_go_of_the_caches_the_model_drops(halving_model):
+    seqs = [halving_model.new_sequence(p) for p in prompts()]
+    halving_model.step(seqs)
+    wait_until_sync(lambda: helper_kv_mappings(halving_model) >= N_SEQUENCES, "the helper mapped the caches")
+    del seqs
+    gc.collect()
+    wait_until_sync(lambda: helper_kv_mappings(halving_model) == 0, "the helper unmapped the caches")
+    assert os.path.exists(f"/proc/{halving_model.accel.helper.process.pid}")
