@@ -84,7 +84,7 @@ class SharedBlocks:
             os.close(fd)  # the mappings keep the memory
         block = np.frombuffer(memory, np.float32, n_values)
         self._numbers[id(block)] = number
-        weakref.finalize(block, self._free, id(block), number)
+        weakref.finalize(block, self._free, id(block), number).atexit = False  # (the helper ends with us)
         return block
 
     def number(self, block: np.ndarray) -> int | None:
@@ -112,32 +112,41 @@ class Halves:
         theirs = None if all_logits else self._their_sequences(batch)
         if not theirs:
             return architectures.forward(hp, weights, batch, all_logits, abandon)
-        mine = set(theirs)
-        own = [i for i in range(len(batch.sequences)) if i not in mine]
+        own = [i for i in range(len(batch.sequences)) if i not in theirs]
         own_batch, their_batch = batch.subset(own), batch.subset(theirs)
-        spec = {"caches": [(self.blocks.number(seq.cache.storage), seq.cache.capacity, start)
-                           for seq, start in zip(their_batch.sequences, their_batch.starts)],
-                "tokens": their_batch.tokens, "positions": their_batch.positions,
-                "spans": [(s.start, s.stop) for s in their_batch.spans], "wanted": their_batch.wanted}
         done = self.helper.step_beside(
-            spec, lambda: architectures.hidden_states(hp, self.plain, own_batch, all_rows=False, abandon=abandon))
+            self._spec(their_batch),
+            lambda: architectures.hidden_states(hp, self.plain, own_batch, all_rows=False, abandon=abandon))
         if done is None:  # the helper is busy, resting or gone
             return architectures.forward(hp, weights, batch, all_logits, abandon)
         own_x, answered, early = done                            # (m_own, d)
         self.halved += 1
-        low, high = tuning.SHARE_BOUNDS
-        self.share = min(high, max(low, self.share + (tuning.HALVES_SHARE_STEP if early else -tuning.HALVES_SHARE_STEP)))
+        self._follow(early)
         if answered:
             their_x = self._their_states(their_batch)             # (m_theirs, d)
-        else:  # it died or was killed: its half here
-            their_x = architectures.hidden_states(hp, weights, their_batch, all_rows=False, abandon=abandon)
-        rows = [None] * len(batch.sequences)  # each sequence's final states, in the batch's order
+        else:  # it died or was killed: its half here (to the end: our half's caches have advanced)
+            their_x = architectures.hidden_states(hp, weights, their_batch, all_rows=False)
+        states = [None] * len(batch.sequences)  # each sequence's final states, in the batch's order
         for i, x in zip(own + theirs, architectures.per_sequence(own_batch, own_x)
                         + architectures.per_sequence(their_batch, their_x)):
-            rows[i] = x
+            states[i] = x
         # the LM head once over all the rows, its tiles shared: the biggest matrix is not
         # converted twice, once for each half
-        return architectures.per_sequence(batch, architectures.lm_head(hp, weights, np.concatenate(rows)))
+        return architectures.per_sequence(batch, architectures.lm_head(hp, weights, np.concatenate(states)))
+
+    def _spec(self, batch: Batch) -> dict:
+        """The helper's part of the step as it is sent: each cache's block, capacity and
+        start, and the batch's tokens, positions, spans and wanted rows."""
+        return {"caches": [(self.blocks.number(seq.cache.storage), seq.cache.capacity, start)
+                           for seq, start in zip(batch.sequences, batch.starts)],
+                "tokens": batch.tokens, "positions": batch.positions,
+                "spans": [(s.start, s.stop) for s in batch.spans], "wanted": batch.wanted}
+
+    def _follow(self, early: bool) -> None:
+        """More rows for the helper next time when its answer was there as our half ended, else fewer."""
+        low, high = tuning.SHARE_BOUNDS
+        step = tuning.HALVES_SHARE_STEP if early else -tuning.HALVES_SHARE_STEP
+        self.share = min(high, max(low, self.share + step))
 
     def _their_sequences(self, batch: Batch) -> list[int]:
         """The helper's sequences for this step, from the end of the batch: its share of the
