@@ -13,7 +13,7 @@ matmul (`Helper.matmul`):
 
     model's thread                              helper process
     x -> shared I/O area
-    "weight i, n rows, tiles b0:b1" -> socket -> reads the command
+    "weight i, n rows, tiles b0:b1" -> pipe ->  reads the command
     computes tiles 0:b0 into the I/O area       computes tiles b0:b1 into the I/O area,
     computes the mins' part (formats with       claiming each one first, and stops at
       mins: one product over all columns)         the first one taken back (_helper_tiles)
@@ -31,12 +31,12 @@ helper whose core another process took: when the helper's last tile is not answe
 within a grace (about one tile's time), the model computes the helper's tiles itself, in
 its own buffer (the helper may still write the I/O area), and computes the next matmuls
 alone for a while (`Rests`); one that has not answered within HELPER_TIMEOUT is killed.
-The helper exits when its command socket closes: `close()`, the model dropped, or this
+The helper exits when its command pipe closes: `close()`, the model dropped, or this
 process ended, however it ended. The constants are in engine/tuning.py's table.
 
 A decoder's helper also steps some of the sequences of a big decode batch whole, over
 KV caches both processes map (`step_beside`): that is halves.py, the next to read.
-The commands are messages on a socket, which can carry a cache's memfd along.
+A cache's memfd goes to the helper on a socket, beside the command that names it.
 """
 
 from __future__ import annotations
@@ -64,14 +64,12 @@ from engine.quants import QuantWeight, scratch
 
 from .halves import TheirHalf
 
-# the commands, one message each on a socket (it can carry a descriptor): a kind, then its fields
-_MATMUL = b"m"  # + _TILES: a decode matmul's tiles
-_TILES = struct.Struct("<4i")  # weight index, rows of x, first and end tile of the helper
-_MAP = b"k"     # + _BLOCK, with a memfd: a KV cache's block to map (halves.py)
-_FORGET = b"f"  # + _BLOCK: a block the model's process let go of
-_BLOCK = struct.Struct("<2q")  # the block's number, its bytes
-_STEP = b"s"    # + a pickled spec: a forward step over some sequences (halves.py)
-_MESSAGE_BYTES = 1 << 16  # the longest command: a step of HALVES_MAX_ROWS rows takes a few kB
+# the commands on the pipe: a kind and four numbers, which say
+_COMMAND = struct.Struct("<c4q")
+_MATMUL = b"m"  # a decode matmul's tiles: weight index, rows of x, first and end tile of the helper
+_MAP = b"k"     # a KV cache's block to map (halves.py): its number and bytes; its memfd is on the socket
+_FORGET = b"f"  # a block the model's process let go of: its number
+_STEP = b"s"    # a forward step over some sequences (halves.py): the bytes of its pickled spec, which follow
 _READY, _DONE = b"r", b"d"
 # the claims at the start of the I/O area (int64): one past the helper's latest tile, the
 # first of the tiles the model's process took back from the end (Helper._take_back), and
@@ -167,12 +165,14 @@ class Helper:
             io_size = _ALIGN + 4 * (self.x_values + y_values)
             io_fd = _memfd("lmsp-helper-io", io_size, child_fds)
             self.claims, self.io = _map_io(io_fd, io_size)
-            commands, their_commands = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            own_fds.append(commands.detach())
-            child_fds.append(commands_fd := their_commands.detach())
+            cmd_r, self._cmd = _pipe(child_fds, own_fds)
             self._answers, ans_w = _pipe(own_fds, child_fds)
+            # the blocks' memfds go on a socket of their own: a pipe is faster for the commands
+            descriptors, their_descriptors = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            own_fds.append(descriptors.detach())
+            child_fds.append(descriptors_fd := their_descriptors.detach())
             spec = {"weights": (weights_fd, weights_size, layout), "io": (io_fd, io_size, self.x_values),
-                    "commands": commands_fd, "answers": ans_w}
+                    "commands": cmd_r, "answers": ans_w, "descriptors": descriptors_fd}
             if model is not None:
                 d = model[1].output.shape[1]
                 states_size = 4 * tuning.HALVES_MAX_ROWS * d
@@ -184,7 +184,7 @@ class Helper:
             package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             # in a session of its own: a Ctrl-C at the terminal goes to the model's process,
             # which decides what it means (stop an answer, drain the server); the helper
-            # would only die of it, with a traceback. It ends when its command socket closes.
+            # would only die of it, with a traceback. It ends when its command pipe closes.
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _HELPER_MAIN, package_root], stdin=subprocess.PIPE,
                 pass_fds=child_fds, start_new_session=True)
@@ -195,8 +195,8 @@ class Helper:
         finally:
             for fd in child_fds:
                 os.close(fd)
-        self._commands = socket.socket(fileno=own_fds[0])
-        self._commands.settimeout(tuning.HELPER_TIMEOUT)  # a helper that reads nothing that long is hung
+        self._descriptors = socket.socket(fileno=own_fds[-1])
+        self._descriptors.settimeout(tuning.HELPER_TIMEOUT)  # a helper that reads nothing that long is hung
         try:
             with self.process.stdin as stdin:
                 pickle.dump(spec, stdin)
@@ -209,7 +209,7 @@ class Helper:
         self._state = "starting"
         self._lock = threading.Lock()        # one command at a time (close() waits for it)
         self._send_lock = threading.RLock()  # one message at a time (a block freed while sending)
-        self._finalizer = weakref.finalize(self, _stop, self.process, self._commands, self._answers)
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._descriptors, self._cmd, self._answers)
 
     @property
     def alive(self) -> bool:
@@ -245,7 +245,7 @@ class Helper:
             xs[...] = x
             self.claims[_HELPER_NEXT], self.claims[_TAKEN_FROM] = split, w.n_tiles
             sent_at = time.perf_counter()
-            if not self._send(_MATMUL + _TILES.pack(i, n, split, w.n_tiles)):
+            if not self._send(_COMMAND.pack(_MATMUL, i, n, split, w.n_tiles)):
                 return None
             w._decode_tiles(xs, ys, 0, split)
             tile_seconds = (time.perf_counter() - sent_at) / split
@@ -310,7 +310,8 @@ class Helper:
                 return None
             self.claims[_ABANDON] = 0
             sent_at = time.perf_counter()
-            if not self._send(_STEP + pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)):
+            payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+            if not self._send(_COMMAND.pack(_STEP, len(payload), 0, 0, 0) + payload):
                 return None
             self._owed_since = sent_at
             try:
@@ -336,19 +337,23 @@ class Helper:
     def map_block(self, number: int, fd: int, size: int) -> None:
         """Have the helper map a KV cache's block (memfd fd, size bytes), known by its number."""
         if self._state != "dead":
-            self._send(_MAP + _BLOCK.pack(number, size), [fd])
+            self._send(_COMMAND.pack(_MAP, number, size, 0, 0), fd)
 
     def forget_block(self, number: int) -> None:
         """Have the helper unmap a block the model's process let go of (called by its finalizer)."""
         if self._state != "dead":
-            self._send(_FORGET + _BLOCK.pack(number, 0))
+            self._send(_COMMAND.pack(_FORGET, number, 0, 0, 0))
 
-    def _send(self, message: bytes, fds: list[int] = ()) -> bool:
+    def _send(self, command: bytes, fd: int | None = None) -> bool:
+        """Send a command (and before it, a descriptor it refers to); False if the helper is gone."""
         try:
             with self._send_lock:
-                socket.send_fds(self._commands, [message], fds) if fds else self._commands.send(message)
+                if fd is not None:
+                    socket.send_fds(self._descriptors, [b"k"], [fd])
+                while command:
+                    command = command[os.write(self._cmd, command):]
             return True
-        except OSError:  # its end is closed (it died), or it read nothing for HELPER_TIMEOUT
+        except OSError:  # its end is closed (it died), or it read no descriptor for HELPER_TIMEOUT
             self._give_up()
             return False
 
@@ -392,10 +397,11 @@ class Helper:
         self.process.wait()
 
 
-def _stop(process: subprocess.Popen, commands: socket.socket, answers: int) -> None:
-    """Close our ends of the socket and the pipe (the helper reads end-of-file and exits) and reap it."""
-    commands.close()
-    os.close(answers)
+def _stop(process: subprocess.Popen, descriptors: socket.socket, *fds: int) -> None:
+    """Close our ends of the pipes and the socket (the helper reads end-of-file and exits) and reap it."""
+    descriptors.close()
+    for fd in fds:
+        os.close(fd)
     try:
         process.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -495,32 +501,33 @@ def _serve(spec: dict) -> None:
     weights = [QuantWeight(array(c), array(s), array(m), n_out) for c, s, m, n_out in layout]
     io_fd, io_size, x_values = spec["io"]
     claims, io = _map_io(io_fd, io_size)
-    commands, answers = socket.socket(fileno=spec["commands"]), spec["answers"]
+    commands, answers = spec["commands"], spec["answers"]
+    descriptors = socket.socket(fileno=spec["descriptors"])
     theirs = _their_half(spec["model"], array, claims) if "model" in spec else None
     ahead = _ConvertAhead(weights, tuning.CONVERT_AHEAD)
     os.write(answers, _READY)
     while True:
         while ahead.todo and not select.select([commands], [], [], 0)[0]:
             ahead.convert_one()
-        _poll(commands.fileno(), tuning.SPIN_SECONDS, None)  # the next matmul is usually microseconds away
-        message, fds, _, _ = socket.recv_fds(commands, _MESSAGE_BYTES, 1)
-        if not message:
+        _poll(commands, tuning.SPIN_SECONDS, None)  # the next matmul is usually microseconds away
+        command = _read_exactly(commands, _COMMAND.size)
+        if command is None:
             return
-        kind, body = message[:1], message[1:]
+        kind, *numbers = _COMMAND.unpack(command)
         if kind == _MATMUL:
-            i, n, b0, b1 = _TILES.unpack(body)
+            i, n, b0, b1 = numbers
             w = weights[i]
             x, y = _io_views(io, x_values, w, n)
             claims[_HELPER_NEXT] = _helper_tiles(w, x, y, b0, b1, ahead.received(i, b0, b1), claims)
             os.write(answers, _DONE)
             ahead.plan(i)
         elif kind == _MAP:
-            number, size = _BLOCK.unpack(body)
-            theirs.map(number, fds[0], size)
+            _, fds, _, _ = socket.recv_fds(descriptors, 1, 1)  # (sent before the command)
+            theirs.map(numbers[0], fds[0], numbers[1])
         elif kind == _FORGET:
-            theirs.forget(_BLOCK.unpack(body)[0])
+            theirs.forget(numbers[0])
         else:
-            theirs.step(pickle.loads(body))
+            theirs.step(pickle.loads(_read_exactly(commands, numbers[0])))
             os.write(answers, _DONE)
 
 
@@ -648,3 +655,14 @@ def _poll(fd: int, spin: float, timeout: float | None) -> bool:
         if select.select([fd], [], [], 0)[0]:
             return True
     return bool(select.select([fd], [], [], timeout)[0])
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    """size bytes from a pipe, or None at end of file."""
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
