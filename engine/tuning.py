@@ -110,7 +110,8 @@ CONVERT_AHEAD = 3            # tiles of its next matmul the helper converts to f
 
 # --- the step in two halves (engine/accel/halves.py) ------------------------------------
 # perf: "A step in two halves"
-HALVES_MIN_SEQUENCES = 12    # a decode step of this many sequences or more is halved with the helper
+HALVES_MIN_SEQUENCES = 12    # a decode step of this many sequences or more is halved with the helper: below,
+                             # each half converting every tile costs more than the hand-overs saved
 HALVES_MAX_ROWS = 2 * DECODE_MAX_ROWS  # ... of at most this many rows (drafts included): both halves decode
 HALVES_SHARE = 0.5           # the helper's first share of a step's rows; it then follows how early it answers ...
 HALVES_SHARE_STEP = 0.02     # ... moving by this much a step (a row of 50), within SHARE_BOUNDS
