@@ -206,6 +206,17 @@ def test_a_helper_late_after_sleeping_does_not_rest_unless_it_is_late_again_at_o
     assert rests.resting(now + 0.0003 + rest * 1.5)
 
 
+def test_a_helper_behind_in_a_halved_step_rests_even_after_sleeping():
+    """A halved step's helper that takes twice our half is not waking up (that takes a
+    millisecond at most): its core is held, however long it had no command."""
+    rests = Rests()
+    rests.answered(0.0)
+    now = 10.0
+    assert rests.asleep(sent_at=now)
+    rests.behind(now)
+    assert rests.rest == tuning.HELPER_REST and rests.resting(now)
+
+
 def test_the_grace_for_the_last_tile_is_about_one_of_our_tiles():
     assert grace(0.0) == tuning.HELPER_GRACE  # tiny tiles: at least HELPER_GRACE
     assert grace(0.0004) == tuning.GRACE_TILES * 0.0004

@@ -129,6 +129,12 @@ class Rests:
         if self.asleep(sent_at):
             self.asleep_late_at = now
             return
+        self.behind(now)
+
+    def behind(self, now: float) -> None:
+        """The helper was late while awake (noticed at now): rest, longer if it was late
+        again soon. A halved step's helper late by as long as our half is awake: waking
+        takes a millisecond at most."""
         again = now - max(self.late_at, self.asleep_late_at) < 2 * self.rest
         self.rest = min(tuning.HELPER_REST_MAX, 2 * self.rest) if again else tuning.HELPER_REST
         self.late_at = now
@@ -324,7 +330,7 @@ class Helper:
             early = bool(select.select([self._answers], [], [], 0)[0])
             answered = self._step_answered()
             if answered and time.perf_counter() - sent_at > 2 * own_seconds:  # its core is likely taken
-                self.rests.late(sent_at, time.perf_counter())
+                self.rests.behind(time.perf_counter())
             return result, answered, early
 
     def _step_answered(self) -> bool:
