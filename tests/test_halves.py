@@ -10,11 +10,13 @@ import os
 
 import numpy as np
 import pytest
+import trio
 
 from engine import tuning
 from engine.architectures import StepAbandoned
 from engine.model import load_model
 from test_helper import needs_memfd, tiny_model_starting_a_helper
+from test_scheduler import alone, assert_same_greedy, generate, prompt
 from waiting import wait_until_sync
 
 N_SEQUENCES = 16  # enough for a halved step (tuning.HALVES_MIN_SEQUENCES)
@@ -130,3 +132,26 @@ def test_the_helper_lets_go_of_the_caches_the_model_drops(halving_model):
     gc.collect()
     wait_until_sync(lambda: helper_kv_mappings(halving_model) == 0, "the helper unmapped the caches")
     assert os.path.exists(f"/proc/{halving_model.accel.helper.process.pid}")
+
+
+@needs_memfd
+async def test_many_requests_batched_with_the_helper_give_the_tokens_each_gives_alone(halving_model, plain_model):
+    """Through the scheduler: prompts that share a start (their caches copied from the
+    prefix cache), halved steps, and each request's tokens those of the plain engine alone."""
+    shared_start = prompt(30, 7)
+    prompts = [shared_start + prompt(4 + i, 50 + i)[1:] for i in range(N_SEQUENCES)]
+    halving_model.scheduler.max_batch = N_SEQUENCES  # (what `load_model(max_batch=...)` sets)
+    await generate(halving_model.scheduler, shared_start, 1)  # the start, into the prefix cache
+    got = [None] * N_SEQUENCES
+
+    async def run(i: int) -> None:
+        got[i] = await generate(halving_model.scheduler, prompts[i], 10)
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for i in range(N_SEQUENCES):
+                nursery.start_soon(run, i)
+    assert halving_model.accel.halves.halved > 0
+    assert all(cached > 0 for _, cached in got)
+    for p, (tokens, _) in zip(prompts, got):  # (the oracle: the plain engine, one request at a time)
+        assert_same_greedy(plain_model, p, (await generate(alone(plain_model), p, 10))[0], tokens)
