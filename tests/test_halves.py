@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from engine import tuning
+from engine.accel import halves as halves_module
 from engine.architectures import StepAbandoned
 from engine.model import load_model
 from test_helper import needs_memfd, tiny_model_starting_a_helper
@@ -155,3 +156,15 @@ async def test_many_requests_batched_with_the_helper_give_the_tokens_each_gives_
     assert all(cached > 0 for _, cached in got)
     for p, (tokens, _) in zip(prompts, got):  # (the oracle: the plain engine, one request at a time)
         assert_same_greedy(plain_model, p, (await generate(alone(plain_model), p, 10))[0], tokens)
+
+
+@needs_memfd
+def test_caches_past_the_shared_blocks_bound_are_private_and_stepped_by_the_model(halving_model, plain_model,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(halves_module, "MAX_SHARED_BLOCKS", N_SEQUENCES // 2)
+    blocks = halving_model.accel.halves.blocks
+    halved = greedy_steps(halving_model)
+    assert halving_model.accel.halves.halved >= len(halved)  # the shared half of them still halves
+    assert_same_decoding(halved, greedy_steps(plain_model))
+    seqs = [halving_model.new_sequence(p) for p in prompts()]
+    assert sum(blocks.number(seq.cache.storage) is not None for seq in seqs) == N_SEQUENCES // 2

@@ -52,13 +52,17 @@ from engine.kv_cache import KVCache, Sequence, private_zeros
 if TYPE_CHECKING:
     from .helper import Helper
 
+# blocks shared at once, at most: each holds a descriptor in both processes (a mapping
+# keeps its own), which a server's connections need too; past it a cache is private
+MAX_SHARED_BLOCKS = 256
+
 
 class SharedBlocks:
     """The storage of a model's KV caches in memory the helper maps too: a memfd per block.
 
     `allocate` is the caches' allocator (engine/kv_cache.py). Each block has a number,
-    by which the helper knows it; a block that could not be shared (no descriptor
-    left) is private memory, and its cache stays in the model's half.
+    by which the helper knows it; a block that could not be shared (MAX_SHARED_BLOCKS
+    are, or no descriptor is left) is private memory, and its cache stays in the model's half.
     """
 
     def __init__(self, helper: Helper):
@@ -69,6 +73,8 @@ class SharedBlocks:
     def allocate(self, n_values: int) -> np.ndarray:
         """n_values float32 zeros, in a new memfd the helper is told to map."""
         size = 4 * max(1, n_values)
+        if len(self._numbers) >= MAX_SHARED_BLOCKS:
+            return private_zeros(n_values)
         try:
             fd = os.memfd_create("lmsp-kv")
         except OSError:
