@@ -32,7 +32,8 @@ sequence's floats are the plain forward's over the rows of its half, as they wou
 in a smaller batch. When the helper dies or is killed mid-step (helper.py
 `Helper.step_beside`), the model computes its half itself: nobody writes those caches
 any more. Only decode steps are halved (a prompt's chunk would leave one side idle);
-the others share tiles as before. The constants are in engine/tuning.py.
+the others share tiles as before. The helper's side is helper.py's `HelperSteps`; the
+constants are in engine/tuning.py.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from engine import architectures, tuning
-from engine.architectures import Batch, Hyperparameters, StepAbandoned, Weights
-from engine.kv_cache import KVCache, Sequence, private_zeros
+from engine.architectures import Batch, Hyperparameters, Weights
+from engine.kv_cache import private_zeros
 
 if TYPE_CHECKING:
     from .helper import Helper
@@ -179,42 +180,3 @@ class Halves:
         for seq, span in zip(batch.sequences, batch.spans):
             seq.cache.length += span.stop - span.start
         return self.helper.states[: len(batch.output_rows)].copy()
-
-
-class TheirHalf:
-    """The helper process's side: the caches' blocks it maps, and the steps of its sequences."""
-
-    def __init__(self, hp: Hyperparameters, weights: Weights, states: np.ndarray,
-                 abandoned: Callable[[], bool]):
-        self.hp = hp
-        self.weights = weights
-        self.states = states          # (HALVES_MAX_ROWS, d) shared with the model's process
-        self.abandoned = abandoned    # whether the model's half was abandoned (ask between layers)
-        self.blocks: dict[int, np.ndarray] = {}
-
-    def map(self, number: int, fd: int, size: int) -> None:
-        try:
-            self.blocks[number] = np.frombuffer(mmap.mmap(fd, size), np.float32)
-        finally:
-            os.close(fd)
-
-    def forget(self, number: int) -> None:
-        self.blocks.pop(number, None)  # (its memory goes once the model's process lets it go too)
-
-    def step(self, spec: dict) -> None:
-        """Run the layers over the sequences the spec names, their final states into the shared area."""
-        hp = self.hp
-        caches = []
-        for number, capacity, start in spec["caches"]:
-            block = self.blocks[number]
-            cache = KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, capacity, capacity,
-                            allocate=lambda n_values, block=block: block[:n_values])
-            cache.length = start
-            caches.append(Sequence([], cache))
-        batch = Batch(caches, [start for _, _, start in spec["caches"]],
-                      [slice(a, b) for a, b in spec["spans"]], spec["tokens"], spec["positions"], spec["wanted"])
-        try:
-            x = architectures.hidden_states(hp, self.weights, batch, all_rows=False, abandon=self.abandoned)
-        except StepAbandoned:
-            return
-        self.states[: len(x)] = x

@@ -35,7 +35,8 @@ The helper exits when its command pipe closes: `close()`, the model dropped, or 
 process ended, however it ended. The constants are in engine/tuning.py's table.
 
 A decoder's helper also steps some of the sequences of a big decode batch whole, over
-KV caches both processes map (`step_beside`): that is halves.py, the next to read.
+KV caches both processes map (`step_beside`, and `HelperSteps` in the helper): halves.py,
+the next to read, says how.
 A cache's memfd goes to the helper on a socket, beside the command that names it.
 """
 
@@ -58,11 +59,11 @@ from typing import Callable
 
 import numpy as np
 
-from engine import tuning
-from engine.architectures import Hyperparameters, Weights
+from engine import architectures, tuning
+from engine.architectures import Batch, Hyperparameters, StepAbandoned, Weights
+from engine.kv_cache import KVCache, Sequence
 from engine.quants import QuantWeight, scratch
 
-from .halves import TheirHalf
 
 # the commands on the pipe: a kind and four numbers, which say
 _COMMAND = struct.Struct("<c4q")
@@ -537,7 +538,7 @@ def _serve(spec: dict) -> None:
             os.write(answers, _DONE)
 
 
-def _their_half(model: tuple[bytes, int, int], array: Callable, claims: np.ndarray) -> TheirHalf:
+def _their_half(model: tuple[bytes, int, int], array: Callable, claims: np.ndarray) -> HelperSteps:
     """The helper's side of halved steps (halves.py): the model's weights unpickled over the
     shared memory (`array` maps a place), and the area of the final states mapped."""
     pickled, states_fd, states_size = model
@@ -545,7 +546,7 @@ def _their_half(model: tuple[bytes, int, int], array: Callable, claims: np.ndarr
     unpickler.persistent_load = array
     hp, plain = unpickler.load()
     states = _map_states(states_fd, states_size, plain.output.shape[1])
-    return TheirHalf(hp, plain, states, lambda: bool(claims[_ABANDON]))
+    return HelperSteps(hp, plain, states, lambda: bool(claims[_ABANDON]))
 
 
 def _helper_tiles(w: QuantWeight, x: np.ndarray, y: np.ndarray, b0: int, b1: int,
@@ -575,6 +576,46 @@ def _helper_tiles(w: QuantWeight, x: np.ndarray, y: np.ndarray, b0: int, b1: int
                 np.matmul(xg, ready[: tile.size].reshape(n_groups, w.group, rows), out=partials[j])
         w._scale_and_sum(partials[:m], y, s0)
     return b1
+
+
+class HelperSteps:
+    """The helper process's side of halved steps (halves.py): the KV caches' blocks it maps,
+    and the steps of its sequences."""
+
+    def __init__(self, hp: Hyperparameters, weights: Weights, states: np.ndarray,
+                 abandoned: Callable[[], bool]):
+        self.hp = hp
+        self.weights = weights
+        self.states = states          # (HALVES_MAX_ROWS, d) shared with the model's process
+        self.abandoned = abandoned    # whether the model's half was abandoned (ask between layers)
+        self.blocks: dict[int, np.ndarray] = {}
+
+    def map(self, number: int, fd: int, size: int) -> None:
+        try:
+            self.blocks[number] = np.frombuffer(mmap.mmap(fd, size), np.float32)
+        finally:
+            os.close(fd)
+
+    def forget(self, number: int) -> None:
+        self.blocks.pop(number, None)  # (its memory goes once the model's process lets it go too)
+
+    def step(self, spec: dict) -> None:
+        """Run the layers over the sequences the spec names, their final states into the shared area."""
+        hp = self.hp
+        caches = []
+        for number, capacity, start in spec["caches"]:
+            block = self.blocks[number]
+            cache = KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, capacity, capacity,
+                            allocate=lambda n_values, block=block: block[:n_values])
+            cache.length = start
+            caches.append(Sequence([], cache))
+        batch = Batch(caches, [start for _, _, start in spec["caches"]],
+                      [slice(a, b) for a, b in spec["spans"]], spec["tokens"], spec["positions"], spec["wanted"])
+        try:
+            x = architectures.hidden_states(hp, self.weights, batch, all_rows=False, abandon=self.abandoned)
+        except StepAbandoned:
+            return
+        self.states[: len(x)] = x
 
 
 class _ConvertAhead:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import tuning
-from engine.quants import DenseWeight, QuantWeight, Weight
+from engine.quants import QuantWeight, Weight
 
 from .helper import Helper
 from .threads import WorkerPool
