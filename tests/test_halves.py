@@ -168,3 +168,28 @@ def test_caches_past_the_shared_blocks_bound_are_private_and_stepped_by_the_mode
     assert_same_decoding(halved, greedy_steps(plain_model))
     seqs = [halving_model.new_sequence(p) for p in prompts()]
     assert sum(blocks.number(seq.cache.storage) is not None for seq in seqs) == N_SEQUENCES // 2
+
+
+@needs_memfd
+def test_a_block_freed_in_the_middle_of_a_command_is_forgotten_after_it(halving_model, plain_model, monkeypatch):
+    """A finalizer may run between two parts of a long write, on the writing thread: its
+    command must not cut the other in two."""
+    from engine.accel import helper as helper_module
+
+    helper = halving_model.accel.helper
+    dropped = halving_model.new_sequence([1, 2, 3])
+    number = halving_model.accel.halves.blocks.number(dropped.cache.storage)
+    write_all = helper_module._write_all
+    cut = []
+
+    def write_in_two_parts(fd, data):
+        if cut:
+            return write_all(fd, data)
+        cut.append(len(data))
+        write_all(fd, data[: len(data) // 2])
+        helper.forget_block(number)  # what the block's finalizer sends
+        write_all(fd, data[len(data) // 2:])
+
+    monkeypatch.setattr(helper_module, "_write_all", write_in_two_parts)
+    assert_same_decoding(greedy_steps(halving_model, steps=2), greedy_steps(plain_model, steps=2))
+    assert cut and helper.alive and halving_model.accel.halves.halved >= 2

@@ -215,7 +215,9 @@ class Helper:
         self._owed_since: float | None = None  # when the command it has not answered yet was sent
         self._state = "starting"
         self._lock = threading.Lock()        # one command at a time (close() waits for it)
-        self._send_lock = threading.RLock()  # one message at a time (a block freed while sending)
+        self._send_lock = threading.RLock()  # one command at a time (a block freed while sending: below)
+        self._writing = False                # a command is being written (by the lock's holder)
+        self._deferred: list[bytes] = []     # commands to write after it
         self._finalizer = weakref.finalize(self, _stop, self.process, self._descriptors, self._cmd, self._answers)
 
     @property
@@ -352,13 +354,25 @@ class Helper:
             self._send(_COMMAND.pack(_FORGET, number, 0, 0, 0))
 
     def _send(self, command: bytes, fd: int | None = None) -> bool:
-        """Send a command (and before it, a descriptor it refers to); False if the helper is gone."""
+        """Send a command (and before it, a descriptor it refers to); False if the helper is gone.
+
+        A block's finalizer may run on this very thread between two parts of a long
+        write: its command then waits for the end of that one, not to cut it in two.
+        """
         try:
             with self._send_lock:
-                if fd is not None:
-                    socket.send_fds(self._descriptors, [b"k"], [fd])
-                while command:
-                    command = command[os.write(self._cmd, command):]
+                if self._writing:
+                    self._deferred.append(command)
+                    return True
+                self._writing = True
+                try:
+                    if fd is not None:
+                        socket.send_fds(self._descriptors, [b"k"], [fd])
+                    _write_all(self._cmd, command)
+                    while self._deferred:
+                        _write_all(self._cmd, self._deferred.pop(0))
+                finally:
+                    self._writing = False
             return True
         except OSError:  # its end is closed (it died), or it read no descriptor for HELPER_TIMEOUT
             self._give_up()
@@ -702,6 +716,12 @@ def _poll(fd: int, spin: float, timeout: float | None) -> bool:
         if select.select([fd], [], [], 0)[0]:
             return True
     return bool(select.select([fd], [], [], timeout)[0])
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of data to a pipe (a write may take only part of a long one)."""
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _read_exactly(fd: int, size: int) -> bytes | None:
