@@ -19,7 +19,7 @@ place of architectures.forward):
     makes room in every cache
     picks the helper's sequences: from the
       end of the batch, its share of the rows
-    their part of the batch -> socket ->          the same Batch over its mappings
+    their part of the batch -> pipe ->            the same Batch over its mappings
     runs the layers over its own part             runs the layers over its part, the
       (the plain weights: one core)                 final states into the shared area
     waits for the answer                 <-       writes one byte
@@ -42,7 +42,7 @@ import itertools
 import mmap
 import os
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -50,8 +50,7 @@ from engine import architectures, tuning
 from engine.architectures import Batch, Hyperparameters, Weights
 from engine.kv_cache import private_zeros
 
-if TYPE_CHECKING:
-    from .helper import Helper
+from .helper import Helper
 
 # blocks shared at once, at most: each holds a descriptor in both processes (a mapping
 # keeps its own), which a server's connections need too; past it a cache is private
