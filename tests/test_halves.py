@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -193,3 +194,29 @@ def test_a_block_freed_in_the_middle_of_a_command_is_forgotten_after_it(halving_
     monkeypatch.setattr(helper_module, "_write_all", write_in_two_parts)
     assert_same_decoding(greedy_steps(halving_model, steps=2), greedy_steps(plain_model, steps=2))
     assert cut and helper.alive and halving_model.accel.halves.halved >= 2
+
+
+@needs_memfd
+def test_a_helper_late_in_a_halved_step_is_not_waited_for_and_is_back_after_its_rest(halving_model, plain_model):
+    """A helper whose core is taken (stopped, here) is given as long again as our half took:
+    the model then computes its half itself, over copies of the caches it may still write."""
+    helper, halves = halving_model.accel.helper, halving_model.accel.halves
+    seqs = [halving_model.new_sequence(p) for p in prompts()]
+    plain_seqs = [plain_model.new_sequence(p) for p in prompts()]
+    os.kill(helper.process.pid, signal.SIGSTOP)
+    try:
+        out = halving_model.step(seqs)
+    finally:
+        os.kill(helper.process.pid, signal.SIGCONT)
+    assert halves.halved == 1 and helper.alive  # sent, not waited for, not killed
+    plain = plain_model.step(plain_seqs)
+    assert_same_decoding([np.concatenate(out)], [np.concatenate(plain)])
+    for _ in range(200):  # steps until it is back: its late answer read, its rest over
+        for seq, plain_seq, logits in zip(seqs, plain_seqs, plain):
+            seq.append(int(np.argmax(logits[-1])))
+            plain_seq.append(int(np.argmax(logits[-1])))
+        out, plain = halving_model.step(seqs), plain_model.step(plain_seqs)
+        assert_same_decoding([np.concatenate(out)], [np.concatenate(plain)])
+        if halves.halved > 1:
+            break
+    assert halves.halved > 1 and helper.alive

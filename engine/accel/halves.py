@@ -29,9 +29,9 @@ place of architectures.forward):
 The share follows what happens, as the tiles' share does: when the helper's answer is
 there as the model's half ends, it gets more rows next time, otherwise fewer. A
 sequence's floats are the plain forward's over the rows of its half, as they would be
-in a smaller batch. When the helper dies or is killed mid-step (helper.py
-`Helper.step_beside`), the model computes its half itself: nobody writes those caches
-any more. Only decode steps are halved (a prompt's chunk would leave one side idle);
+in a smaller batch. When the helper dies mid-step, or is late (it gets as long again
+as the model's half took: helper.py `Helper.step_beside`), the model computes its half
+itself, over copies of its sequences' caches, which a late helper may still write. Only decode steps are halved (a prompt's chunk would leave one side idle);
 the others share tiles as before. The helper's side is helper.py's `HelperSteps`; the
 constants are in engine/tuning.py.
 """
@@ -130,7 +130,9 @@ class Halves:
         self._follow(early)
         if answered:
             their_x = self._their_states(their_batch)             # (m_theirs, d)
-        else:  # it died or was killed: its half here (to the end: our half's caches have advanced)
+        else:  # dead or late: its half here (to the end: our half's caches have advanced), over
+            for seq in their_batch.sequences:  # copies of its caches, which a late helper may still write
+                seq.cache = seq.cache.copy_prefix(seq.cache.length)
             their_x = architectures.hidden_states(hp, weights, their_batch, all_rows=False)
         states = [None] * len(batch.sequences)  # each sequence's final states, in the batch's order
         for i, x in zip(own + theirs, architectures.per_sequence(own_batch, own_x)

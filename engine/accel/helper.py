@@ -309,10 +309,12 @@ class Helper:
         answered, and whether its answer was there as own ended; None when the helper
         is busy, resting or gone (nothing was sent).
 
-        Not answered means the helper is dead: it is killed when it has not answered
-        within HELPER_TIMEOUT, so that nobody writes its sequences' caches any more.
-        When own raises (StepAbandoned included), the helper is told to stop at its
-        next layer and is waited for, all the same, before the exception goes on.
+        The helper gets as long again as own took. Not answered then, it is dead, or
+        late (its core is likely taken): a late one is told to stop at its next layer,
+        owes the answer (`_idle` reads it later, or kills it after HELPER_TIMEOUT), may
+        still write its sequences' caches meanwhile, and the model rests from it. When
+        own raises (StepAbandoned included), the helper is told to stop at its next
+        layer and is waited for (up to HELPER_TIMEOUT) before the exception goes on.
         """
         with self._lock:
             if not self._idle():
@@ -327,21 +329,16 @@ class Helper:
                 result = own()
             except BaseException:
                 self.claims[_ABANDON] = 1
-                self._step_answered()
+                if not (_poll(self._answers, tuning.SPIN_SECONDS, tuning.HELPER_TIMEOUT) and self._read_answer()):
+                    self._give_up()
                 raise
             own_seconds = time.perf_counter() - sent_at
             early = bool(select.select([self._answers], [], [], 0)[0])
-            answered = self._step_answered()
-            if answered and time.perf_counter() - sent_at > 2 * own_seconds:  # its core is likely taken
-                self.rests.behind(time.perf_counter())
-            return result, answered, early
-
-    def _step_answered(self) -> bool:
-        """Wait for the answer to a step, up to HELPER_TIMEOUT; kill a helper that does not give it."""
-        if _poll(self._answers, tuning.SPIN_SECONDS, tuning.HELPER_TIMEOUT) and self._read_answer():
-            return True
-        self._give_up()
-        return False
+            if _poll(self._answers, tuning.SPIN_SECONDS, own_seconds):
+                return result, self._read_answer(), early
+            self.claims[_ABANDON] = 1
+            self.rests.behind(time.perf_counter())
+            return result, False, False
 
     def map_block(self, number: int, fd: int, size: int) -> None:
         """Have the helper map a KV cache's block (memfd fd, size bytes), known by its number."""
