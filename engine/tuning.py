@@ -115,3 +115,5 @@ HALVES_MIN_SEQUENCES = 12    # a decode step of this many sequences or more is h
 HALVES_MAX_ROWS = 2 * DECODE_MAX_ROWS  # ... of at most this many rows (drafts included): both halves decode
 HALVES_SHARE = 0.5           # the helper's first share of a step's rows; it then follows how early it answers ...
 HALVES_SHARE_STEP = 0.02     # ... moving by this much a step (a row of 50), within SHARE_BOUNDS
+HALVES_GRACE_MIN = 0.005     # seconds a halved step waits for the helper after our half, at least (else as long
+                             # as our half took): waking a process on a VM can take a millisecond and more

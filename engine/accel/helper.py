@@ -309,12 +309,13 @@ class Helper:
         answered, and whether its answer was there as own ended; None when the helper
         is busy, resting or gone (nothing was sent).
 
-        The helper gets as long again as own took. Not answered then, it is dead, or
-        late (its core is likely taken): a late one is told to stop at its next layer,
-        owes the answer (`_idle` reads it later, or kills it after HELPER_TIMEOUT), may
-        still write its sequences' caches meanwhile, and the model rests from it. When
-        own raises (StepAbandoned included), the helper is told to stop at its next
-        layer and is waited for (up to HELPER_TIMEOUT) before the exception goes on.
+        The helper gets as long again as own took (HALVES_GRACE_MIN at least). Not
+        answered then, it is dead, or late (its core is likely taken): a late one is
+        told to stop at its next layer, owes the answer (`_idle` reads it later, or
+        kills it after HELPER_TIMEOUT), may still write its sequences' caches meanwhile,
+        and the model rests from it. When own raises (StepAbandoned included), the
+        helper is told to stop at its next layer and is waited for (up to
+        HELPER_TIMEOUT) before the exception goes on.
         """
         with self._lock:
             if not self._idle():
@@ -334,7 +335,7 @@ class Helper:
                 raise
             own_seconds = time.perf_counter() - sent_at
             early = bool(select.select([self._answers], [], [], 0)[0])
-            if _poll(self._answers, tuning.SPIN_SECONDS, own_seconds):
+            if _poll(self._answers, tuning.SPIN_SECONDS, max(own_seconds, tuning.HALVES_GRACE_MIN)):
                 return result, self._read_answer(), early
             self.claims[_ABANDON] = 1
             self.rests.behind(time.perf_counter())
