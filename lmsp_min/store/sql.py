@@ -289,8 +289,9 @@ class SQLStore(Store):
     async def interrupted_tasks(self, running: Callable[[str], bool] = lambda task_id: False
                                 ) -> list[tuple[TaskRow, list[LoggedEvent]]]:
         def select(conn: Any) -> list[tuple[TaskRow, list[LoggedEvent]]]:
+            # oldest first: created_at counts seconds, and a task's id grows with its creation
             rows = conn.execute("SELECT id, owner FROM tasks WHERE status IN ('queued', 'in_progress')"
-                                " ORDER BY created_at").fetchall()
+                                " ORDER BY created_at, id").fetchall()
             ended = self._gone_among(conn, {owner for _, owner in rows} - {self.owner}) | {self.owner}
             return [(_select_task(conn, task_id, None), _select_events(conn, task_id, 0))
                     for task_id, owner in rows if owner in ended and not running(task_id)]
