@@ -47,8 +47,8 @@ class KVCache:
         """A zeroed block for `capacity` positions, and its keys and values (all keys first)."""
         shape_k = (self.n_layer, self.n_head_kv, capacity, self.head_dim_k)
         shape_v = (self.n_layer, self.n_head_kv, capacity, self.head_dim_v)
-        storage = self.allocate(math.prod(shape_k) + math.prod(shape_v))
         n_k = math.prod(shape_k)
+        storage = self.allocate(n_k + math.prod(shape_v))
         return storage, storage[:n_k].reshape(shape_k), storage[n_k:].reshape(shape_v)
 
     @property

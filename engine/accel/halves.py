@@ -72,9 +72,9 @@ class SharedBlocks:
 
     def allocate(self, n_values: int) -> np.ndarray:
         """n_values float32 zeros, in a new memfd the helper is told to map."""
-        size = 4 * max(1, n_values)
         if len(self._numbers) >= MAX_SHARED_BLOCKS:
             return private_zeros(n_values)
+        size = 4 * max(1, n_values)
         try:
             fd = os.memfd_create("lmsp-kv")
         except OSError:
