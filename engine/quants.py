@@ -243,15 +243,18 @@ class QuantWeight(Weight):
         return np.empty((n, self.n_tiles * self.tile_rows), np.float32)
 
     def _prefill_tiles(self, x: np.ndarray, y: np.ndarray, b0: int, b1: int) -> None:
-        """y[:, tiles b0:b1] = x @ W[those rows].T: dequantize a few tiles at once, one GEMM."""
+        """y[:, tiles b0:b1] = x @ W[those rows].T: each tile dequantized, then one GEMM over it.
+
+        One GEMM a tile, never one over several: BLAS picks its kernels by a product's
+        shape, and a column's sum may come out another way in a wider one (OpenBLAS's
+        Haswell kernels on a Zen 5 did), so a tile's floats would depend on the tiles
+        computed beside it, which is how the threads share the work out.
+        """
         n_in, rows = self.shape[1], self.tile_rows
-        step = max(1, tuning.PREFILL_TILE_VALUES // (n_in * rows))  # tiles per GEMM
-        buf = scratch("prefill", (n_in * rows * min(step, b1 - b0),))
-        for c0 in range(b0, b1, step):
-            c1 = min(c0 + step, b1)
-            r0, r1 = c0 * rows, c1 * rows
-            w = buf[: n_in * (r1 - r0)].reshape(n_in, r1 - r0)  # (in, rows): W[r0:r1].T
-            np.copyto(w.reshape(n_in, c1 - c0, rows), self.codes[c0:c1].transpose(1, 0, 2))
+        w = scratch("prefill", (n_in, rows))  # (in, rows): one tile of W.T, as float32
+        for b in range(b0, b1):
+            r0, r1 = b * rows, (b + 1) * rows
+            np.copyto(w, self.codes[b])
             self._scale(w, slice(r0, r1))
             np.matmul(x, w, out=y[:, r0:r1])
 

@@ -21,7 +21,8 @@ TILE_VALUES = 1 << 19          # values of a stored tile (512 KiB of codes, 2 Mi
                                # codes faster in long runs, and a matrix needs enough tiles to be shared out
 PARTIAL_VALUES = 1 << 16       # the decode kernel scales and sums the partial sums of as many tiles at once as
                                # fit in this many values (256 KiB), or one: they stay in L2 until read back
-PREFILL_TILE_VALUES = 1 << 20  # prefill dequantizes up to this many values for one GEMM (BLAS blocks it for the caches)
+PREFILL_TILE_VALUES = 1 << 20  # prefill converts up to this many values of a dense (F16, BF16) weight for one
+                               # GEMM (BLAS blocks it for the caches); a quantized one's GEMMs are its tiles
 DECODE_MAX_ROWS = 32           # up to this many rows of x the decode kernel runs, above it dequantize-and-GEMM:
                                # the two cost about the same near 48 rows, and 32 stays where decode surely wins
 UNPACK_ROWS = 1024             # rows of a tensor unpacked at once at load, bounding the temporaries of a large one
