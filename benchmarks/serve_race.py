@@ -28,6 +28,12 @@ tokens (new each turn, so no cache holds it) gives the time to its first token.
 Without `--llama-server` only lmsp-min runs (its figures, no ratios). The
 machine is shared: the ratios of one run, taken in turns, are the figures; the
 tok/s alone are not. docs/benchmarks.md says how to build llama-server.
+
+The servers inherit this process's environment. The run ends by printing lmsp-min's
+`compute:` line, whose BLAS kernels decide its speed at many streams: a machine that sets
+OPENBLAS_CORETYPE for an older OpenBLAS may hold numpy's to kernels below the CPU (the line
+says so), which `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.serve_race ...`
+lifts.
 """
 
 from __future__ import annotations
@@ -228,6 +234,12 @@ async def cold_turn(port: int, tag: str) -> dict:
     return {"cold_ttft": (result["times"] or [None])[0]}
 
 
+def compute_line(log: Path) -> str | None:
+    """The `compute:` line of lmsp-min's start-up log (its threads and BLAS kernels), or None."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((line.strip() for line in lines if line.strip().startswith("compute:")), None)
+
+
 async def wait_ready(server: Server) -> None:
     """Until a first chat is answered (the model loaded), or the process died."""
     with trio.fail_after(READY_SECONDS):
@@ -304,6 +316,7 @@ def main() -> None:
     MODEL_ID["id"] = model_id_for(path)
     levels = [int(n) for n in args.streams.split(",")]
     turns: dict = {}
+    compute = None  # what lmsp-min says it computes with: the BLAS kernels decide many streams' speed
     with tempfile.TemporaryDirectory() as tmp:
         for n in levels:
             home = Path(tmp) / str(n)
@@ -316,15 +329,17 @@ def main() -> None:
             finally:
                 for server in servers:
                     server.stop()
+            compute = compute or compute_line(home / "lmsp-min.log")
     rows = summary(turns, levels)
+    print(f"\nlmsp-min {compute or 'named no compute line'}")
     print(f"\n{'figure':<18} {'lmsp-min':>10} {'llama-server':>13} {'ratio':>7}  (ratio > 1: lmsp-min ahead)")
     for row in rows:
         theirs = row.get("llama_server")
         print(f"{row['name']:<18} {row['lmsp_min'] or float('nan'):>10.3f} "
               f"{theirs if theirs is not None else float('nan'):>13.3f} {row.get('ratio', float('nan')):>7.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "turns": {f"{n} {name}": t for (n, name), t in turns.items()}},
-                                        indent=1))
+        by_turn = {f"{n} {name}": t for (n, name), t in turns.items()}
+        args.json.write_text(json.dumps({"rows": rows, "lmsp_min_compute": compute, "turns": by_turn}, indent=1))
 
 
 if __name__ == "__main__":

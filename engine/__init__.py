@@ -8,8 +8,9 @@ The names below are imported on first use (PEP 562), not by `import engine`: the
 protocol package reads model headers with `engine.gguf_header` and
 `engine.describe`, and exchanges the plain values of `engine.api` and the errors of
 `engine.errors`, which need only the standard library; it must not pull numpy in by
-importing this package on the way. (`blas_kernel` and `num_threads`, which a server
-prints at start-up, bring numpy with them, when they are first used.)
+importing this package on the way. (`blas_kernel`, `blas_kernel_below_cpu` and
+`num_threads`, which a server prints at start-up, bring numpy with them, when they are
+first used.)
 
 Next: README.md's reading order (engine/reference.py first); engine/api.py is the
 contract with the server.
@@ -28,7 +29,7 @@ _DEFINED_IN = {
     "Generation": "generate", "Token": "generate",
     "Model": "model", "ModelInfo": "model", "load_model": "model",
     "Constraint": "sampling",
-    "blas_kernel": "accel", "num_threads": "accel",
+    "blas_kernel": "accel", "blas_kernel_below_cpu": "accel", "num_threads": "accel",
 }
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
     "ChatRequest", "PreparedChat", "TokenCounts", "TextDelta", "ReasoningDelta", "ToolCall",
     "Finished", "EngineError", "ModelFileError", "UnsupportedModelError",
     "ContextLengthExceeded", "SchemaError", "QueueFull", "ChatTemplateError",
-    "blas_kernel", "num_threads",
+    "blas_kernel", "blas_kernel_below_cpu", "num_threads",
 ]
 
 
@@ -54,7 +55,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
-    from .accel import blas_kernel, num_threads
+    from .accel import blas_kernel, blas_kernel_below_cpu, num_threads
     from .api import (ChatRequest, Finished, PreparedChat, ReasoningDelta, SamplingParams, TextDelta,
                       TokenCounts, ToolCall)
     from .errors import (ChatTemplateError, ContextLengthExceeded, EngineError, ModelFileError,

@@ -334,4 +334,7 @@ def _compute() -> str:
     blas = f"OpenBLAS with its {kernel} kernels" if kernel else "not OpenBLAS"
     if kernel and os.environ.get("OPENBLAS_CORETYPE"):
         blas += f", as OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']} asks"
+        if engine.blas_kernel_below_cpu():  # (set for an older OpenBLAS, it holds this one back)
+            blas += (" (without the AVX-512 this CPU has: many streams decode up to 1.6x slower;"
+                     " unset it unless this OpenBLAS needs it, docs/serving.md)")
     return f"{engine.num_threads()} threads; numpy's BLAS: {blas}"

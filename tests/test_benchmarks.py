@@ -120,7 +120,8 @@ def test_the_storm_runs_against_a_served_model(tmp_path):
 
 def test_the_serve_race_runs_against_a_served_model(tmp_path):
     """benchmarks/serve_race.py without llama-server: lmsp-min's figures at 1 and 9 streams
-    (the burst too), on the tiny model, served with a flag given after `--`."""
+    (the burst too), on the tiny model, served with a flag given after `--`, and what it
+    computed with."""
     from tiny import write_tiny_chat_model
 
     path = write_tiny_chat_model(tmp_path / "tiny-chat-q8_0.gguf")
@@ -129,7 +130,9 @@ def test_the_serve_race_runs_against_a_served_model(tmp_path):
                            "--rounds", "1", "--tokens", "24", "--json", str(out), "--", "--no-speculate"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    result = json.loads(out.read_text())
+    rows = {row["name"]: row for row in result["rows"]}
     assert rows["tok_s@1"]["lmsp_min"] > 0 and rows["tok_s@9"]["lmsp_min"] > 0
     assert rows["ttft_p95@9"]["lmsp_min"] >= rows["ttft_p50@9"]["lmsp_min"] > 0
     assert "cold_ttft@1" in rows and "idle_gap_p50@9" in rows
+    assert result["lmsp_min_compute"].startswith("compute: ") and "numpy's BLAS" in result["lmsp_min_compute"]

@@ -320,6 +320,29 @@ def test_blas_kernel_names_the_kernels_openblas_runs():
         assert kernel.lower() == os.environ["OPENBLAS_CORETYPE"].lower()
 
 
+def _cpu_flags_from_cpuinfo() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+@pytest.mark.skipif("avx2" not in _cpu_flags_from_cpuinfo(), reason="Haswell's kernels need AVX2")
+def test_kernels_an_environment_holds_below_the_cpu_are_told_from_those_openblas_picks():
+    """OPENBLAS_CORETYPE=Haswell holds OpenBLAS to AVX2 kernels: below the CPU exactly when
+    /proc/cpuinfo lists AVX-512; what OpenBLAS picks itself never is."""
+    code = "import engine; print(engine.blas_kernel(), engine.blas_kernel_below_cpu())"
+    base = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags_from_cpuinfo()
+    for extra, below in (({"OPENBLAS_CORETYPE": "Haswell"}, avx512), ({}, False)):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              env={**base, **extra}, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert done.returncode == 0, done.stderr
+        kernel, said = done.stdout.split()
+        assert said == str(below), (extra, kernel)
+
+
 def test_decode_floats_do_not_depend_on_how_the_tiles_are_shared(monkeypatch):
     """Threads, and the helper process with the tiles it gives back as it goes, share a
     decode matmul's tiles out differently from call to call (through the plain kernel's

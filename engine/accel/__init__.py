@@ -36,12 +36,12 @@ from engine.quants import DenseWeight, QuantWeight, StackedWeight, Weight
 from . import helper as _helper
 from .halves import Halves
 from .helper import Helper
-from .threads import (WorkerPool, blas_kernel, num_threads, parallel_for, release_freed_memory,
-                      single_threaded_blas)
+from .threads import (WorkerPool, blas_kernel, blas_kernel_below_cpu, num_threads, parallel_for,
+                      release_freed_memory, single_threaded_blas)
 from .weights import Accelerated, SplitRows, SplitTiles
 
 __all__ = ["install", "Accelerator", "Accelerated", "quantized_matrices", "num_threads", "blas_kernel",
-           "single_threaded_blas", "parallel_for", "release_freed_memory", "WorkerPool", "Helper"]
+           "blas_kernel_below_cpu", "single_threaded_blas", "parallel_for", "release_freed_memory", "WorkerPool", "Helper"]
 
 
 class Accelerator:

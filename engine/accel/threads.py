@@ -183,6 +183,31 @@ def blas_kernel() -> str | None:
     return None
 
 
+# OpenBLAS's kernels that use AVX-512 (the names `blas_kernel` gives, in lower case)
+AVX512_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})  # what they need of the CPU
+
+
+def blas_kernel_below_cpu() -> bool:
+    """Whether OpenBLAS runs kernels without AVX-512 on a CPU that has it, as an
+    OPENBLAS_CORETYPE set for an older OpenBLAS makes it do (Haswell on a Zen 5: the
+    decode kernel's products up to 1.6x slower, docs/performance.md). Linux only: elsewhere False."""
+    kernel = blas_kernel()
+    return bool(kernel) and kernel.lower() not in AVX512_KERNELS and AVX512_FLAGS <= _cpu_flags()
+
+
+def _cpu_flags() -> set[str]:
+    """The first CPU's feature flags, from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
 def _libc_malloc_trim():
     """glibc's malloc_trim, where the C library has one (not musl, not macOS)."""
     try:
