@@ -24,7 +24,7 @@ F16_FIELDS = {
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
 }
 N_OUT, N_IN = 48, 512
-
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, where `engine` imports from
 
 def random_raw(qtype: T, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
     """Random valid data of a format: random bytes for every code and sub-block scale,
@@ -306,7 +306,7 @@ def test_import_leaves_blas_alone_and_loading_a_model_keeps_it_to_one_thread(tmp
             "engine.load_model(sys.argv[1]); print(before == imported, blas())\n")
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split(None, 1) == ["True", "[1]\n"]
 
@@ -337,7 +337,7 @@ def test_kernels_an_environment_holds_below_the_cpu_are_told_from_those_openblas
     avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags_from_cpuinfo()
     for extra, below in (({"OPENBLAS_CORETYPE": "Haswell"}, avx512), ({}, False)):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                              env={**base, **extra}, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                              env={**base, **extra}, cwd=ROOT)
         assert done.returncode == 0, done.stderr
         kernel, said = done.stdout.split()
         assert said == str(below), (extra, kernel)

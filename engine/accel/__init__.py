@@ -41,7 +41,8 @@ from .threads import (WorkerPool, blas_kernel, blas_kernel_below_cpu, num_thread
 from .weights import Accelerated, SplitRows, SplitTiles
 
 __all__ = ["install", "Accelerator", "Accelerated", "quantized_matrices", "num_threads", "blas_kernel",
-           "blas_kernel_below_cpu", "single_threaded_blas", "parallel_for", "release_freed_memory", "WorkerPool", "Helper"]
+           "blas_kernel_below_cpu", "single_threaded_blas", "parallel_for", "release_freed_memory",
+           "WorkerPool", "Helper"]
 
 
 class Accelerator:

@@ -31,9 +31,10 @@ there as the model's half ends, it gets more rows next time, otherwise fewer. A
 sequence's floats are the plain forward's over the rows of its half, as they would be
 in a smaller batch. When the helper dies mid-step, or is late (it gets as long again
 as the model's half took: helper.py `Helper.step_beside`), the model computes its half
-itself, over copies of its sequences' caches, which a late helper may still write. Only decode steps are halved (a prompt's chunk would leave one side idle);
-the others share tiles as before. The helper's side is helper.py's `HelperSteps`; the
-constants are in engine/tuning.py.
+itself, over copies of its sequences' caches, which a late helper may still write.
+Only decode steps are halved (a prompt's chunk would leave one side idle); the others
+share tiles as before. The helper's side is helper.py's `HelperSteps`; the constants
+are in engine/tuning.py.
 """
 
 from __future__ import annotations
