@@ -188,6 +188,22 @@ def test_a_rest_after_a_late_answer_doubles_when_the_helper_is_late_again_soon_a
     assert rests.rest == rest
 
 
+def test_a_helper_late_now_and_then_rests_briefly_however_long_its_last_rest():
+    """A VM stalls a core every few hundred milliseconds anyway: a late answer that long
+    after the end of a rest, even of the longest one, starts from a short rest again."""
+    rests = Rests()
+    now = 0.0
+    for _ in range(40):  # late at once after each rest: the rest grows to the most
+        rests.answered(now)
+        rests.late(sent_at=now, now=now)
+        now += rests.rest
+    assert rests.rest == tuning.HELPER_REST_MAX
+    now += 0.3  # late again 0.3 s after the rest ended, a shorter time than the rest
+    rests.answered(now)
+    rests.late(sent_at=now, now=now)
+    assert rests.rest == tuning.HELPER_REST
+
+
 def test_a_helper_late_after_sleeping_does_not_rest_unless_it_is_late_again_at_once():
     """A helper without a command for ASLEEP_AFTER sleeps on its pipe and may take long to
     wake: late then says nothing of its core. Late again as soon as it is awake: its core

@@ -105,8 +105,11 @@ class Rests:
     A late helper's core is most likely held by another process, which may go on
     holding it: trying the helper at every matmul would then cost a grace and a redone
     share each time. So the model rests from it for HELPER_REST, twice as long each
-    time it is late again within two rests' length after its last one, up to
-    HELPER_REST_MAX. A helper that had no command for ASLEEP_AFTER sleeps on its pipe
+    time it is late again within HELPER_AGAIN_WITHIN of its rest's end, up to
+    HELPER_REST_MAX. The window is fixed, not as long as the rest: a VM stalls a core
+    now and then anyway, and a window that grew with the rest would, once it was
+    longer than between two such stalls, hold the rest at its most for good.
+    A helper that had no command for ASLEEP_AFTER sleeps on its pipe
     and may take long to wake (on a VM whose idle core went back to the host): late
     then says nothing of its core, so it is no reason to rest; but it counts as the
     last late answer, so that a helper late again at once rests longer.
@@ -136,7 +139,8 @@ class Rests:
         """The helper was late while awake (noticed at now): rest, longer if it was late
         again soon. A halved step's helper late by as long as our half is awake: waking
         takes a millisecond at most."""
-        again = now - max(self.late_at, self.asleep_late_at) < 2 * self.rest
+        since = now - max(self.late_at + self.rest, self.asleep_late_at)
+        again = since < tuning.HELPER_AGAIN_WITHIN
         self.rest = min(tuning.HELPER_REST_MAX, 2 * self.rest) if again else tuning.HELPER_REST
         self.late_at = now
 
