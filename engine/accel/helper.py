@@ -105,24 +105,28 @@ class Rests:
     A late helper's core is most likely held by another process, which may go on
     holding it: trying the helper at every matmul would then cost a grace and a redone
     share each time. So the model rests from it for HELPER_REST, twice as long each
-    time it is late again within HELPER_AGAIN_WITHIN of its rest's end, up to
-    HELPER_REST_MAX. The window is fixed, not as long as the rest: a VM stalls a core
-    now and then anyway, and a window that grew with the rest would, once it was
-    longer than between two such stalls, hold the rest at its most for good.
-    A helper that had no command for ASLEEP_AFTER sleeps on its pipe
-    and may take long to wake (on a VM whose idle core went back to the host): late
-    then says nothing of its core, so it is no reason to rest; but it counts as the
-    last late answer, so that a helper late again at once rests longer.
+    time it is late again while it has answered fewer than HELPER_AGAIN_ANSWERS
+    between two late answers, on average (halving the weight of the past at each), up
+    to HELPER_REST_MAX. Answers, not seconds: on a machine that also runs the clients,
+    their bursts take the helper's core now and then, and it pays to go on with it as
+    long as it helps many matmuls between two late ones; a core held for good makes it
+    late again within a few. A helper that had no command for ASLEEP_AFTER sleeps on
+    its pipe and may take long to wake (on a VM whose idle core went back to the
+    host): late then says nothing of its core, so it is no reason to rest; but it
+    counts as the last late answer, so that a helper late again at once rests longer.
     """
 
     def __init__(self) -> None:
         self.rest = 0.0                  # seconds of the current (or last) rest
         self.late_at = -math.inf         # when the helper was last late (awake)
-        self.asleep_late_at = -math.inf  # when it was last late after sleeping
+        self.answers_since_late = 0      # answers read since it was last late, awake or not
+        self.answers_between_lates = 2.0 * tuning.HELPER_AGAIN_ANSWERS  # their average (the first: on time)
         self.answer_read_at = -math.inf  # when its latest answer was read
 
     def answered(self, now: float) -> None:
         self.answer_read_at = now
+        # capped: an hour on time must not outweigh a held core's first late answers
+        self.answers_since_late = min(self.answers_since_late + 1, 4 * tuning.HELPER_AGAIN_ANSWERS)
 
     def asleep(self, sent_at: float) -> bool:
         """Whether a command sent at sent_at found the helper asleep."""
@@ -131,7 +135,7 @@ class Rests:
     def late(self, sent_at: float, now: float) -> None:
         """The answer to the command sent at sent_at was late (noticed at now)."""
         if self.asleep(sent_at):
-            self.asleep_late_at = now
+            self.answers_since_late = 0
             return
         self.behind(now)
 
@@ -139,10 +143,12 @@ class Rests:
         """The helper was late while awake (noticed at now): rest, longer if it was late
         again soon. A halved step's helper late by as long as our half is awake: waking
         takes a millisecond at most."""
-        since = now - max(self.late_at + self.rest, self.asleep_late_at)
-        again = since < tuning.HELPER_AGAIN_WITHIN
-        self.rest = min(tuning.HELPER_REST_MAX, 2 * self.rest) if again else tuning.HELPER_REST
+        self.answers_between_lates = (self.answers_between_lates + self.answers_since_late) / 2
+        again = self.answers_between_lates < tuning.HELPER_AGAIN_ANSWERS
+        doubled = min(tuning.HELPER_REST_MAX, max(tuning.HELPER_REST, 2 * self.rest))
+        self.rest = doubled if again else tuning.HELPER_REST
         self.late_at = now
+        self.answers_since_late = 0
 
     def resting(self, now: float) -> bool:
         return now < self.late_at + self.rest
