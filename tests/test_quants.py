@@ -26,6 +26,7 @@ F16_FIELDS = {
 N_OUT, N_IN = 48, 512
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, where `engine` imports from
 
+
 def random_raw(qtype: T, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
     """Random valid data of a format: random bytes for every code and sub-block scale,
     small finite float16 values for the block scales. uint8 (n_out, bytes_per_row),

@@ -120,7 +120,8 @@ class Rests:
         self.rest = 0.0                  # seconds of the current (or last) rest
         self.late_at = -math.inf         # when the helper was last late (awake)
         self.answers_since_late = 0      # answers read since it was last late, awake or not
-        self.answers_between_lates = 2.0 * tuning.HELPER_AGAIN_ANSWERS  # their average (the first: on time)
+        # their average, from twice the bound: a first late answer never doubles a rest
+        self.answers_between_lates = 2.0 * tuning.HELPER_AGAIN_ANSWERS
         self.answer_read_at = -math.inf  # when its latest answer was read
 
     def answered(self, now: float) -> None:
@@ -145,8 +146,7 @@ class Rests:
         takes a millisecond at most."""
         self.answers_between_lates = (self.answers_between_lates + self.answers_since_late) / 2
         again = self.answers_between_lates < tuning.HELPER_AGAIN_ANSWERS
-        doubled = min(tuning.HELPER_REST_MAX, max(tuning.HELPER_REST, 2 * self.rest))
-        self.rest = doubled if again else tuning.HELPER_REST
+        self.rest = min(tuning.HELPER_REST_MAX, 2 * self.rest) if again else tuning.HELPER_REST
         self.late_at = now
         self.answers_since_late = 0
 
